@@ -1,0 +1,45 @@
+"""Command line: ``python -m minidsa generate "prompt" [--config laptop] [--max-new-tokens 64] ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minidsa", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="continue a prompt with the (seeded, untrained) model")
+    g.add_argument("prompt", help="text to continue ('' starts from bos alone)")
+    g.add_argument("--config", default="tiny", help="preset name or config path (default: tiny)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    args = parser.parse_args(argv)
+
+    import minidsa
+
+    try:
+        model = minidsa.load(args.config)
+        start = time.perf_counter()
+        stream = minidsa.generate(args.prompt, model, max_new_tokens=args.max_new_tokens,
+                                  temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                  stream=True, progress=not args.no_progress)
+        pieces = list(stream)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    elapsed = time.perf_counter() - start
+    text = "".join(pieces)
+    n = len(model.tokenizer.encode(text, add_bos=False))
+    print(text)
+    print(f"[{args.config}] {n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s "
+          f"(prefill {len(model.tokenizer.encode(args.prompt))} tokens included)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""The SiTU-GLU activation and the dense MLP built on it (SPEC section 6).
+
+SiTU-GLU(g, u) = [b_g * tanh(g / b_g) * sigmoid(g)] * [b_u * tanh(u / b_u)]: a SiLU-like gate and
+a linear-like up branch, each soft-clipped by tanh, so |h| < b_g * b_u (= 100 for K3's 4 and 25).
+The bound keeps activations inside the range low-precision expert weights can represent.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 4.0, beta_up: float = 25.0) -> torch.Tensor:
+    """Elementwise on gate, up [..., F] -> [..., F]; computed in fp32 (fp64 kept), returned in gate's dtype."""
+    acc = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    g, u = gate.to(acc), up.to(acc)
+    h = (beta_gate * torch.tanh(g / beta_gate) * torch.sigmoid(g)) * (beta_up * torch.tanh(u / beta_up))
+    return h.to(gate.dtype)
+
+
+class SituGluMLP(nn.Module):
+    """down(SiTU-GLU(gate(x), up(x))). x [..., d] -> [..., d]."""
+
+    def __init__(self, hidden: int, intermediate: int, beta_gate: float = 4.0, beta_up: float = 25.0) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.beta_gate, self.beta_up = beta_gate, beta_up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x), self.beta_gate, self.beta_up))

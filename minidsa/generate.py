@@ -1,0 +1,277 @@
+"""Text generation on the paged KV cache: prefill each prompt, then decode the batch token by token.
+
+    text = minidsa.generate("hello", max_new_tokens=32, temperature=0)            # greedy
+    texts = minidsa.generate(["a", "bb"], max_new_tokens=8, seed=1)             # a batch
+    for piece in minidsa.generate("hi", stream=True): print(piece, end="")       # streaming
+    text, trace = minidsa.generate("hi", return_trace=True)                     # DSA selections
+
+Every argument is checked before any cache block is taken; blocks are reserved for the whole
+request up front (all-or-nothing) and always given back, so a failed or abandoned request leaves
+the model and its cache as they were.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .kv_cache import PagedKVCache
+from .model import MiniDSA, build_model
+
+_DEFAULT_MODELS: dict[str, MiniDSA] = {}
+DEFAULT_MODEL = "tiny"  # no trained weights ship yet: the default is the seeded tiny model
+
+
+def load(name_or_path="tiny", *, device: torch.device | str = "cpu") -> MiniDSA:
+    """The model of a preset name ("tiny", "laptop", ...), a config JSON path or a directory with a
+    config.json. Weights are the seeded random initialisation until trained checkpoints ship."""
+    return build_model(name_or_path, device=device)
+
+
+def default_model() -> MiniDSA:
+    if DEFAULT_MODEL not in _DEFAULT_MODELS:
+        _DEFAULT_MODELS[DEFAULT_MODEL] = load(DEFAULT_MODEL)
+    return _DEFAULT_MODELS[DEFAULT_MODEL]
+
+
+@dataclass
+class GenerationTrace:
+    """What the sparse attention did for one sequence.
+
+    ``selected[layer]`` is int32 [len(token_ids), topk]: row t holds the key positions the query at
+    position t selected in that MLA layer (descending index score, -1 = padding). Every token has a
+    row: the prompt's (from prefill) and each generated one (fed back through the model once).
+    """
+
+    token_ids: list[int]  # prompt ids (bos first), then the generated ids
+    prompt_len: int  # number of prompt ids, bos included
+    text: str = ""  # decoded generated text
+    selected: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def _append(self, layer: int, rows: torch.Tensor) -> None:
+        prev = self.selected.get(layer)
+        self.selected[layer] = rows if prev is None else torch.cat([prev, rows])
+
+
+@dataclass
+class _Request:
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seeds: list[int]
+    return_trace: bool
+    progress: bool
+
+
+class GenerationStream:
+    """Iterator of text pieces (str for one prompt; (index, str) for a batch). After it is exhausted,
+    ``.texts`` holds the full outputs and ``.traces`` the traces when requested."""
+
+    def __init__(self, model: MiniDSA, prompts: list[list[int]], req: _Request, cache: PagedKVCache,
+                 batched: bool) -> None:
+        self.model, self.prompts, self.req, self.cache, self.batched = model, prompts, req, cache, batched
+        self.texts = [""] * len(prompts)
+        self.traces: list[GenerationTrace] | None = None
+        self._it = self._run()
+
+    def __iter__(self) -> "GenerationStream":
+        return self
+
+    def __next__(self):
+        return next(self._it)
+
+    @property
+    def trace(self) -> GenerationTrace | list[GenerationTrace] | None:
+        if self.traces is None:
+            return None
+        return self.traces if self.batched else self.traces[0]
+
+    def _run(self) -> Iterator:
+        model, cache, req = self.model, self.cache, self.req
+        tok = model.tokenizer
+        n = len(self.prompts)
+        sids = []
+        try:
+            sids = [cache.add_sequence() for _ in range(n)]
+            cache.reserve({sid: len(p) + req.max_new_tokens for sid, p in zip(sids, self.prompts)})
+            gens = [torch.Generator().manual_seed(s) for s in req.seeds]
+            decoders = [tok.stream_decoder() for _ in range(n)]
+            traces = [GenerationTrace(list(p), len(p)) for p in self.prompts]
+            out_ids: list[list[int]] = [[] for _ in range(n)]
+            bar = _progress(req.progress, n * req.max_new_tokens)
+
+            def emit(i: int, token: int):
+                out_ids[i].append(token)
+                traces[i].token_ids.append(token)
+                piece = "" if token == tok.eos_id else decoders[i].push(token)
+                if len(out_ids[i]) == req.max_new_tokens or token == tok.eos_id:
+                    piece += decoders[i].flush()
+                self.texts[i] += piece
+                bar.update(1)
+                return piece
+
+            pending: dict[int, int] = {}  # row -> sampled token not yet fed to the model
+            for i, ids in enumerate(self.prompts):  # prefill: one sequence at a time (lengths differ)
+                tr = {} if req.return_trace else None
+                logits = self._forward(torch.tensor([ids]), [sids[i]], tr)
+                self._record(traces[i], tr, 0)
+                pending[i] = self._sample(logits[0, -1], i, gens[i])
+                piece = emit(i, pending[i])
+                if piece:
+                    yield (i, piece) if self.batched else piece
+            while pending:
+                active = [i for i in sorted(pending) if self._wants_feed(i, out_ids[i])]
+                if not active:
+                    break
+                tr = {} if req.return_trace else None
+                tokens = torch.tensor([[pending[i]] for i in active])
+                logits = self._forward(tokens, [sids[i] for i in active], tr)
+                pending = {}
+                for row, i in enumerate(active):
+                    self._record(traces[i], tr, row)
+                    if self._finished(out_ids[i]):
+                        continue  # this feed only recorded the last token's selections
+                    pending[i] = self._sample(logits[row, -1], i, gens[i])
+                    piece = emit(i, pending[i])
+                    if piece:
+                        yield (i, piece) if self.batched else piece
+            bar.close()
+            for i, t in enumerate(traces):
+                t.text = self.texts[i]
+            if req.return_trace:
+                self.traces = traces
+        finally:
+            for sid in sids:
+                cache.free(sid)
+
+    def _forward(self, ids: torch.Tensor, sids: list[int], tr: dict | None) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model(ids.to(self.model.device), cache=self.cache, seq_ids=sids, trace=tr)
+
+    def _finished(self, out: list[int]) -> bool:
+        return len(out) >= self.req.max_new_tokens or (bool(out) and out[-1] == self.model.tokenizer.eos_id)
+
+    def _wants_feed(self, i: int, out: list[int]) -> bool:
+        # A finished sequence is fed its last token once more only to record its selections.
+        return not self._finished(out) or self.req.return_trace
+
+    def _record(self, trace: GenerationTrace, tr: dict | None, row: int) -> None:
+        if tr is not None:
+            for layer, idx in tr.items():
+                trace._append(layer, idx[row].cpu())
+
+    def _sample(self, logits: torch.Tensor, row: int, gen: torch.Generator) -> int:
+        """logits fp32 [vocab] -> one token id, restricted to ids the tokenizer knows."""
+        logits = logits.float().cpu().clone()
+        logits[self.model.tokenizer.vocab_size:] = float("-inf")
+        if self.req.temperature == 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / self.req.temperature, dim=-1)
+        if self.req.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True, stable=True)
+            before = torch.cumsum(sorted_p, 0) - sorted_p  # mass of strictly more likely tokens
+            sorted_p = torch.where(before < self.req.top_p, sorted_p, torch.zeros_like(sorted_p))
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+        return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+
+
+def _progress(enabled: bool, total: int):
+    if enabled:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, unit="tok", leave=False)
+
+    class _Null:
+        def update(self, n):
+            pass
+
+        def close(self):
+            pass
+
+    return _Null()
+
+
+def generate(prompt, model: MiniDSA | str | None = None, *, max_new_tokens: int = 64, temperature: float = 0.8,
+             top_p: float = 0.95, seed: int | None = None, stream: bool = False, return_trace: bool = False,
+             cache: PagedKVCache | None = None, progress: bool = False):
+    """Continue ``prompt`` (a str, or a list of str for a batch).
+
+    Args:
+        model: a MiniDSA, a preset name/path, or None for the default (seeded tiny) model.
+        max_new_tokens: tokens to generate per sequence (>= 1); generation stops early at eos.
+        temperature: 0 = greedy argmax; > 0 samples from softmax(logits / temperature).
+        top_p: nucleus sampling mass in (0, 1]; 1 disables it.
+        seed: seeds the sampler (row i of a batch uses seed + i, so it samples as it would alone);
+            None draws a fresh seed.
+        stream: return a GenerationStream that yields text pieces as they are decoded (for a batch,
+            (index, piece) pairs); its ``.trace`` is filled when it is exhausted.
+        return_trace: also return a GenerationTrace (one per prompt for a batch).
+        cache: a PagedKVCache to use (default: the model's own); its blocks are always given back.
+        progress: show a tqdm bar over generated tokens.
+    Returns:
+        str (list[str] for a batch), or (texts, traces) with return_trace, or a GenerationStream.
+    """
+    batched, texts = _check_prompt(prompt)
+    if model is None:
+        model = default_model()
+    elif isinstance(model, str):
+        model = load(model)
+    elif not isinstance(model, MiniDSA):
+        raise TypeError(f"model must be a MiniDSA, a config name/path or None, got {type(model).__name__}")
+    _check_int("max_new_tokens", max_new_tokens)
+    if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature = {temperature!r} must be a finite number >= 0 (0 = greedy)")
+    if not _is_real(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p = {top_p!r} must be in (0, 1] (1 disables nucleus sampling)")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be an int or None, got {seed!r}")
+    if cache is not None and not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache must be a PagedKVCache (model.new_cache()), got {type(cache).__name__}")
+    ctx = model.config.max_seq_len
+    ids = [model.tokenizer.encode(t) for t in texts]  # bos + bytes; an empty prompt is bos alone
+    for i, p in enumerate(ids):
+        where = f"prompt[{i}]" if batched else "prompt"
+        if len(p) > ctx:
+            raise ValueError(f"{where} is {len(p)} tokens (bos included), longer than the model's context "
+                             f"max_seq_len = {ctx}; shorten it")
+        if len(p) + max_new_tokens > ctx:
+            raise ValueError(f"{where} is {len(p)} tokens and max_new_tokens = {max_new_tokens}: together more than "
+                             f"the context max_seq_len = {ctx}; use max_new_tokens <= {ctx - len(p)}")
+    base = seed if seed is not None else int.from_bytes(os.urandom(6), "little")
+    req = _Request(max_new_tokens, float(temperature), float(top_p), [base + i for i in range(len(ids))],
+                   return_trace, progress)
+    run = GenerationStream(model, ids, req, cache if cache is not None else model.default_cache(), batched)
+    if stream:
+        return run
+    for _ in run:
+        pass
+    out = run.texts if batched else run.texts[0]
+    return (out, run.trace) if return_trace else out
+
+
+def _check_prompt(prompt) -> tuple[bool, list[str]]:
+    if isinstance(prompt, str):
+        return False, [prompt]
+    if isinstance(prompt, (list, tuple)):
+        if not prompt:
+            raise ValueError("prompt is an empty list; pass at least one string (an empty string starts from bos)")
+        for i, p in enumerate(prompt):
+            if not isinstance(p, str):
+                raise TypeError(f"prompt[{i}] is a {type(p).__name__}; every prompt in a batch must be a str")
+        return True, list(prompt)
+    raise TypeError(f"prompt must be a str or a list of str, got {type(prompt).__name__}")
+
+
+def _check_int(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {v!r}")
+    if v < 1:
+        raise ValueError(f"{name} = {v} must be >= 1")
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -1,0 +1,210 @@
+"""Paged KV cache for the MLA+DSA layers (SPEC section 3).
+
+Storage is a pool of fixed-size blocks shared by all sequences. A sequence owns a list of block
+ids (its block table); token ``pos`` of sequence ``s`` lives in slot
+``block_table[s][pos // block_size] * block_size + pos % block_size``. Each MLA layer stores
+separate planes (the latent c_kv, the shared k_pe, the indexer key k_I and, with fp8 numerics,
+k_I's scale) so prefill reads whole contiguous blocks and decode gathers a few rows per plane.
+Planes are described by a ``CacheLayout`` rather than hard-coded shapes, so the KDA state slots
+and other layers plug in without touching this file's logic.
+
+Allocation is explicit and all-or-nothing: a request that needs more blocks than are free raises
+``OutOfKVBlocksError`` before anything changes, so a failed request never loses state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class OutOfKVBlocksError(ValueError, RuntimeError):
+    """The cache has too few free blocks for a request. Nothing was allocated; free sequences or
+    create a larger cache (``model.new_cache(num_blocks=...)`` / config ``kv_num_blocks``)."""
+
+
+@dataclass(frozen=True)
+class Plane:
+    """One per-token vector stored for every token of every MLA layer."""
+
+    name: str  # e.g. "kv_latent"
+    width: int  # values per token
+    dtype: torch.dtype  # storage dtype (float8_e4m3fn for the quantised indexer key)
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Shape of the cache: which planes, how many layers, how the pool is cut into blocks."""
+
+    planes: tuple[Plane, ...]
+    num_layers: int  # number of MLA layers (KDA layers keep state, not KV)
+    block_size: int  # tokens per block
+    num_blocks: int  # blocks in the pool
+
+    def plane(self, name: str) -> Plane:
+        for p in self.planes:
+            if p.name == name:
+                return p
+        raise KeyError(f"no cache plane named {name!r}; planes: {[p.name for p in self.planes]}")
+
+    def bytes_per_token(self) -> int:
+        return self.num_layers * sum(p.width * torch.empty((), dtype=p.dtype).element_size() for p in self.planes)
+
+
+class PagedKVCache:
+    """Block pool + block tables + per-block metadata (owner, valid tokens)."""
+
+    def __init__(self, layout: CacheLayout, device: torch.device | str = "cpu") -> None:
+        if layout.block_size < 1 or layout.num_blocks < 1:
+            raise ValueError(f"cache needs block_size >= 1 and num_blocks >= 1, got {layout.block_size}, "
+                             f"{layout.num_blocks}")
+        self.layout = layout
+        self.device = torch.device(device)
+        # storage[layer][plane] : [num_blocks, block_size, width]. Zero-filled so an unwritten slot is
+        # deterministic; correctness never depends on it (unselected rows are never read).
+        self.storage: list[dict[str, torch.Tensor]] = [
+            {p.name: torch.zeros(layout.num_blocks, layout.block_size, p.width, dtype=p.dtype, device=self.device)
+             for p in layout.planes}
+            for _ in range(layout.num_layers)
+        ]
+        self.block_owner = [-1] * layout.num_blocks  # sequence id owning each block, -1 = free
+        self.block_tokens = [0] * layout.num_blocks  # valid tokens in each block
+        self._free = list(range(layout.num_blocks - 1, -1, -1))  # stack: pop() hands out low ids first
+        self._tables: dict[int, list[int]] = {}
+        self._lengths: dict[int, int] = {}
+        self._next_id = 0
+
+    # ---------------------------------------------------------------- sequences
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def add_sequence(self) -> int:
+        """Register a new, empty sequence and return its id."""
+        sid = self._next_id
+        self._next_id += 1
+        self._tables[sid] = []
+        self._lengths[sid] = 0
+        return sid
+
+    def sequences(self) -> list[int]:
+        return list(self._tables)
+
+    def seq_len(self, sid: int) -> int:
+        """Tokens already stored (committed) for sequence ``sid``."""
+        self._check_sid(sid)
+        return self._lengths[sid]
+
+    def block_table(self, sid: int) -> list[int]:
+        self._check_sid(sid)
+        return list(self._tables[sid])
+
+    def blocks_needed(self, sid: int, length: int) -> int:
+        """Extra blocks sequence ``sid`` needs to hold ``length`` tokens."""
+        need = -(-length // self.block_size)  # ceil: a block is needed as soon as one token lands in it
+        return max(0, need - len(self._tables[sid]))
+
+    def reserve(self, lengths: dict[int, int]) -> None:
+        """Make every sequence ``sid`` able to hold ``lengths[sid]`` tokens. All-or-nothing."""
+        for sid in lengths:
+            self._check_sid(sid)
+        total = sum(self.blocks_needed(sid, n) for sid, n in lengths.items())
+        if total > len(self._free):
+            raise OutOfKVBlocksError(
+                f"KV cache out of blocks: this request needs {total} more blocks of {self.block_size} tokens but "
+                f"only {len(self._free)} of {self.layout.num_blocks} are free. Free finished sequences, shorten "
+                f"the request, or use a larger cache (model.new_cache(num_blocks=...) or config kv_num_blocks).")
+        for sid, n in lengths.items():
+            for _ in range(self.blocks_needed(sid, n)):
+                b = self._free.pop()
+                self.block_owner[b] = sid
+                self.block_tokens[b] = 0
+                self._tables[sid].append(b)
+
+    def commit(self, sid: int, length: int) -> None:
+        """Record that positions [0, length) of ``sid`` now hold valid data."""
+        self._check_sid(sid)
+        if length > len(self._tables[sid]) * self.block_size:
+            raise ValueError(f"sequence {sid}: cannot commit {length} tokens, only "
+                             f"{len(self._tables[sid]) * self.block_size} reserved")
+        self._lengths[sid] = length
+        for j, b in enumerate(self._tables[sid]):
+            self.block_tokens[b] = min(self.block_size, max(0, length - j * self.block_size))
+
+    def free(self, sid: int) -> None:
+        """Give the blocks of ``sid`` back to the pool and forget the sequence."""
+        self._check_sid(sid)
+        for b in reversed(self._tables.pop(sid)):
+            self.block_owner[b] = -1
+            self.block_tokens[b] = 0
+            self._free.append(b)
+        del self._lengths[sid]
+
+    def truncate(self, sid: int, length: int) -> None:
+        """Forget tokens from ``length`` on (e.g. after a failed step) and release whole unused blocks."""
+        self._check_sid(sid)
+        keep = -(-length // self.block_size)
+        table = self._tables[sid]
+        while len(table) > keep:
+            b = table.pop()
+            self.block_owner[b] = -1
+            self.block_tokens[b] = 0
+            self._free.append(b)
+        self.commit(sid, min(length, self._lengths[sid]))
+
+    def _check_sid(self, sid: int) -> None:
+        if sid not in self._tables:
+            raise KeyError(f"unknown sequence id {sid!r}; live sequences: {sorted(self._tables)}")
+
+    # ---------------------------------------------------------------- addressing
+    def slots(self, sid: int, positions: torch.Tensor) -> torch.Tensor:
+        """Physical slots of logical ``positions`` (any shape, int) of sequence ``sid``; -1 stays -1.
+
+        Raises if a position lies outside the reserved blocks (an off-by-one here would otherwise
+        write into another sequence's block).
+        """
+        self._check_sid(sid)
+        table = torch.tensor(self._tables[sid] or [0], dtype=torch.long, device=positions.device)
+        pos = positions.long()
+        valid = pos >= 0
+        limit = len(self._tables[sid]) * self.block_size
+        if bool((pos[valid] >= limit).any()):
+            raise ValueError(f"sequence {sid}: position {int(pos.max())} is past its {limit} reserved slots; "
+                             f"call reserve() first")
+        safe = torch.where(valid, pos, torch.zeros_like(pos))
+        slot = table[safe // self.block_size] * self.block_size + safe % self.block_size
+        return torch.where(valid, slot, torch.full_like(slot, -1))
+
+    def block_table_tensor(self, sids: list[int]) -> torch.Tensor:
+        """int32 [B, max_blocks], -1 past each sequence's last block (the form a kernel reads)."""
+        n = max((len(self._tables[s]) for s in sids), default=0)
+        out = torch.full((len(sids), n), -1, dtype=torch.int32)
+        for i, s in enumerate(sids):
+            out[i, : len(self._tables[s])] = torch.tensor(self._tables[s], dtype=torch.int32)
+        return out.to(self.device)
+
+    # ---------------------------------------------------------------- data
+    def write(self, layer: int, plane: str, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Store values [N, width] at slots [N]; slots of -1 are skipped ("no write")."""
+        store = self.storage[layer][plane].view(-1, self.layout.plane(plane).width)
+        keep = slots >= 0
+        store[slots[keep].long()] = values[keep].to(store.dtype)
+
+    def gather(self, layer: int, plane: str, slots: torch.Tensor) -> torch.Tensor:
+        """Rows at ``slots`` [...] -> [..., width]; slot -1 gives zeros and reads nothing."""
+        store = self.storage[layer][plane].view(-1, self.layout.plane(plane).width)
+        out = store.new_zeros(tuple(slots.shape) + (store.shape[1],))
+        keep = slots >= 0
+        out[keep] = store[slots[keep].long()]
+        return out
+
+    def gather_blocks(self, layer: int, plane: str, sid: int, logical_blocks: torch.Tensor) -> torch.Tensor:
+        """Whole blocks of ``sid`` by logical block number [n] -> [n * block_size, width], in order."""
+        table = torch.tensor(self._tables[sid], dtype=torch.long, device=self.device)
+        phys = table[logical_blocks.long()]
+        return self.storage[layer][plane][phys].reshape(-1, self.layout.plane(plane).width)

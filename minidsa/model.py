@@ -1,0 +1,219 @@
+"""The decoder: embedding -> layers -> final norm -> lm_head, with or without a paged KV cache.
+
+``model(input_ids)`` with no cache is the plain reference: one full forward over fixed tokens.
+``model(input_ids, cache=..., seq_ids=...)`` appends the tokens to cached sequences; it runs the
+prefill path for several new tokens per sequence and the decode path for one, and must give the
+same logits as the reference over the whole sequence.
+
+Parameter names follow the real checkpoint (SPEC section 9): ``language_model.model.layers.{i}.
+self_attn.*``, ``language_model.lm_head.weight`` and so on.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import ModelConfig, load_config
+from .ffn import SituGluMLP
+from .kv_cache import CacheLayout, PagedKVCache, Plane
+from .mla import CacheContext, GatedMLA
+from .norm import RMSNorm
+from .ops import BACKENDS
+from .tokenizer import ByteTokenizer
+
+# Parameters the real model keeps in fp32 whatever the compute dtype (norms, gates, indexer weights).
+_FP32_SUFFIXES = ("layernorm.weight", "norm.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
+
+
+class DecoderLayer(nn.Module):
+    """One layer = attention sub-layer + FFN sub-layer. The residual wiring lives in the decoder
+    loop, so Block Attention Residuals can replace it without touching the sub-layers."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, cache_layer: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = cfg.layer_types[layer_idx]
+        if self.layer_type != "mla":
+            raise ValueError(f"layer_types[{layer_idx}] = {self.layer_type!r}: only 'mla' layers can be built in "
+                             f"this version of minidsa (KDA layers are not in yet); use a config whose layer_types "
+                             f"are all 'mla'")
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = GatedMLA(cfg, layer_idx, cache_layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        width = cfg.dense_intermediate_size if layer_idx < cfg.moe.first_dense_layers else cfg.ffn_intermediate_size
+        # Layers past first_dense_layers become MoE with the MoE issue; until then a dense SiTU-GLU MLP.
+        self.mlp = SituGluMLP(cfg.hidden_size, width, cfg.activation_beta_gate, cfg.activation_beta_up)
+
+    def attention(self, h: torch.Tensor, ctx: CacheContext | None, trace: dict | None) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(h), ctx, trace)
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.post_attention_layernorm(h))
+
+
+class TextDecoder(nn.Module):
+    """``language_model.model``: embedding, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        mla_rank = {layer: r for r, layer in enumerate(cfg.mla_layers)}
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, mla_rank.get(i, -1)) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, ctx: CacheContext | None, trace: dict | None) -> torch.Tensor:
+        for layer in self.layers:  # plain pre-norm residual stream
+            h = h + layer.attention(h, ctx, trace)
+            h = h + layer.feed_forward(h)
+        return self.norm(h)
+
+
+class LanguageModel(nn.Module):
+    """``language_model``: the decoder and its output head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.model = TextDecoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+
+class MiniDSA(nn.Module):
+    """The whole model. ``forward(input_ids [B, T]) -> logits [B, T, vocab]`` (fp32; fp64 for a float64 model)."""
+
+    def __init__(self, config: ModelConfig | str, *, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        cfg = load_config(config)
+        self.config = cfg
+        self.tokenizer = ByteTokenizer()
+        if cfg.vocab_size < self.tokenizer.vocab_size:
+            raise ValueError(f"vocab_size = {cfg.vocab_size} is smaller than the tokenizer's "
+                             f"{self.tokenizer.vocab_size} ids; raise it")
+        with torch.device(device):  # build in place: the reference-scale config only fits on "meta"
+            self.language_model = LanguageModel(cfg)
+        self._default_cache: PagedKVCache | None = None
+        if str(device) != "meta":
+            self._init_weights()
+        self._cast(cfg.torch_dtype)
+
+    # ---------------------------------------------------------------- construction
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        """Seeded N(0, init_std) for matrices, ones/zeros for norms: the same model on every machine."""
+        g = torch.Generator().manual_seed(self.config.seed)
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, device="cpu") * self.config.init_std)
+
+    def _cast(self, dtype: torch.dtype) -> None:
+        for name, p in self.named_parameters():
+            keep = dtype != torch.float64 and name.endswith(_FP32_SUFFIXES)
+            p.data = p.data.to(torch.float32 if keep else dtype)
+
+    def set_backend(self, backend: str) -> "MiniDSA":
+        """Op backend for every layer: "torch", "triton" or "auto"."""
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}; use one of {BACKENDS}")
+        for layer in self.language_model.model.layers:
+            layer.self_attn.backend = backend
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.language_model.lm_head.weight.device
+
+    # ---------------------------------------------------------------- cache
+    def cache_layout(self, num_blocks: int | None = None) -> CacheLayout:
+        cfg = self.config
+        dt = self.language_model.lm_head.weight.dtype
+        planes = [Plane("kv_latent", cfg.mla.kv_lora_rank, dt), Plane("k_pe", cfg.mla.qk_rope_head_dim, dt)]
+        if cfg.indexer.fp8:
+            planes += [Plane("index_key", cfg.indexer.head_dim, torch.float8_e4m3fn),
+                       Plane("index_key_scale", 1, torch.float32)]
+        else:
+            planes.append(Plane("index_key", cfg.indexer.head_dim, dt))
+        return CacheLayout(tuple(planes), len(cfg.mla_layers), cfg.kv_block_size,
+                           cfg.kv_num_blocks if num_blocks is None else num_blocks)
+
+    def new_cache(self, num_blocks: int | None = None) -> PagedKVCache:
+        """A fresh paged cache for this model (``num_blocks`` defaults to config.kv_num_blocks)."""
+        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
+                                       or num_blocks < 1):
+            raise ValueError(f"num_blocks = {num_blocks!r} must be a positive int")
+        return PagedKVCache(self.cache_layout(num_blocks), self.device)
+
+    def default_cache(self) -> PagedKVCache:
+        """The cache generate() uses when none is passed; created once, shared by calls."""
+        if self._default_cache is None:
+            self._default_cache = self.new_cache()
+        return self._default_cache
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, input_ids: torch.Tensor, *, cache: PagedKVCache | None = None,
+                seq_ids: list[int] | None = None, trace: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids int [B, T] -> logits fp32 [B, T, vocab].
+
+        Without ``cache``: positions 0..T-1, nothing stored. With ``cache`` and ``seq_ids`` (one cache
+        sequence per row): the tokens continue those sequences; the cache grows only if the whole
+        forward succeeds. ``trace`` (a dict) receives layer index -> selected positions [B, T, topk].
+        """
+        self._check_ids(input_ids)
+        B, T = input_ids.shape
+        ctx = None
+        if cache is None:
+            if seq_ids is not None:
+                raise ValueError("seq_ids was given without a cache; pass cache= too")
+            if T > self.config.max_seq_len:
+                raise ValueError(f"input has {T} tokens, more than the model's context max_seq_len = "
+                                 f"{self.config.max_seq_len}; shorten it")
+        else:
+            ctx = self._cache_context(cache, seq_ids, B, T, input_ids.device)
+        h = self.language_model.model.embed_tokens(input_ids.long())
+        h = self.language_model.model(h, ctx, trace)
+        logits = self.language_model.lm_head(h)
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        if ctx is not None:
+            for b, sid in enumerate(ctx.seq_ids):
+                cache.commit(sid, int(ctx.positions[b, -1]) + 1)
+        return logits
+
+    def _check_ids(self, input_ids) -> None:
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor of token ids [B, T], got {type(input_ids).__name__}")
+        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+            raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {tuple(input_ids.shape)}")
+        if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"input_ids hold {lo if lo < 0 else hi}, outside [0, {self.config.vocab_size})")
+
+    def _cache_context(self, cache: PagedKVCache, seq_ids, B: int, T: int, device) -> CacheContext:
+        if seq_ids is None or len(seq_ids) != B:
+            raise ValueError(f"pass seq_ids with one cache sequence per batch row ({B}), got {seq_ids!r}")
+        if len(set(seq_ids)) != B:
+            raise ValueError(f"seq_ids must be distinct, got {seq_ids!r}")
+        if cache.layout != self.cache_layout(cache.layout.num_blocks):
+            raise ValueError("this cache was made for a different model layout; use model.new_cache()")
+        starts = [cache.seq_len(s) for s in seq_ids]
+        for sid, s in zip(seq_ids, starts):
+            if s + T > self.config.max_seq_len:
+                raise ValueError(f"sequence {sid} would hold {s + T} tokens, more than max_seq_len = "
+                                 f"{self.config.max_seq_len}")
+        cache.reserve({sid: s + T for sid, s in zip(seq_ids, starts)})  # all-or-nothing
+        positions = torch.tensor(starts, device=device).unsqueeze(1) + torch.arange(T, device=device)
+        slots = torch.stack([cache.slots(sid, positions[b]) for b, sid in enumerate(seq_ids)])
+        return CacheContext(cache, list(seq_ids), positions, slots)
+
+    # ---------------------------------------------------------------- bookkeeping
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def build_model(name_or_config="tiny", *, device: torch.device | str = "cpu") -> MiniDSA:
+    """A seeded, randomly initialised model of the named config (no trained weights ship yet)."""
+    return MiniDSA(load_config(name_or_config), device=device)

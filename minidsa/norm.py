@@ -1,0 +1,21 @@
+"""RMSNorm in fp32 (the weights stay fp32 in the real checkpoint too)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32, returned in x's dtype. x [..., D]."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xf = x.to(acc)
+        y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (y * self.weight.to(acc)).to(x.dtype)

@@ -1,0 +1,30 @@
+"""Argument checks that name the offending tensor, shared by the ops."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_tensor(name: str, t, *, ndim: int | None = None, shape: tuple | None = None,
+                 floating: bool = False, integer: bool = False) -> tuple[int, ...]:
+    """Validate ``t`` and return its shape. ``shape`` entries of None match any size."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if shape is not None:
+        for i, (want, got) in enumerate(zip(shape, t.shape)):
+            if want is not None and want != got:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}; dim {i} must be {want}")
+    if floating and not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if integer and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    return tuple(t.shape)
+
+
+def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype of the references: fp32, or fp64 when an input is fp64 (for exactness tests)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
