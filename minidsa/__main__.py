@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="always generate --max-new-tokens (the untrained model samples eos at random)")
     args = parser.parse_args(argv)
 
     import minidsa
@@ -27,17 +29,17 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         stream = minidsa.generate(args.prompt, model, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                                  stream=True, progress=not args.no_progress)
+                                  stream=True, progress=not args.no_progress,
+                                  stop_at_eos=not args.ignore_eos)
         pieces = list(stream)
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - start
-    text = "".join(pieces)
-    n = len(model.tokenizer.encode(text, add_bos=False))
-    print(text)
+    n = stream.num_generated
+    print("".join(pieces))
     print(f"[{args.config}] {n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s "
-          f"(prefill {len(model.tokenizer.encode(args.prompt))} tokens included)", file=sys.stderr)
+          f"(time includes the prefill of {len(model.tokenizer.encode(args.prompt))} prompt tokens)", file=sys.stderr)
     return 0
 
 

@@ -65,6 +65,7 @@ class _Request:
     seeds: list[int]
     return_trace: bool
     progress: bool
+    stop_at_eos: bool
 
 
 class GenerationStream:
@@ -75,6 +76,7 @@ class GenerationStream:
                  batched: bool) -> None:
         self.model, self.prompts, self.req, self.cache, self.batched = model, prompts, req, cache, batched
         self.texts = [""] * len(prompts)
+        self.num_generated = 0  # tokens sampled so far, all sequences together
         self.traces: list[GenerationTrace] | None = None
         self._it = self._run()
 
@@ -106,9 +108,10 @@ class GenerationStream:
 
             def emit(i: int, token: int):
                 out_ids[i].append(token)
+                self.num_generated += 1
                 traces[i].token_ids.append(token)
-                piece = "" if token == tok.eos_id else decoders[i].push(token)
-                if len(out_ids[i]) == req.max_new_tokens or token == tok.eos_id:
+                piece = decoders[i].push(token)  # special tokens (eos too) add no text
+                if self._finished(out_ids[i]):
                     piece += decoders[i].flush()
                 self.texts[i] += piece
                 bar.update(1)
@@ -153,7 +156,8 @@ class GenerationStream:
             return self.model(ids.to(self.model.device), cache=self.cache, seq_ids=sids, trace=tr)
 
     def _finished(self, out: list[int]) -> bool:
-        return len(out) >= self.req.max_new_tokens or (bool(out) and out[-1] == self.model.tokenizer.eos_id)
+        at_eos = self.req.stop_at_eos and bool(out) and out[-1] == self.model.tokenizer.eos_id
+        return len(out) >= self.req.max_new_tokens or at_eos
 
     def _wants_feed(self, i: int, out: list[int]) -> bool:
         # A finished sequence is fed its last token once more only to record its selections.
@@ -197,7 +201,7 @@ def _progress(enabled: bool, total: int):
 
 def generate(prompt, model: MiniDSA | str | None = None, *, max_new_tokens: int = 64, temperature: float = 0.8,
              top_p: float = 0.95, seed: int | None = None, stream: bool = False, return_trace: bool = False,
-             cache: PagedKVCache | None = None, progress: bool = False):
+             cache: PagedKVCache | None = None, progress: bool = False, stop_at_eos: bool = True):
     """Continue ``prompt`` (a str, or a list of str for a batch).
 
     Args:
@@ -212,6 +216,8 @@ def generate(prompt, model: MiniDSA | str | None = None, *, max_new_tokens: int 
         return_trace: also return a GenerationTrace (one per prompt for a batch).
         cache: a PagedKVCache to use (default: the model's own); its blocks are always given back.
         progress: show a tqdm bar over generated tokens.
+        stop_at_eos: end a sequence when it samples eos (False: always max_new_tokens, e.g. to time an
+            untrained model, which samples eos at random).
     Returns:
         str (list[str] for a batch), or (texts, traces) with return_trace, or a GenerationStream.
     """
@@ -243,7 +249,7 @@ def generate(prompt, model: MiniDSA | str | None = None, *, max_new_tokens: int 
                              f"the context max_seq_len = {ctx}; use max_new_tokens <= {ctx - len(p)}")
     base = seed if seed is not None else int.from_bytes(os.urandom(6), "little")
     req = _Request(max_new_tokens, float(temperature), float(top_p), [base + i for i in range(len(ids))],
-                   return_trace, progress)
+                   return_trace, progress, bool(stop_at_eos))
     run = GenerationStream(model, ids, req, cache if cache is not None else model.default_cache(), batched)
     if stream:
         return run

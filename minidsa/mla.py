@@ -40,6 +40,13 @@ class CacheContext:
     seq_ids: list[int]  # cache sequence of each batch row
     positions: torch.Tensor  # long [B, T] absolute positions of the new tokens
     slots: torch.Tensor  # long [B, T] physical slots of the new tokens
+    key_slots: torch.Tensor  # long [B, S] slot of every position 0..S-1, -1 past a sequence's end
+                             # (computed once per forward, shared by all layers)
+
+    def slots_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """Logical positions [B, N] (-1 = padding) -> physical slots [B, N] (-1 kept)."""
+        safe = positions.long().clamp_min(0)
+        return torch.where(positions >= 0, self.key_slots.gather(1, safe), torch.full_like(safe, -1))
 
 
 class GatedMLA(nn.Module):
@@ -136,19 +143,11 @@ class GatedMLA(nn.Module):
 
     def _select_cached(self, ctx: CacheContext, p: dict) -> torch.Tensor:
         """Indexer over every cached key of each sequence (new tokens included) -> int32 [B, T, topk]."""
-        cache, B = ctx.cache, len(ctx.seq_ids)
-        S = int(ctx.positions.max()) + 1
-        pos = torch.arange(S, device=ctx.positions.device)
-        keys = []
-        for b, sid in enumerate(ctx.seq_ids):
-            # Positions past this sequence's last token are never candidates (they exceed every
-            # q_pos of the row), so mapping them to -1 (read as zeros) is safe padding.
-            last = int(ctx.positions[b].max())
-            slots = cache.slots(sid, torch.where(pos <= last, pos, torch.full_like(pos, -1)))
-            planes = {name: cache.gather(self.cache_layer, name, slots)
-                      for name in ("index_key", "index_key_scale") if name in p}
-            keys.append(self.indexer.dequant_keys(planes))
-        k_idx = torch.stack(keys)  # [B, S, D_I]
+        # Positions past a sequence's last token have slot -1 and read as zeros; they are never
+        # candidates (they exceed every q_pos of that row), so this padding is safe.
+        planes = {name: ctx.cache.gather(self.cache_layer, name, ctx.key_slots)
+                  for name in ("index_key", "index_key_scale") if name in p}
+        k_idx = self.indexer.dequant_keys(planes)  # [B, S, D_I]
         return self.indexer.select(p["q_idx"], p["w_idx"], k_idx, ctx.positions, self.backend)
 
     def _attend_prefill(self, ctx: CacheContext, p: dict, idx: torch.Tensor) -> torch.Tensor:
@@ -183,7 +182,7 @@ class GatedMLA(nn.Module):
         """Absorbed form over exactly the top-k latent rows. idx int32 [B, 1, K] -> o [B, 1, H, dv]."""
         cache = ctx.cache
         B, _, K = idx.shape
-        slots = torch.stack([cache.slots(sid, idx[b, 0]) for b, sid in enumerate(ctx.seq_ids)])  # [B, K]
+        slots = ctx.slots_of(idx[:, 0])  # [B, K]
         kv_latent = cache.gather(self.cache_layer, "kv_latent", slots)  # [B, K, r]; -1 -> zeros, unread
         k_pe = cache.gather(self.cache_layer, "k_pe", slots)  # [B, K, dr]
         acc = torch.float64 if p["q"].dtype == torch.float64 else torch.float32

@@ -206,8 +206,12 @@ class MiniDSA(nn.Module):
                                  f"{self.config.max_seq_len}")
         cache.reserve({sid: s + T for sid, s in zip(seq_ids, starts)})  # all-or-nothing
         positions = torch.tensor(starts, device=device).unsqueeze(1) + torch.arange(T, device=device)
-        slots = torch.stack([cache.slots(sid, positions[b]) for b, sid in enumerate(seq_ids)])
-        return CacheContext(cache, list(seq_ids), positions, slots)
+        S = max(starts) + T
+        every = torch.arange(S, device=device)
+        key_slots = torch.stack([cache.slots(sid, torch.where(every < s + T, every, -1))
+                                 for sid, s in zip(seq_ids, starts)])  # [B, S]
+        slots = key_slots.gather(1, positions)
+        return CacheContext(cache, list(seq_ids), positions, slots, key_slots)
 
     # ---------------------------------------------------------------- bookkeeping
     def num_parameters(self) -> int:
