@@ -259,3 +259,18 @@ def test_forward_rejects_bad_ids_and_keeps_cache():
     assert cache.seq_len(sid) == 10 and len(cache.block_table(sid)) == 2
     model(torch.tensor([[5]]), cache=cache, seq_ids=[sid])
     assert cache.seq_len(sid) == 11
+
+
+def test_paged_cache_equals_one_contiguous_block():
+    """Small scattered blocks vs one block holding the whole context: bit-for-bit the same math."""
+    ids = distinct_tokens(1, 30)
+    paged = make_model("float64")
+    contiguous = minidsa.MiniDSA(paged.config.replace(kv_block_size=paged.config.max_seq_len, kv_num_blocks=2))
+    contiguous.load_state_dict(paged.state_dict())
+    with torch.no_grad():
+        a, sel_a, cache_a, sid_a = incremental(paged, ids, 11)
+        b, sel_b, cache_b, sid_b = incremental(contiguous, ids, 11)
+    assert len(cache_a.block_table(sid_a)) == 4 and len(cache_b.block_table(sid_b)) == 1
+    torch.testing.assert_close(a, b, atol=FP64_TOL, rtol=0)
+    for layer in sel_a:
+        assert torch.equal(sel_a[layer], sel_b[layer])
