@@ -99,6 +99,7 @@ class ModelConfig:
     max_seq_len: int = 128  # context length: the longest prompt + generation a sequence may hold
     kv_block_size: int = 8  # tokens per paged-KV block; smaller than max_seq_len so paging is real
     kv_num_blocks: int = 64  # blocks in a default cache (shared by all sequences of a batch)
+    max_sequences: int = 16  # live sequences per cache: each owns a preallocated KDA state slot
     tie_word_embeddings: bool = False  # lm_head has its own weight, as in the real model
     init_std: float = 0.02  # std of the random initial weights
     seed: int = 0  # seed of the random initial weights, so "tiny" is the same model everywhere
@@ -117,6 +118,10 @@ class ModelConfig:
     @property
     def mla_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == "mla"]
+
+    @property
+    def kda_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "kda"]
 
     @property
     def qk_head_dim(self) -> int:
@@ -153,7 +158,8 @@ class ModelConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what it may be."""
         _positive(self, "", ["vocab_size", "hidden_size", "dense_intermediate_size", "ffn_intermediate_size",
-                             "attn_res_block_size", "max_seq_len", "kv_block_size", "kv_num_blocks"])
+                             "attn_res_block_size", "max_seq_len", "kv_block_size", "kv_num_blocks",
+                             "max_sequences"])
         _positive_float(self, "", ["rms_norm_eps", "init_std", "activation_beta_gate", "activation_beta_up"])
         if not isinstance(self.layer_types, list) or not self.layer_types:
             raise ValueError(f"layer_types must be a non-empty list of {LAYER_TYPES}, got {self.layer_types!r}")

@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 
 from .kv_cache import PagedKVCache
-from .model import MiniDSA, build_model
+from .model import ForwardTrace, MiniDSA, build_model
 
 _DEFAULT_MODELS: dict[str, MiniDSA] = {}
 DEFAULT_MODEL = "tiny"  # no trained weights ship yet: the default is the seeded tiny model
@@ -45,16 +45,22 @@ class GenerationTrace:
     ``selected[layer]`` is int32 [len(token_ids), topk]: row t holds the key positions the query at
     position t selected in that MLA layer (descending index score, -1 = padding). Every token has a
     row: the prompt's (from prefill) and each generated one (fed back through the model once).
+    ``depth_weights[mixer]`` is [len(token_ids), N]: the Block-AttnRes softmax weights of that mixer
+    ("{layer}.attn", "{layer}.ffn", "out") over its N sources (stored blocks, then the partial sum).
     """
 
     token_ids: list[int]  # prompt ids (bos first), then the generated ids
     prompt_len: int  # number of prompt ids, bos included
     text: str = ""  # decoded generated text
     selected: dict[int, torch.Tensor] = field(default_factory=dict)
+    depth_weights: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def _append(self, layer: int, rows: torch.Tensor) -> None:
-        prev = self.selected.get(layer)
-        self.selected[layer] = rows if prev is None else torch.cat([prev, rows])
+    def _append(self, forward_trace: ForwardTrace, row: int) -> None:
+        new = [(self.selected, k, v[row]) for k, v in forward_trace.selected.items()]
+        new += [(self.depth_weights, k, v[:, row].T.float()) for k, v in forward_trace.depth_weights.items()]
+        for table, key, rows in new:
+            rows = rows.cpu()
+            table[key] = rows if key not in table else torch.cat([table[key], rows])
 
 
 @dataclass
@@ -98,7 +104,8 @@ class GenerationStream:
         n = len(self.prompts)
         sids = []
         try:
-            sids = [cache.add_sequence() for _ in range(n)]
+            for _ in range(n):
+                sids.append(cache.add_sequence())  # appended one by one so a failure frees the earlier ones
             cache.reserve({sid: len(p) + req.max_new_tokens for sid, p in zip(sids, self.prompts)})
             gens = [torch.Generator().manual_seed(s) for s in req.seeds]
             decoders = [tok.stream_decoder() for _ in range(n)]
@@ -119,7 +126,7 @@ class GenerationStream:
 
             pending: dict[int, int] = {}  # row -> sampled token not yet fed to the model
             for i, ids in enumerate(self.prompts):  # prefill: one sequence at a time (lengths differ)
-                tr = {} if req.return_trace else None
+                tr = ForwardTrace() if req.return_trace else None
                 logits = self._forward(torch.tensor([ids]), [sids[i]], tr)
                 self._record(traces[i], tr, 0)
                 pending[i] = self._sample(logits[0, -1], i, gens[i])
@@ -130,7 +137,7 @@ class GenerationStream:
                 active = [i for i in sorted(pending) if self._wants_feed(i, out_ids[i])]
                 if not active:
                     break
-                tr = {} if req.return_trace else None
+                tr = ForwardTrace() if req.return_trace else None
                 tokens = torch.tensor([[pending[i]] for i in active])
                 logits = self._forward(tokens, [sids[i] for i in active], tr)
                 pending = {}
@@ -151,7 +158,7 @@ class GenerationStream:
             for sid in sids:
                 cache.free(sid)
 
-    def _forward(self, ids: torch.Tensor, sids: list[int], tr: dict | None) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, sids: list[int], tr: ForwardTrace | None) -> torch.Tensor:
         with torch.inference_mode():
             return self.model(ids.to(self.model.device), cache=self.cache, seq_ids=sids, trace=tr)
 
@@ -163,10 +170,9 @@ class GenerationStream:
         # A finished sequence is fed its last token once more only to record its selections.
         return not self._finished(out) or self.req.return_trace
 
-    def _record(self, trace: GenerationTrace, tr: dict | None, row: int) -> None:
+    def _record(self, trace: GenerationTrace, tr: ForwardTrace | None, row: int) -> None:
         if tr is not None:
-            for layer, idx in tr.items():
-                trace._append(layer, idx[row].cpu())
+            trace._append(tr, row)
 
     def _sample(self, logits: torch.Tensor, row: int, gen: torch.Generator) -> int:
         """logits fp32 [vocab] -> one token id, restricted to ids the tokenizer knows."""

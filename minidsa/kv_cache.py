@@ -8,6 +8,9 @@ k_I's scale) so prefill reads whole contiguous blocks and decode gathers a few r
 Planes are described by a ``CacheLayout`` rather than hard-coded shapes, so the KDA state slots
 and other layers plug in without touching this file's logic.
 
+KDA layers keep no KV: each live sequence owns a state slot holding, per KDA layer, the fp32
+recurrent state and the short-conv states (SPEC section 3), described in the same layout.
+
 Allocation is explicit and all-or-nothing: a request that needs more blocks than are free raises
 ``OutOfKVBlocksError`` before anything changes, so a failed request never loses state.
 """
@@ -20,8 +23,9 @@ import torch
 
 
 class OutOfKVBlocksError(ValueError, RuntimeError):
-    """The cache has too few free blocks for a request. Nothing was allocated; free sequences or
-    create a larger cache (``model.new_cache(num_blocks=...)`` / config ``kv_num_blocks``)."""
+    """The cache has too few free blocks (or KDA state slots) for a request. Nothing was allocated;
+    free sequences or create a larger cache (``model.new_cache(num_blocks=...)`` / config
+    ``kv_num_blocks`` and ``max_sequences``)."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,10 @@ class CacheLayout:
     num_layers: int  # number of MLA layers (KDA layers keep state, not KV)
     block_size: int  # tokens per block
     num_blocks: int  # blocks in the pool
+    states: tuple[tuple[str, tuple[int, ...]], ...] = ()  # per-sequence state tensors of one KDA layer
+    num_state_layers: int = 0  # number of KDA layers
+    num_state_slots: int = 16  # sequences that can be live at once (each owns one state slot)
+    state_dtype: torch.dtype = torch.float32  # KDA state stays fp32 (SPEC section 10, trap 6)
 
     def plane(self, name: str) -> Plane:
         for p in self.planes:
@@ -68,6 +76,14 @@ class PagedKVCache:
              for p in layout.planes}
             for _ in range(layout.num_layers)
         ]
+        # state[layer][name] : [num_state_slots, *shape]
+        self.state: list[dict[str, torch.Tensor]] = [
+            {name: torch.zeros((layout.num_state_slots,) + shape, dtype=layout.state_dtype, device=self.device)
+             for name, shape in layout.states}
+            for _ in range(layout.num_state_layers)
+        ]
+        self._free_state_slots = list(range(layout.num_state_slots - 1, -1, -1))
+        self._state_slot: dict[int, int] = {}
         self.block_owner = [-1] * layout.num_blocks  # sequence id owning each block, -1 = free
         self.block_tokens = [0] * layout.num_blocks  # valid tokens in each block
         self._free = list(range(layout.num_blocks - 1, -1, -1))  # stack: pop() hands out low ids first
@@ -85,12 +101,25 @@ class PagedKVCache:
         return len(self._free)
 
     def add_sequence(self) -> int:
-        """Register a new, empty sequence and return its id."""
+        """Register a new, empty sequence (with a zeroed KDA state slot) and return its id."""
+        if not self._free_state_slots:
+            raise OutOfKVBlocksError(
+                f"KV cache out of state slots: all {self.layout.num_state_slots} KDA state slots are in use. Free "
+                f"finished sequences or use a larger cache (config max_sequences).")
         sid = self._next_id
         self._next_id += 1
         self._tables[sid] = []
         self._lengths[sid] = 0
+        slot = self._free_state_slots.pop()
+        self._state_slot[sid] = slot
+        for layer in self.state:
+            for t in layer.values():
+                t[slot].zero_()  # a new sequence starts from the zero state
         return sid
+
+    @property
+    def num_free_state_slots(self) -> int:
+        return len(self._free_state_slots)
 
     def sequences(self) -> list[int]:
         return list(self._tables)
@@ -144,6 +173,8 @@ class PagedKVCache:
             self.block_tokens[b] = 0
             self._free.append(b)
         del self._lengths[sid]
+        if sid in self._state_slot:
+            self._free_state_slots.append(self._state_slot.pop(sid))
 
     def truncate(self, sid: int, length: int) -> None:
         """Forget tokens from ``length`` on (e.g. after a failed step) and release whole unused blocks."""
@@ -208,3 +239,13 @@ class PagedKVCache:
         table = torch.tensor(self._tables[sid], dtype=torch.long, device=self.device)
         phys = table[logical_blocks.long()]
         return self.storage[layer][plane][phys].reshape(-1, self.layout.plane(plane).width)
+
+    # ---------------------------------------------------------------- KDA state slots
+    def read_state(self, layer: int, name: str, sids: list[int]) -> torch.Tensor:
+        """State ``name`` of KDA layer ``layer`` for sequences ``sids`` -> [B, *shape] (a copy)."""
+        slots = torch.tensor([self._state_slot[s] for s in sids], device=self.device)
+        return self.state[layer][name][slots]
+
+    def write_state(self, layer: int, name: str, sids: list[int], value: torch.Tensor) -> None:
+        slots = torch.tensor([self._state_slot[s] for s in sids], device=self.device)
+        self.state[layer][name][slots] = value.to(self.layout.state_dtype)

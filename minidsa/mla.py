@@ -18,7 +18,7 @@ No rotary embedding anywhere: the KDA layers carry position information in the f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -42,6 +42,11 @@ class CacheContext:
     slots: torch.Tensor  # long [B, T] physical slots of the new tokens
     key_slots: torch.Tensor  # long [B, S] slot of every position 0..S-1, -1 past a sequence's end
                              # (computed once per forward, shared by all layers)
+    staged: dict = field(default_factory=dict)  # (kda layer, state name) -> new state [B, ...]
+
+    def stage_state(self, layer: int, name: str, value: torch.Tensor) -> None:
+        """Keep a KDA layer's new state until the whole forward succeeds (then the model writes it)."""
+        self.staged[(layer, name)] = value
 
     def slots_of(self, positions: torch.Tensor) -> torch.Tensor:
         """Logical positions [B, N] (-1 = padding) -> physical slots [B, N] (-1 kept)."""
@@ -107,10 +112,9 @@ class GatedMLA(nn.Module):
         return self.o_proj(o.to(self.o_proj.weight.dtype))
 
     # ---------------------------------------------------------------- entry point
-    def forward(self, x: torch.Tensor, ctx: CacheContext | None = None,
-                trace: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-        """x [B, T, d] (already normalised) -> [B, T, d]. ``trace[layer_idx]`` gets the selected
-        positions int32 [B, T, topk] when a dict is passed."""
+    def forward(self, x: torch.Tensor, ctx: CacheContext | None = None, trace=None) -> torch.Tensor:
+        """x [B, T, d] (already normalised) -> [B, T, d]. With a ForwardTrace, ``trace.selected[layer_idx]``
+        gets the selected positions int32 [B, T, topk]."""
         p = self._project(x)
         if ctx is None:
             idx, o = self._forward_uncached(p)
@@ -120,7 +124,7 @@ class GatedMLA(nn.Module):
             # The path is chosen from the number of query tokens (SPEC section 4).
             o = self._attend_decode(ctx, p, idx) if x.shape[1] == 1 else self._attend_prefill(ctx, p, idx)
         if trace is not None:
-            trace[self.layer_idx] = idx
+            trace.selected[self.layer_idx] = idx
         return self._finish(o, p["gate"])
 
     # ---------------------------------------------------------------- no cache: the reference

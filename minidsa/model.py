@@ -11,62 +11,125 @@ self_attn.*``, ``language_model.lm_head.weight`` and so on.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
+from . import ops
 from .config import ModelConfig, load_config
 from .ffn import SituGluMLP
+from .kda import KimiDeltaAttention
 from .kv_cache import CacheLayout, PagedKVCache, Plane
 from .mla import CacheContext, GatedMLA
 from .norm import RMSNorm
 from .ops import BACKENDS
 from .tokenizer import ByteTokenizer
 
-# Parameters the real model keeps in fp32 whatever the compute dtype (norms, gates, indexer weights).
-_FP32_SUFFIXES = ("layernorm.weight", "norm.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
+# Parameters the real model keeps in fp32 whatever the compute dtype (norms, gates, decay, indexer weights).
+_FP32_SUFFIXES = ("norm.weight", "k_norm.bias", "weights_proj.weight", "res_proj.weight", "A_log", "dt_bias",
+                  "conv1d.weight")
+
+
+@dataclass
+class ForwardTrace:
+    """What one forward did, for plots and tests.
+
+    selected[layer]: int32 [B, T, topk] key positions chosen by the DSA indexer of MLA layer ``layer``.
+    depth_weights[mixer]: [N, B, T] softmax weights of an AttnRes mixer over its N sources (stored
+    blocks, then the partial sum); mixers are named "{layer}.attn", "{layer}.ffn" and "out".
+    """
+
+    selected: dict[int, torch.Tensor] = field(default_factory=dict)
+    depth_weights: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def mix_sources(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear, name: str,
+                trace: ForwardTrace | None, backend: str) -> torch.Tensor:
+    """One Block-AttnRes mixer: N sources [B, T, d] -> [B, T, d] (fp32/fp64). ``proj.weight`` [1, d] is the
+    pseudo-query w (zero at init), ``norm.weight`` the RMSNorm gamma of the scores."""
+    out, alpha = ops.attn_res_mix(torch.stack(sources), proj.weight[0], norm.weight, norm.eps,
+                                  return_weights=True, backend=backend)
+    if trace is not None:
+        trace.depth_weights[name] = alpha
+    return out
 
 
 class DecoderLayer(nn.Module):
-    """One layer = attention sub-layer + FFN sub-layer. The residual wiring lives in the decoder
-    loop, so Block Attention Residuals can replace it without touching the sub-layers."""
+    """One layer = attention sub-layer (KDA or MLA+DSA) + FFN sub-layer, each with its AttnRes mixer.
+    The residual wiring lives in the decoder loop (Block AttnRes, SPEC section 1)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, cache_layer: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.layer_type = cfg.layer_types[layer_idx]
-        if self.layer_type != "mla":
-            raise ValueError(f"layer_types[{layer_idx}] = {self.layer_type!r}: only 'mla' layers can be built in "
-                             f"this version of minidsa (KDA layers are not in yet); use a config whose layer_types "
-                             f"are all 'mla'")
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = GatedMLA(cfg, layer_idx, cache_layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(d, eps)
+        if self.layer_type == "mla":
+            self.self_attn = GatedMLA(cfg, layer_idx, cache_layer)
+        else:
+            self.self_attn = KimiDeltaAttention(cfg, layer_idx, cache_layer)
+        self.post_attention_layernorm = RMSNorm(d, eps)
         width = cfg.dense_intermediate_size if layer_idx < cfg.moe.first_dense_layers else cfg.ffn_intermediate_size
         # Layers past first_dense_layers become MoE with the MoE issue; until then a dense SiTU-GLU MLP.
-        self.mlp = SituGluMLP(cfg.hidden_size, width, cfg.activation_beta_gate, cfg.activation_beta_up)
+        self.mlp = SituGluMLP(d, width, cfg.activation_beta_gate, cfg.activation_beta_up)
+        # The two AttnRes mixers, named as in the checkpoint: {self_attention_res,mlp_res}_{norm,proj}.
+        self.self_attention_res_norm = RMSNorm(d, eps)
+        self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+        self.mlp_res_norm = RMSNorm(d, eps)
+        self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+        self.backend = "auto"
+        self.compute_dtype = cfg.torch_dtype  # sub-layers run in the model dtype; the residual mix in fp32
 
-    def attention(self, h: torch.Tensor, ctx: CacheContext | None, trace: dict | None) -> torch.Tensor:
-        return self.self_attn(self.input_layernorm(h), ctx, trace)
+    def mix_attn(self, sources: list[torch.Tensor], trace: ForwardTrace | None) -> torch.Tensor:
+        return mix_sources(sources, self.self_attention_res_norm, self.self_attention_res_proj,
+                           f"{self.layer_idx}.attn", trace, self.backend)
+
+    def mix_ffn(self, sources: list[torch.Tensor], trace: ForwardTrace | None) -> torch.Tensor:
+        return mix_sources(sources, self.mlp_res_norm, self.mlp_res_proj, f"{self.layer_idx}.ffn", trace, self.backend)
+
+    def attention(self, h: torch.Tensor, ctx: CacheContext | None, trace: ForwardTrace | None) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(h.to(self.compute_dtype)), ctx, trace)
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.post_attention_layernorm(h))
+        return self.mlp(self.post_attention_layernorm(h.to(self.compute_dtype)))
 
 
 class TextDecoder(nn.Module):
-    """``language_model.model``: embedding, layers, final norm."""
+    """``language_model.model``: embedding, layers wired by Block Attention Residuals, final norm."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.block_size = cfg.attn_res_block_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        mla_rank = {layer: r for r, layer in enumerate(cfg.mla_layers)}
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, mla_rank.get(i, -1)) for i in range(cfg.num_layers))
+        rank = {i: r for r, i in enumerate(cfg.mla_layers)} | {i: r for r, i in enumerate(cfg.kda_layers)}
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rank[i]) for i in range(cfg.num_layers))
+        self.output_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # the output mixer
+        self.output_res_proj = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.backend = "auto"
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.compute_dtype = cfg.torch_dtype
 
-    def forward(self, h: torch.Tensor, ctx: CacheContext | None, trace: dict | None) -> torch.Tensor:
-        for layer in self.layers:  # plain pre-norm residual stream
-            h = h + layer.attention(h, ctx, trace)
-            h = h + layer.feed_forward(h)
-        return self.norm(h)
+    def forward(self, emb: torch.Tensor, ctx: CacheContext | None, trace: ForwardTrace | None) -> torch.Tensor:
+        """emb [B, T, d] -> final hidden states [B, T, d] (after the output mixer and the final norm).
+
+        blocks: completed block representations (the embedding is block 0); p: the running sum of
+        sub-layer outputs of the current block. Each sub-layer reads a softmax mix of blocks + [p].
+        """
+        acc = torch.float64 if emb.dtype == torch.float64 else torch.float32
+        blocks: list[torch.Tensor] = []
+        p_in = emb.to(acc)
+        for l, layer in enumerate(self.layers):
+            h = layer.mix_attn(blocks + [p_in], trace) if blocks else p_in
+            if l % self.block_size == 0:  # a new block starts: the finished one is stored
+                blocks.append(p_in)
+                p = layer.attention(h, ctx, trace).to(acc)
+            else:
+                p = p_in + layer.attention(h, ctx, trace).to(acc)
+            h = layer.mix_ffn(blocks + [p], trace)
+            p_in = p + layer.feed_forward(h).to(acc)
+        out = mix_sources(blocks + [p_in], self.output_res_norm, self.output_res_proj, "out", trace, self.backend)
+        return self.norm(out.to(self.compute_dtype))
 
 
 class LanguageModel(nn.Module):
@@ -99,11 +162,23 @@ class MiniDSA(nn.Module):
     # ---------------------------------------------------------------- construction
     @torch.no_grad()
     def _init_weights(self) -> None:
-        """Seeded N(0, init_std) for matrices, ones/zeros for norms: the same model on every machine."""
+        """Seeded initialisation, the same model on every machine: N(0, init_std) matrices, unit norms,
+        zero AttnRes pseudo-queries (a fresh model averages its sources, SPEC section 1)."""
         g = torch.Generator().manual_seed(self.config.seed)
+
+        def uniform(shape, lo, hi):
+            return torch.rand(shape, generator=g, device="cpu") * (hi - lo) + lo
+
         for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
+            if name.endswith(("bias", "res_proj.weight", "A_log")):
+                p.zero_()  # A_log = 0: the decay rate multiplier exp(A_log) starts at 1
+            elif name.endswith("dt_bias"):
+                # Spread the initial KDA decays: g = lb * sigmoid(dt_bias) ranges from ~lb/400 (long
+                # memory) to lb/2 (short) across channels.
+                p.copy_(uniform(p.shape, -6.0, 0.0))
+            elif name.endswith("conv1d.weight"):
+                bound = p.shape[-1] ** -0.5  # PyTorch's default for a depthwise conv (fan_in = kernel)
+                p.copy_(uniform(p.shape, -bound, bound))
             elif p.dim() == 1:
                 p.fill_(1.0)
             else:
@@ -118,8 +193,9 @@ class MiniDSA(nn.Module):
         """Op backend for every layer: "torch", "triton" or "auto"."""
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}; use one of {BACKENDS}")
-        for layer in self.language_model.model.layers:
-            layer.self_attn.backend = backend
+        for module in self.modules():
+            if hasattr(module, "backend"):
+                module.backend = backend
         return self
 
     @property
@@ -136,8 +212,12 @@ class MiniDSA(nn.Module):
                        Plane("index_key_scale", 1, torch.float32)]
         else:
             planes.append(Plane("index_key", cfg.indexer.head_dim, dt))
+        kda = [layer.self_attn for layer in self.language_model.model.layers if layer.layer_type == "kda"]
+        states = tuple(kda[0].state_shapes().items()) if kda else ()
         return CacheLayout(tuple(planes), len(cfg.mla_layers), cfg.kv_block_size,
-                           cfg.kv_num_blocks if num_blocks is None else num_blocks)
+                           cfg.kv_num_blocks if num_blocks is None else num_blocks,
+                           states=states, num_state_layers=len(kda), num_state_slots=cfg.max_sequences,
+                           state_dtype=torch.float64 if dt == torch.float64 else torch.float32)
 
     def new_cache(self, num_blocks: int | None = None) -> PagedKVCache:
         """A fresh paged cache for this model (``num_blocks`` defaults to config.kv_num_blocks)."""
@@ -154,14 +234,17 @@ class MiniDSA(nn.Module):
 
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, *, cache: PagedKVCache | None = None,
-                seq_ids: list[int] | None = None, trace: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                seq_ids: list[int] | None = None, trace: ForwardTrace | None = None) -> torch.Tensor:
         """input_ids int [B, T] -> logits fp32 [B, T, vocab].
 
         Without ``cache``: positions 0..T-1, nothing stored. With ``cache`` and ``seq_ids`` (one cache
-        sequence per row): the tokens continue those sequences; the cache grows only if the whole
-        forward succeeds. ``trace`` (a dict) receives layer index -> selected positions [B, T, topk].
+        sequence per row): the tokens continue those sequences; the cache (KV and KDA state) changes
+        only if the whole forward succeeds. ``trace`` (a ForwardTrace) receives the DSA selections
+        and the AttnRes depth weights.
         """
         self._check_ids(input_ids)
+        if trace is not None and not isinstance(trace, ForwardTrace):
+            raise TypeError(f"trace must be a minidsa.ForwardTrace, got {type(trace).__name__}")
         B, T = input_ids.shape
         ctx = None
         if cache is None:
@@ -176,7 +259,9 @@ class MiniDSA(nn.Module):
         h = self.language_model.model(h, ctx, trace)
         logits = self.language_model.lm_head(h)
         logits = logits if logits.dtype == torch.float64 else logits.float()
-        if ctx is not None:
+        if ctx is not None:  # success: publish the staged KDA states and the new lengths
+            for (layer, name), value in ctx.staged.items():
+                cache.write_state(layer, name, ctx.seq_ids, value)
             for b, sid in enumerate(ctx.seq_ids):
                 cache.commit(sid, int(ctx.positions[b, -1]) + 1)
         return logits

@@ -94,15 +94,32 @@ def test_bad_fields_are_named(patch, field):
         ModelConfig.from_dict(data)
 
 
-def test_reference_config_builds_on_meta_only_device():
-    # The full 93-layer pattern has KDA layers, which this version cannot build; an all-MLA slice of
-    # the reference widths must build on "meta" without allocating memory.
-    cfg = load_config("k3.1-pro").replace(layer_types=["mla"] * 2)
-    model = minidsa.MiniDSA(cfg, device="meta")
+# Reference-scale tensor shapes of SPEC section 5 (and section 9 names).
+KDA_SHAPES = {"q_proj.weight": (12288, 7168), "k_proj.weight": (12288, 7168), "v_proj.weight": (12288, 7168),
+              "q_conv1d.weight": (12288, 1, 4), "f_a_proj.weight": (128, 7168), "f_b_proj.weight": (12288, 128),
+              "A_log": (96,), "dt_bias": (12288,), "b_proj.weight": (96, 7168), "g_proj.weight": (12288, 7168),
+              "o_norm.weight": (128,), "o_proj.weight": (7168, 12288)}
+MLA_SHAPES = {"q_a_proj.weight": (1536, 7168), "q_a_layernorm.weight": (1536,), "q_b_proj.weight": (18432, 1536),
+              "kv_a_proj_with_mqa.weight": (576, 7168), "kv_a_layernorm.weight": (512,),
+              "kv_b_proj.weight": (24576, 512), "g_proj.weight": (12288, 7168), "o_proj.weight": (7168, 12288),
+              "indexer.wq_b.weight": (4096, 1536), "indexer.wk.weight": (128, 7168), "indexer.k_norm.weight": (128,),
+              "indexer.k_norm.bias": (128,), "indexer.weights_proj.weight": (32, 7168)}
+
+
+def test_reference_config_builds_on_meta_device_with_spec_shapes():
+    model = minidsa.MiniDSA(load_config("k3.1-pro"), device="meta")
     assert model.device.type == "meta"
-    assert model.num_parameters() > 3_000_000_000  # embeddings + lm_head alone are 2.3 B
-    with pytest.raises(ValueError, match="KDA"):
-        minidsa.MiniDSA(load_config("k3.1-pro"), device="meta")
+    params = dict(model.named_parameters())
+    for layer, kind in [(0, KDA_SHAPES), (3, MLA_SHAPES), (91, MLA_SHAPES), (92, MLA_SHAPES), (90, KDA_SHAPES)]:
+        for name, shape in kind.items():
+            full = f"language_model.model.layers.{layer}.self_attn.{name}"
+            assert tuple(params[full].shape) == shape, full
+    for mixer in ("self_attention_res", "mlp_res"):
+        assert tuple(params[f"language_model.model.layers.5.{mixer}_proj.weight"].shape) == (1, 7168)
+        assert tuple(params[f"language_model.model.layers.5.{mixer}_norm.weight"].shape) == (7168,)
+    assert tuple(params["language_model.lm_head.weight"].shape) == (163840, 7168)
+    assert params["language_model.model.layers.0.self_attn.A_log"].dtype == torch.float32  # fp32 in a bf16 model
+    assert params["language_model.model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
 
 
 def test_presets_load_from_an_installed_wheel(tmp_path):

@@ -83,7 +83,7 @@ def test_trace_covers_every_token_and_matches_full_forward(tiny_model):
     assert n == trace.prompt_len + 10
     mla = tiny_model.config.mla_layers
     assert sorted(trace.selected) == mla
-    full = {}
+    full = minidsa.ForwardTrace()
     with torch.no_grad():
         tiny_model(torch.tensor([trace.token_ids]), trace=full)
     topk = tiny_model.config.indexer.topk
@@ -92,7 +92,7 @@ def test_trace_covers_every_token_and_matches_full_forward(tiny_model):
         assert sel.shape == (n, topk) and sel.dtype == torch.int32
         pos = torch.arange(n).unsqueeze(1)
         assert ((sel <= pos) | (sel == -1)).all()
-        assert torch.equal(sel.sort(-1).values, full[layer][0].sort(-1).values)
+        assert torch.equal(sel.sort(-1).values, full.selected[layer][0].sort(-1).values)
     assert trace.text == text
 
 

@@ -10,10 +10,12 @@ import torch
 
 from ._dispatch import BACKENDS, pick
 from .attention import gather_rows, indices_to_mask, masked_dense_attention, sparse_attention_ref
+from .attn_res import attn_res_mix_ref
 from .indexer import index_scores_ref, topk_indices_ref
+from .kda import kda_chunk_ref, kda_recurrent_ref
 
 __all__ = ["BACKENDS", "index_scores", "topk_indices", "sparse_attention", "masked_dense_attention",
-           "indices_to_mask", "gather_rows"]
+           "indices_to_mask", "gather_rows", "kda_recurrent", "kda_chunk", "attn_res_mix"]
 
 
 def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float, *,
@@ -42,3 +44,26 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
     Equals ``masked_dense_attention(q, k, v, indices_to_mask(indices, S), scale)``.
     """
     return pick("sparse_attention", backend, sparse_attention_ref, q, k, v)(q, k, v, indices, scale)
+
+
+def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  scale: float | None = None, initial_state: torch.Tensor | None = None, *,
+                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Kimi Delta Attention, one step at a time. q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] log-decay;
+    beta [B,T,HV]; initial_state [B,HV,K,V] -> (o [B,T,HV,V] in v.dtype, final_state [B,HV,K,V] fp32)."""
+    return pick("kda_recurrent", backend, kda_recurrent_ref, q, k, v)(q, k, v, g, beta, scale, initial_state)
+
+
+def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              scale: float | None = None, initial_state: torch.Tensor | None = None, chunk_size: int = 64, *,
+              backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked (WY/UT) form of ``kda_recurrent`` with the same inputs and outputs; T need not be a
+    multiple of ``chunk_size``."""
+    return pick("kda_chunk", backend, kda_chunk_ref, q, k, v)(q, k, v, g, beta, scale, initial_state, chunk_size)
+
+
+def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-5,
+                 return_weights: bool = False, *, backend: str = "auto"):
+    """Attention Residual mixer. sources [N,...,D], query [D], norm_weight [D] -> [...,D]
+    (and the depth weights [N,...] with ``return_weights``)."""
+    return pick("attn_res_mix", backend, attn_res_mix_ref, sources)(sources, query, norm_weight, eps, return_weights)

@@ -1,0 +1,107 @@
+"""The Kimi Delta Attention layer of K3 (SPEC section 5).
+
+    q, k, v = SiLU(causal depthwise conv4(W_{q,k,v} x))   q, k L2-normalised per head
+    g       = lb * sigmoid(exp(A_log[h]) * (W_fb W_fa x + dt_bias))   log-decay in (lb, 0), lb = -5
+    beta    = sigmoid(W_b x)                                           one per head
+    o       = KDA(q, k, v, g, beta)    recurrent state [H, K, V] in fp32, no KV cache
+    y       = W_o [ RMSNorm_per_head(o) * sigmoid(W_g x) ]
+
+KDA carries position information for the whole model (the MLA layers use no rotary embedding).
+Its per-sequence state is the recurrent state plus the last conv_size-1 projected inputs of each
+short conv; prefill (chunked form) hands both to decode (recurrent form). The new state is staged
+in the cache context and written only when the whole forward succeeds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .config import ModelConfig
+from .norm import RMSNorm
+
+L2_EPS = 1e-6  # q, k <- x / sqrt(sum x^2 + eps)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv continuing from ``state``.
+
+    x [B, T, C], weight [C, 1, W], state [B, W-1, C] (the previous W-1 inputs, zeros at the start)
+    -> (y [B, T, C], new_state [B, W-1, C]); y[t] = sum_i weight[:, 0, i] * [state; x][t + i].
+    """
+    W = weight.shape[-1]
+    full = torch.cat([state.to(x.dtype), x], dim=1)  # [B, W-1+T, C]
+    windows = full.unfold(1, W, 1)  # [B, T, C, W]
+    y = (windows * weight[:, 0, :].to(x.dtype)).sum(-1)
+    return y, full[:, full.shape[1] - (W - 1):]
+
+
+class KimiDeltaAttention(nn.Module):
+    STATE_NAMES = ("recurrent", "conv_q", "conv_k", "conv_v")
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, state_layer: int) -> None:
+        super().__init__()
+        kc = cfg.kda
+        self.layer_idx, self.state_layer = layer_idx, state_layer
+        self.num_heads, self.head_dim, self.conv_size = kc.num_heads, kc.head_dim, kc.conv_size
+        self.lower_bound, self.chunk_size = kc.decay_lower_bound, kc.chunk_size
+        d, HK = cfg.hidden_size, kc.num_heads * kc.head_dim
+        self.q_proj = nn.Linear(d, HK, bias=False)
+        self.k_proj = nn.Linear(d, HK, bias=False)
+        self.v_proj = nn.Linear(d, HK, bias=False)
+        self.q_conv1d = nn.Conv1d(HK, HK, kc.conv_size, groups=HK, bias=False)  # weight [HK, 1, W]
+        self.k_conv1d = nn.Conv1d(HK, HK, kc.conv_size, groups=HK, bias=False)
+        self.v_conv1d = nn.Conv1d(HK, HK, kc.conv_size, groups=HK, bias=False)
+        self.f_a_proj = nn.Linear(d, kc.decay_rank, bias=False)
+        self.f_b_proj = nn.Linear(kc.decay_rank, HK, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(kc.num_heads))
+        self.dt_bias = nn.Parameter(torch.zeros(HK))
+        self.b_proj = nn.Linear(d, kc.num_heads, bias=False)
+        self.g_proj = nn.Linear(d, HK, bias=False)
+        self.o_norm = RMSNorm(kc.head_dim, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(HK, d, bias=False)
+        self.backend = "auto"
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-sequence state tensors (all fp32) for the cache's state slots."""
+        H, K, W = self.num_heads, self.head_dim, self.conv_size
+        conv = (W - 1, H * K)
+        return {"recurrent": (H, K, K), "conv_q": conv, "conv_k": conv, "conv_v": conv}
+
+    def forward(self, x: torch.Tensor, ctx=None, trace=None) -> torch.Tensor:
+        """x [B, T, d] (already normalised) -> [B, T, d]. ``ctx`` (a CacheContext) supplies and
+        receives the per-sequence state; without it the sequence starts from a zero state."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if ctx is None:
+            state = {n: torch.zeros((B,) + s, dtype=acc, device=x.device) for n, s in self.state_shapes().items()}
+        else:
+            state = {n: ctx.cache.read_state(self.state_layer, n, ctx.seq_ids) for n in self.STATE_NAMES}
+        new_state = {}
+        qkv = []
+        for name, proj, conv in (("q", self.q_proj, self.q_conv1d), ("k", self.k_proj, self.k_conv1d),
+                                 ("v", self.v_proj, self.v_conv1d)):
+            y, new_state[f"conv_{name}"] = causal_conv(proj(x).to(acc), conv.weight, state[f"conv_{name}"])
+            qkv.append(F.silu(y).view(B, T, H, K))
+        q, k, v = qkv
+        q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + L2_EPS)
+        k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + L2_EPS)
+        z = self.f_b_proj(self.f_a_proj(x)).to(acc) + self.dt_bias.to(acc)
+        g = self.lower_bound * torch.sigmoid(self.A_log.to(acc).exp().repeat_interleave(K) * z)
+        g = g.view(B, T, H, K)
+        beta = torch.sigmoid(self.b_proj(x).to(acc))
+        if T == 1:  # decode: the recurrence, one step (chosen at run time from the query count)
+            o, new_state["recurrent"] = ops.kda_recurrent(q, k, v, g, beta, None, state["recurrent"],
+                                                          backend=self.backend)
+        else:
+            o, new_state["recurrent"] = ops.kda_chunk(q, k, v, g, beta, None, state["recurrent"], self.chunk_size,
+                                                      backend=self.backend)
+        if ctx is not None:
+            for n, value in new_state.items():
+                ctx.stage_state(self.state_layer, n, value)
+        gate = torch.sigmoid(self.g_proj(x).to(acc))
+        o = self.o_norm(o).reshape(B, T, H * K) * gate
+        return self.o_proj(o.to(self.o_proj.weight.dtype))
