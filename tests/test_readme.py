@@ -1,0 +1,15 @@
+"""The README's usage example runs as written."""
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_python_example_runs(capsys):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "README has no python example"
+    namespace: dict = {}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    assert isinstance(namespace["text"], str) and len(namespace["texts"]) == 2
+    assert namespace["trace"].selected and namespace["tr"].depth_weights
