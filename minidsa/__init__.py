@@ -10,7 +10,8 @@ from . import ops
 from .config import ModelConfig, load_config, preset_names
 from .generate import GenerationStream, GenerationTrace, default_model, generate, load
 from .kv_cache import CacheLayout, OutOfKVBlocksError, PagedKVCache, Plane
-from .model import ForwardTrace, MiniDSA, build_model
+from . import mxfp4
+from .model import ForwardTrace, MiniDSA, build_model, count_parameters
 from .tokenizer import ByteTokenizer
 
 __version__ = "0.1.0"
@@ -18,5 +19,5 @@ __version__ = "0.1.0"
 __all__ = [
     "ops", "ModelConfig", "load_config", "preset_names", "generate", "load", "default_model",
     "GenerationStream", "GenerationTrace", "CacheLayout", "OutOfKVBlocksError", "PagedKVCache", "Plane",
-    "MiniDSA", "ForwardTrace", "build_model", "ByteTokenizer",
+    "MiniDSA", "ForwardTrace", "build_model", "count_parameters", "ByteTokenizer", "mxfp4",
 ]

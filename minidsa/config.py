@@ -65,6 +65,8 @@ class MoEConfig:
     shared_intermediate_size: int = 96  # width of the fused shared experts (dense SiTU-GLU on full width)
     routed_scaling_factor: float = 1.0  # multiplies the renormalised routing weights
     first_dense_layers: int = 1  # layers [0, n) use the dense FFN instead of MoE
+    workspace_experts: int = 8  # experts the shared FP8 workspace holds at once; larger routed sets go in rounds
+    offline_experts: bool = False  # convert every expert to FP8 at load (memory grows with depth) instead of online
 
 
 @dataclass
@@ -90,8 +92,7 @@ class ModelConfig:
     vocab_size: int = 264  # byte tokenizer needs 263 ids; padded for alignment
     hidden_size: int = 64  # residual width d
     layer_types: list[str] = field(default_factory=lambda: ["mla"] * 4)  # explicit pattern; must end in "mla"
-    dense_intermediate_size: int = 128  # SiTU-GLU width of the dense FFN of layer 0
-    ffn_intermediate_size: int = 96  # dense FFN width of layers >= 1 until the MoE replaces them
+    dense_intermediate_size: int = 128  # SiTU-GLU width of the dense FFN of layers < moe.first_dense_layers
     activation_beta_gate: float = 4.0  # SiTU-GLU gate saturation: |gate act| < beta_gate
     activation_beta_up: float = 25.0  # SiTU-GLU up saturation: |up| < beta_up
     rms_norm_eps: float = 1e-5  # eps of every RMSNorm
@@ -157,7 +158,7 @@ class ModelConfig:
     # ---------------------------------------------------------------- validation
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what it may be."""
-        _positive(self, "", ["vocab_size", "hidden_size", "dense_intermediate_size", "ffn_intermediate_size",
+        _positive(self, "", ["vocab_size", "hidden_size", "dense_intermediate_size",
                              "attn_res_block_size", "max_seq_len", "kv_block_size", "kv_num_blocks",
                              "max_sequences"])
         _positive_float(self, "", ["rms_norm_eps", "init_std", "activation_beta_gate", "activation_beta_up"])
@@ -189,7 +190,14 @@ class ModelConfig:
         if not self.kda.decay_lower_bound < 0:
             raise ValueError(f"kda.decay_lower_bound = {self.kda.decay_lower_bound} must be < 0")
         _positive(self.moe, "moe.", ["num_experts", "top_k", "latent_size", "expert_intermediate_size",
-                                     "shared_intermediate_size"])
+                                     "shared_intermediate_size", "workspace_experts"])
+        for f in ("latent_size", "expert_intermediate_size"):
+            if getattr(self.moe, f) % 32:
+                raise ValueError(f"config field moe.{f} = {getattr(self.moe, f)} must be a multiple of 32 "
+                                 f"(MXFP4 scales cover 32 elements along each expert matrix's input dim)")
+        if self.moe.workspace_experts > self.moe.num_experts:
+            raise ValueError(f"moe.workspace_experts = {self.moe.workspace_experts} must be <= moe.num_experts = "
+                             f"{self.moe.num_experts} (a layer never routes to more experts than it has)")
         if self.moe.top_k > self.moe.num_experts:
             raise ValueError(f"moe.top_k = {self.moe.top_k} must be <= moe.num_experts = {self.moe.num_experts}")
         if not 0 <= self.moe.first_dense_layers <= self.num_layers:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -26,9 +27,13 @@ _DEFAULT_MODELS: dict[str, MiniDSA] = {}
 DEFAULT_MODEL = "tiny"  # no trained weights ship yet: the default is the seeded tiny model
 
 
-def load(name_or_path="tiny", *, device: torch.device | str = "cpu") -> MiniDSA:
-    """The model of a preset name ("tiny", "laptop", ...), a config JSON path or a directory with a
-    config.json. Weights are the seeded random initialisation until trained checkpoints ship."""
+def load(name_or_path="tiny", *, device: torch.device | str = "cpu", progress: bool = False) -> MiniDSA:
+    """A checkpoint directory (save_pretrained's output) with its weights, or the seeded random model
+    of a preset name ("tiny", "laptop", ...), a config JSON path or a ModelConfig."""
+    if isinstance(name_or_path, (str, os.PathLike)) and Path(name_or_path).is_dir():
+        from .checkpoint import load_pretrained
+
+        return load_pretrained(name_or_path, device=device, progress=progress)
     return build_model(name_or_path, device=device)
 
 

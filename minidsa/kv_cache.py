@@ -69,6 +69,17 @@ class PagedKVCache:
                              f"{layout.num_blocks}")
         self.layout = layout
         self.device = torch.device(device)
+        with torch.inference_mode(False):  # normal tensors: usable in and out of inference mode
+            self._allocate()
+        self.block_owner = [-1] * layout.num_blocks  # sequence id owning each block, -1 = free
+        self.block_tokens = [0] * layout.num_blocks  # valid tokens in each block
+        self._free = list(range(layout.num_blocks - 1, -1, -1))  # stack: pop() hands out low ids first
+        self._tables: dict[int, list[int]] = {}
+        self._lengths: dict[int, int] = {}
+        self._next_id = 0
+
+    def _allocate(self) -> None:
+        layout = self.layout
         # storage[layer][plane] : [num_blocks, block_size, width]. Zero-filled so an unwritten slot is
         # deterministic; correctness never depends on it (unselected rows are never read).
         self.storage: list[dict[str, torch.Tensor]] = [
@@ -84,12 +95,6 @@ class PagedKVCache:
         ]
         self._free_state_slots = list(range(layout.num_state_slots - 1, -1, -1))
         self._state_slot: dict[int, int] = {}
-        self.block_owner = [-1] * layout.num_blocks  # sequence id owning each block, -1 = free
-        self.block_tokens = [0] * layout.num_blocks  # valid tokens in each block
-        self._free = list(range(layout.num_blocks - 1, -1, -1))  # stack: pop() hands out low ids first
-        self._tables: dict[int, list[int]] = {}
-        self._lengths: dict[int, int] = {}
-        self._next_id = 0
 
     # ---------------------------------------------------------------- sequences
     @property

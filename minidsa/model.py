@@ -21,14 +21,16 @@ from .config import ModelConfig, load_config
 from .ffn import SituGluMLP
 from .kda import KimiDeltaAttention
 from .kv_cache import CacheLayout, PagedKVCache, Plane
+from . import mxfp4
 from .mla import CacheContext, GatedMLA
+from .moe import EXPERT_WEIGHTS, ExpertWorkspace, LatentMoE, expert_shapes
 from .norm import RMSNorm
 from .ops import BACKENDS
 from .tokenizer import ByteTokenizer
 
 # Parameters the real model keeps in fp32 whatever the compute dtype (norms, gates, decay, indexer weights).
 _FP32_SUFFIXES = ("norm.weight", "k_norm.bias", "weights_proj.weight", "res_proj.weight", "A_log", "dt_bias",
-                  "conv1d.weight")
+                  "conv1d.weight", "gate.weight", "e_score_correction_bias")
 
 
 @dataclass
@@ -59,7 +61,7 @@ class DecoderLayer(nn.Module):
     """One layer = attention sub-layer (KDA or MLA+DSA) + FFN sub-layer, each with its AttnRes mixer.
     The residual wiring lives in the decoder loop (Block AttnRes, SPEC section 1)."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, cache_layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, cache_layer: int, workspace_ref=None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.layer_type = cfg.layer_types[layer_idx]
@@ -70,9 +72,11 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = KimiDeltaAttention(cfg, layer_idx, cache_layer)
         self.post_attention_layernorm = RMSNorm(d, eps)
-        width = cfg.dense_intermediate_size if layer_idx < cfg.moe.first_dense_layers else cfg.ffn_intermediate_size
-        # Layers past first_dense_layers become MoE with the MoE issue; until then a dense SiTU-GLU MLP.
-        self.mlp = SituGluMLP(d, width, cfg.activation_beta_gate, cfg.activation_beta_up)
+        self.is_moe = layer_idx >= cfg.moe.first_dense_layers
+        if self.is_moe:
+            self.block_sparse_moe = LatentMoE(cfg, workspace_ref)
+        else:
+            self.mlp = SituGluMLP(d, cfg.dense_intermediate_size, cfg.activation_beta_gate, cfg.activation_beta_up)
         # The two AttnRes mixers, named as in the checkpoint: {self_attention_res,mlp_res}_{norm,proj}.
         self.self_attention_res_norm = RMSNorm(d, eps)
         self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
@@ -92,18 +96,19 @@ class DecoderLayer(nn.Module):
         return self.self_attn(self.input_layernorm(h.to(self.compute_dtype)), ctx, trace)
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.post_attention_layernorm(h.to(self.compute_dtype)))
+        ffn = self.block_sparse_moe if self.is_moe else self.mlp
+        return ffn(self.post_attention_layernorm(h.to(self.compute_dtype)))
 
 
 class TextDecoder(nn.Module):
     """``language_model.model``: embedding, layers wired by Block Attention Residuals, final norm."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, workspace_ref=None) -> None:
         super().__init__()
         self.block_size = cfg.attn_res_block_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rank = {i: r for r, i in enumerate(cfg.mla_layers)} | {i: r for r, i in enumerate(cfg.kda_layers)}
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rank[i]) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rank[i], workspace_ref) for i in range(cfg.num_layers))
         self.output_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # the output mixer
         self.output_res_proj = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.backend = "auto"
@@ -135,16 +140,17 @@ class TextDecoder(nn.Module):
 class LanguageModel(nn.Module):
     """``language_model``: the decoder and its output head."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, workspace_ref=None) -> None:
         super().__init__()
-        self.model = TextDecoder(cfg)
+        self.model = TextDecoder(cfg, workspace_ref)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
 
 class MiniDSA(nn.Module):
     """The whole model. ``forward(input_ids [B, T]) -> logits [B, T, vocab]`` (fp32; fp64 for a float64 model)."""
 
-    def __init__(self, config: ModelConfig | str, *, device: torch.device | str = "cpu") -> None:
+    def __init__(self, config: ModelConfig | str, *, device: torch.device | str = "cpu", init: bool = True) -> None:
+        """Build the model; ``init=False`` leaves weights uninitialised (a checkpoint fills them)."""
         super().__init__()
         cfg = load_config(config)
         self.config = cfg
@@ -153,11 +159,14 @@ class MiniDSA(nn.Module):
             raise ValueError(f"vocab_size = {cfg.vocab_size} is smaller than the tokenizer's "
                              f"{self.tokenizer.vocab_size} ids; raise it")
         with torch.device(device):  # build in place: the reference-scale config only fits on "meta"
-            self.language_model = LanguageModel(cfg)
+            self.language_model = LanguageModel(cfg, self.expert_workspace)
         self._default_cache: PagedKVCache | None = None
-        if str(device) != "meta":
+        self._workspace: ExpertWorkspace | None = None
+        if str(device) != "meta" and init:
             self._init_weights()
         self._cast(cfg.torch_dtype)
+        if cfg.moe.offline_experts and init and str(device) != "meta":
+            self.set_expert_mode("offline")
 
     # ---------------------------------------------------------------- construction
     @torch.no_grad()
@@ -183,6 +192,54 @@ class MiniDSA(nn.Module):
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g, device="cpu") * self.config.init_std)
+        for layer in self.language_model.model.layers:  # routed experts: random weights, stored in MXFP4
+            if layer.is_moe:
+                moe = layer.block_sparse_moe
+                for name in EXPERT_WEIGHTS:
+                    w = torch.randn(moe.packed[name].shape[:-1] + (moe.packed[name].shape[-1] * 2,), generator=g,
+                                    device="cpu") * self.config.init_std
+                    packed, scales = mxfp4.quantize(w)
+                    moe.packed[name].copy_(packed)
+                    moe.scale[name].copy_(scales)
+
+    # ---------------------------------------------------------------- experts
+    def expert_workspace(self) -> ExpertWorkspace:
+        """The one FP8 workspace shared by every MoE layer (allocated on first use)."""
+        if self._workspace is None:
+            self._workspace = ExpertWorkspace(self.config, self.device)
+        return self._workspace
+
+    def moe_layers(self) -> list[LatentMoE]:
+        return [layer.block_sparse_moe for layer in self.language_model.model.layers if layer.is_moe]
+
+    def set_expert_mode(self, mode: str) -> "MiniDSA":
+        """"online": convert routed experts per forward into the shared workspace; "offline": convert
+        every expert once now and keep the FP8 copies (memory grows with depth)."""
+        if mode not in ("online", "offline"):
+            raise ValueError(f"expert mode {mode!r}; use 'online' or 'offline'")
+        for moe in self.moe_layers():
+            if mode == "offline":
+                moe.convert_all()
+            else:
+                moe.offline = None
+        return self
+
+    def expert_stats(self) -> dict[str, int]:
+        """Bytes of packed expert storage (and of the same experts in bf16), workspace bytes, the FP8
+        bytes held by offline mode, and expert conversions since the last reset."""
+        layers = self.moe_layers()
+        packed = sum(t.numel() for m in layers for d in (m.packed, m.scale) for t in d.values())
+        elements = sum(t.numel() * 2 for m in layers for t in m.packed.values())
+        offline = sum(t.numel() * t.element_size() for m in layers if m.offline is not None
+                      for pair in m.offline.values() for t in pair)
+        ws = self._workspace
+        return {"expert_bytes_mxfp4": packed, "expert_bytes_bf16": 2 * elements,
+                "workspace_bytes": ws.nbytes if ws is not None else 0, "offline_fp8_bytes": offline,
+                "conversions": ws.conversions if ws is not None else 0}
+
+    def reset_expert_stats(self) -> None:
+        if self._workspace is not None:
+            self._workspace.conversions = 0
 
     def _cast(self, dtype: torch.dtype) -> None:
         for name, p in self.named_parameters():
@@ -299,10 +356,30 @@ class MiniDSA(nn.Module):
         return CacheContext(cache, list(seq_ids), positions, slots, key_slots)
 
     # ---------------------------------------------------------------- bookkeeping
+    def save_pretrained(self, directory, max_shard_size: int | str = "2GB"):
+        """Sharded safetensors + index JSON + config.json with the real tensor names (see checkpoint.py)."""
+        from .checkpoint import save_pretrained
+
+        return save_pretrained(self, directory, max_shard_size)
+
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """Weights, counting each packed MXFP4 expert element once (scales are not parameters)."""
+        experts = sum(t.numel() * 2 for m in self.moe_layers() for t in m.packed.values())
+        return sum(p.numel() for p in self.parameters()) + experts
+
+    def num_active_parameters(self) -> int:
+        """Weights one token touches: all but the routed experts it was not routed to."""
+        m = self.config.moe
+        per_expert = sum(r * k for r, k in expert_shapes(self.config).values())
+        return self.num_parameters() - len(self.moe_layers()) * (m.num_experts - m.top_k) * per_expert
 
 
 def build_model(name_or_config="tiny", *, device: torch.device | str = "cpu") -> MiniDSA:
     """A seeded, randomly initialised model of the named config (no trained weights ship yet)."""
     return MiniDSA(load_config(name_or_config), device=device)
+
+
+def count_parameters(name_or_config) -> dict[str, int]:
+    """Total and per-token active parameters of any config, built on the meta device (no memory)."""
+    model = MiniDSA(load_config(name_or_config), device="meta")
+    return {"total": model.num_parameters(), "active": model.num_active_parameters()}

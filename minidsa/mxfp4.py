@@ -1,0 +1,119 @@
+"""MXFP4 (OCP Microscaling, E2M1 elements + E8M0 scales) and its exact conversion to FP8 (SPEC section 7).
+
+Layout (gpt-oss / compressed-tensors ``mxfp4-pack-quantized``) of a weight W [rows, K]:
+    packed uint8 [rows, K/2]   two E2M1 codes per byte, the LOW nibble holds the even (lower-index) element
+    scales uint8 [rows, K/32]  one E8M0 exponent per 32 consecutive elements along K: 2^(s - 127); 0xFF = NaN
+E2M1 code: bit 3 = sign, bits 0-2 index the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (no Inf, no NaN).
+
+Every E2M1 value is exact in float8_e4m3fn, so converting the elements and keeping the E8M0 scales
+beside them loses nothing; that is what the FP8 expert workspace holds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROUP = 32  # elements sharing one E8M0 scale
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_EMAX = 2  # exponent of the largest E2M1 magnitude (6 = 1.5 * 2^2)
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+# Midpoints between neighbouring magnitudes. At an exact midpoint the even code wins
+# (round-half-to-even on the mantissa bit): below an even code '>' is needed to move up, below an odd
+# code '>=' is enough.
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def e2m1_table(dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """The 16 code values: [0, 0.5, ..., 6, -0, -0.5, ..., -6]."""
+    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
+    return torch.cat([mags, -mags]).to(dtype)
+
+
+def e8m0_to_float(scales: torch.Tensor, dtype: torch.dtype = torch.float32, name: str = "scales") -> torch.Tensor:
+    """uint8 E8M0 exponents -> 2^(s - 127). 0xFF (NaN) is rejected with an error naming the tensor."""
+    if scales.dtype != torch.uint8:
+        raise TypeError(f"{name} must be uint8 E8M0 exponents, got {scales.dtype}")
+    if bool((scales == E8M0_NAN).any()):
+        raise ValueError(f"{name} holds the E8M0 NaN code 0xFF; the checkpoint is corrupt or was written with NaN "
+                         f"weights (re-export it)")
+    # fp64 holds 2^-127 .. 2^127 exactly; the cast to fp32 keeps them (2^-127 is an fp32 subnormal).
+    return torch.exp2(scales.to(torch.float64) - E8M0_BIAS).to(dtype)
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., K] (float) -> (packed uint8 [..., K/2], scales uint8 [..., K/32]).
+
+    Per group of 32: shared exponent = floor(log2(amax)) - 2 (OCP), clamped to the E8M0 range; elements
+    w / 2^e rounded to the nearest E2M1 value (ties to even), saturating at +-6. Deterministic.
+    """
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+        raise TypeError(f"w must be a floating-point tensor, got {getattr(w, 'dtype', type(w).__name__)}")
+    K = w.shape[-1]
+    if K % GROUP:
+        raise ValueError(f"MXFP4 needs the last dim to be a multiple of {GROUP}, got K = {K}; pad the weight")
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError("w holds NaN or Inf; MXFP4 cannot represent them")
+    x = w.detach().to(torch.float64).reshape(*w.shape[:-1], K // GROUP, GROUP)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    exp = torch.floor(torch.log2(amax.clamp_min(2.0 ** -300))) - E2M1_EMAX
+    exp = exp.clamp(-E8M0_BIAS, 254 - E8M0_BIAS)  # all-zero groups get the smallest scale, code 0
+    y = x / torch.exp2(exp)
+    mag = y.abs()
+    code = torch.zeros_like(mag, dtype=torch.uint8)
+    for i, m in enumerate(_MIDPOINTS):
+        code += (mag > m if i % 2 == 0 else mag >= m).to(torch.uint8)
+    code |= (y < 0).to(torch.uint8) << 3
+    code = code.reshape(*w.shape[:-1], K)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    scales = (exp + E8M0_BIAS).to(torch.uint8).squeeze(-1)
+    return packed.contiguous(), scales.contiguous()
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """packed uint8 [..., K/2] -> codes uint8 [..., K] (low nibble first)."""
+    lo, hi = packed & 0x0F, packed >> 4
+    return torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def _check_pair(packed: torch.Tensor, scales: torch.Tensor) -> None:
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed must be uint8, got {packed.dtype}")
+    if packed.shape[:-1] != scales.shape[:-1] or packed.shape[-1] * 2 != scales.shape[-1] * GROUP:
+        raise ValueError(f"packed {tuple(packed.shape)} and scales {tuple(scales.shape)} do not match: "
+                         f"scales must be [..., K/32] for packed [..., K/2]")
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(packed [..., K/2], scales [..., K/32]) -> w [..., K] in ``dtype`` (exact in fp32)."""
+    _check_pair(packed, scales)
+    values = e2m1_table(torch.float32, packed.device)[unpack_codes(packed).long()]
+    scale = e8m0_to_float(scales).repeat_interleave(GROUP, dim=-1)
+    return (values * scale).to(dtype)
+
+
+def to_fp8(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact conversion for compute: (packed, scales) -> (elements float8_e4m3fn [..., K], the same scales).
+
+    E2M1 magnitudes 0..6 are all e4m3 values, so nothing rounds; ``fp8_dequantize`` recovers ``dequantize``.
+    """
+    _check_pair(packed, scales)
+    table = e2m1_table(torch.float32, packed.device).to(torch.float8_e4m3fn)
+    return table[unpack_codes(packed).long()], scales
+
+
+def fp8_dequantize(elements: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FP8 elements [..., K] with E8M0 group scales [..., K/32] -> [..., K] in ``dtype``."""
+    scale = e8m0_to_float(scales).repeat_interleave(GROUP, dim=-1)
+    return (elements.to(torch.float32) * scale).to(dtype)
+
+
+def check_fold(scales: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Can the E8M0 scales along ``dim`` fold into one power-of-two scale with FP8 elements staying exact?
+
+    Folding rescales each group's elements by 2^(s_g - s_ref) with s_ref = max(s) - 6 (so 6 * 2^6 = 384
+    <= 448 at the top); the bottom group then needs 0.5 * 2^(min - s_ref) >= 2^-9, i.e. max - min <= 14.
+    Returns a bool tensor (True where folding is exact). Never assume it: a checkpoint can violate it.
+    """
+    s = scales.to(torch.int32)
+    return (s.amax(dim=dim) - s.amin(dim=dim)) <= 14
