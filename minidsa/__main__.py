@@ -1,4 +1,4 @@
-"""Command line: ``python -m minidsa generate "prompt" [--config laptop] [--max-new-tokens 64] ...``."""
+"""Command line: ``python -m minidsa generate "prompt" [--config laptop] ...`` and ``python -m minidsa params NAME``."""
 
 from __future__ import annotations
 
@@ -20,9 +20,21 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     g.add_argument("--ignore-eos", action="store_true",
                    help="always generate --max-new-tokens (the untrained model samples eos at random)")
+    c = sub.add_parser("params", help="count total and active parameters of a config (meta device, no memory)")
+    c.add_argument("config", help="preset name, config JSON path or checkpoint directory")
     args = parser.parse_args(argv)
 
     import minidsa
+
+    if args.command == "params":
+        try:
+            counts = minidsa.count_parameters(args.config)
+        except (ValueError, TypeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"{args.config}: {counts['total']:,} parameters in total, {counts['active']:,} active per token "
+              f"({counts['total'] / 1e9:.2f} B / {counts['active'] / 1e9:.2f} B)")
+        return 0
 
     try:
         model = minidsa.load(args.config)

@@ -132,12 +132,12 @@ class LatentMoE(nn.Module):
             batch = routed[start: start + step]
             if self.offline is None:
                 ws.load(self, batch)
+                n = batch.numel()
+                mats = {w: mxfp4.fp8_dequantize(ws.elements[w][:n], ws.scales[w][:n], acc) for w in EXPERT_WEIGHTS}
+            else:
+                mats = {w: mxfp4.fp8_dequantize(el[batch], sc[batch], acc) for w, (el, sc) in self.offline.items()}
             for slot, e in enumerate(batch.tolist()):
-                if self.offline is not None:
-                    w = {n: mxfp4.fp8_dequantize(el[e], sc[e], acc) for n, (el, sc) in self.offline.items()}
-                else:
-                    w = {n: mxfp4.fp8_dequantize(ws.elements[n][slot], ws.scales[n][slot], acc)
-                         for n in EXPERT_WEIGHTS}
+                w = {name: m[slot] for name, m in mats.items()}
                 rows, k = (ids == e).nonzero(as_tuple=True)
                 y_lat.index_add_(0, rows, self._expert(z[rows], w) * weights[rows, k].unsqueeze(-1))
         y = self.routed_expert_up_proj(self.routed_expert_norm(y_lat.to(x.dtype)))

@@ -30,11 +30,13 @@ def e2m1_table(dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
     return torch.cat([mags, -mags]).to(dtype)
 
 
-def e8m0_to_float(scales: torch.Tensor, dtype: torch.dtype = torch.float32, name: str = "scales") -> torch.Tensor:
-    """uint8 E8M0 exponents -> 2^(s - 127). 0xFF (NaN) is rejected with an error naming the tensor."""
+def e8m0_to_float(scales: torch.Tensor, dtype: torch.dtype = torch.float32, name: str = "scales",
+                  check: bool = True) -> torch.Tensor:
+    """uint8 E8M0 exponents -> 2^(s - 127). 0xFF (NaN) is rejected with an error naming the tensor
+    (``check=False`` skips that scan for scales already validated at load, e.g. in the workspace)."""
     if scales.dtype != torch.uint8:
         raise TypeError(f"{name} must be uint8 E8M0 exponents, got {scales.dtype}")
-    if bool((scales == E8M0_NAN).any()):
+    if check and bool((scales == E8M0_NAN).any()):
         raise ValueError(f"{name} holds the E8M0 NaN code 0xFF; the checkpoint is corrupt or was written with NaN "
                          f"weights (re-export it)")
     # fp64 holds 2^-127 .. 2^127 exactly; the cast to fp32 keeps them (2^-127 is an fp32 subnormal).
@@ -103,8 +105,8 @@ def to_fp8(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def fp8_dequantize(elements: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """FP8 elements [..., K] with E8M0 group scales [..., K/32] -> [..., K] in ``dtype``."""
-    scale = e8m0_to_float(scales).repeat_interleave(GROUP, dim=-1)
+    """FP8 elements [..., K] with (validated) E8M0 group scales [..., K/32] -> [..., K] in ``dtype``."""
+    scale = e8m0_to_float(scales, check=False).repeat_interleave(GROUP, dim=-1)
     return (elements.to(torch.float32) * scale).to(dtype)
 
 

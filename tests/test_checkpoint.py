@@ -1,0 +1,184 @@
+"""save_pretrained -> load: real names and formats, exact round trip, and every kind of damage
+reported by name."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import minidsa
+
+INDEX = "model.safetensors.index.json"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    model = minidsa.load("tiny")
+    path = tmp_path_factory.mktemp("ckpt")
+    model.save_pretrained(path, max_shard_size="100KB")
+    return model, path
+
+
+def copy_of(saved, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(saved[1], dst)
+    return dst
+
+
+def test_layout_names_and_dtypes(saved):
+    model, path = saved
+    index = json.loads((path / INDEX).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert (path / "config.json").is_file()
+    wm = index["weight_map"]
+    cfg = model.config
+    e = cfg.moe.num_experts - 1
+    packed = f"language_model.model.layers.1.block_sparse_moe.experts.{e}.w1.weight_packed"
+    scale = f"language_model.model.layers.1.block_sparse_moe.experts.{e}.w2.weight_scale"
+    with safe_open(str(path / wm[packed]), "pt") as f:
+        t = f.get_tensor(packed)
+        assert t.dtype == torch.uint8 and tuple(t.shape) == (cfg.moe.expert_intermediate_size, cfg.moe.latent_size // 2)
+    with safe_open(str(path / wm[scale]), "pt") as f:
+        t = f.get_tensor(scale)
+        assert t.dtype == torch.uint8 and tuple(t.shape) == (cfg.moe.latent_size, cfg.moe.expert_intermediate_size // 32)
+    for name in ["language_model.lm_head.weight", "language_model.model.layers.3.self_attn.indexer.k_norm.bias",
+                 "language_model.model.layers.1.block_sparse_moe.gate.e_score_correction_bias",
+                 "language_model.model.layers.1.block_sparse_moe.routed_expert_down_proj.weight",
+                 "language_model.model.layers.1.block_sparse_moe.routed_expert_up_proj.weight",
+                 "language_model.model.layers.1.block_sparse_moe.routed_expert_norm.weight",
+                 "language_model.model.layers.1.block_sparse_moe.shared_experts.gate_proj.weight",
+                 "language_model.model.layers.2.self_attention_res_proj.weight",
+                 "language_model.model.layers.2.mlp_res_norm.weight", "language_model.model.layers.0.mlp.up_proj.weight"]:
+        assert name in wm, name
+    assert not any(k.endswith(("w1_packed", "w1_scale")) for k in wm)  # stacked buffers never leak into files
+    assert index["metadata"]["total_size"] > 0
+
+
+def test_round_trip_is_exact(saved):
+    model, path = saved
+    loaded = minidsa.load(path)
+    ids = torch.randint(0, 256, (2, 17))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+    assert loaded.num_parameters() == model.num_parameters()
+    out = minidsa.generate("hi", loaded, max_new_tokens=5, temperature=0, stop_at_eos=False)
+    assert out == minidsa.generate("hi", model, max_new_tokens=5, temperature=0, stop_at_eos=False)
+
+
+def test_missing_shard(saved, tmp_path):
+    path = copy_of(saved, tmp_path)
+    (path / "model-00002-of-" f"{len(list(path.glob('*.safetensors'))):05d}.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"shard model-00002-of-\d+\.safetensors .* missing"):
+        minidsa.load(path)
+
+
+def rewrite_shard_of(path, name, change):
+    index = json.loads((path / INDEX).read_text())
+    fname = index["weight_map"][name]
+    tensors = load_file(str(path / fname))
+    change(tensors, index)
+    save_file(tensors, str(path / fname))
+    (path / INDEX).write_text(json.dumps(index))
+
+
+def test_missing_tensor(saved, tmp_path):
+    path = copy_of(saved, tmp_path)
+    name = "language_model.model.layers.4.self_attn.A_log"
+
+    def drop(tensors, index):
+        del tensors[name]
+        del index["weight_map"][name]
+    rewrite_shard_of(path, name, drop)
+    with pytest.raises(ValueError, match="missing 1 tensor.*layers.4.self_attn.A_log"):
+        minidsa.load(path)
+
+
+def test_tensor_listed_but_absent_from_shard(saved, tmp_path):
+    path = copy_of(saved, tmp_path)
+    name = "language_model.model.norm.weight"
+    rewrite_shard_of(path, name, lambda tensors, index: tensors.pop(name))
+    with pytest.raises(ValueError, match="language_model.model.norm.weight .* shard lacks it"):
+        minidsa.load(path)
+
+
+def test_wrong_shape(saved, tmp_path):
+    path = copy_of(saved, tmp_path)
+    name = "language_model.model.layers.3.self_attn.kv_b_proj.weight"
+
+    def shrink(tensors, index):
+        tensors[name] = tensors[name][:-1].clone()
+    rewrite_shard_of(path, name, shrink)
+    with pytest.raises(ValueError, match=r"kv_b_proj.weight has shape .* expected"):
+        minidsa.load(path)
+
+
+def test_wrong_dtype(saved, tmp_path):
+    path = copy_of(saved, tmp_path)
+    name = "language_model.model.layers.1.block_sparse_moe.experts.0.w3.weight_packed"
+
+    def widen(tensors, index):
+        tensors[name] = tensors[name].to(torch.int16)
+    rewrite_shard_of(path, name, widen)
+    with pytest.raises(ValueError, match=r"experts.0.w3.weight_packed has dtype torch.int16, expected torch.uint8"):
+        minidsa.load(path)
+
+
+def test_e8m0_nan_is_rejected_by_name(saved, tmp_path):
+    path = copy_of(saved, tmp_path)
+    name = "language_model.model.layers.2.block_sparse_moe.experts.5.w2.weight_scale"
+
+    def poison(tensors, index):
+        tensors[name][0, 0] = 0xFF
+    rewrite_shard_of(path, name, poison)
+    with pytest.raises(ValueError, match=r"experts.5.w2.weight_scale holds the E8M0 NaN code 0xFF"):
+        minidsa.load(path)
+
+
+def test_truncated_shard(saved, tmp_path):
+    path = copy_of(saved, tmp_path)
+    shard = sorted(path.glob("*.safetensors"))[-1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=shard.name):
+        minidsa.load(path)
+
+
+def test_unexpected_tensor_and_bad_index(saved, tmp_path):
+    path = copy_of(saved, tmp_path)
+    name = "language_model.model.norm.weight"
+
+    def extra(tensors, index):
+        tensors["language_model.model.layers.99.extra"] = torch.zeros(1)
+        index["weight_map"]["language_model.model.layers.99.extra"] = index["weight_map"][name]
+    rewrite_shard_of(path, name, extra)
+    with pytest.raises(ValueError, match="layers.99.extra"):
+        minidsa.load(path)
+    (path / INDEX).write_text("{ nope")
+    with pytest.raises(ValueError, match="malformed"):
+        minidsa.load(path)
+    (path / INDEX).unlink()
+    with pytest.raises(ValueError, match="not a minidsa checkpoint"):
+        minidsa.load(path)
+
+
+def test_bad_shard_size():
+    with pytest.raises(ValueError, match="max_shard_size"):
+        minidsa.load("tiny").save_pretrained("/nonexistent-unused", max_shard_size="lots")
+
+
+def test_reference_scale_parameter_counts():
+    counts = minidsa.count_parameters("k3.1-pro")  # meta device: no memory
+    assert abs(counts["total"] / 2.8e12 - 1) < 0.02
+    assert abs(counts["active"] / 104e9 - 1) < 0.05
+
+
+def test_params_cli(capsys):
+    from minidsa.__main__ import main
+    assert main(["params", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("tiny:") and "active per token" in out
+    assert main(["params", "nope"]) == 2
