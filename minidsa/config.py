@@ -82,6 +82,7 @@ class VisionConfig:
     merge_size: int = 2  # merge x merge neighbouring patches into one text token
     projector_hidden_size: int = 256  # hidden width of the Linear-GELU-Linear projector
     max_patches: int = 1024  # patch budget per image; larger images are scaled down
+    position_grid: int = 16  # side of the learned position grid, resized bilinearly to each image's grid
 
 
 @dataclass
@@ -205,7 +206,13 @@ class ModelConfig:
                              f"[0, {self.num_layers}]")
         _positive(self.vision, "vision.", ["patch_size", "hidden_size", "num_layers", "num_heads", "head_dim",
                                            "intermediate_size", "merge_size", "projector_hidden_size",
-                                           "max_patches"])
+                                           "max_patches", "position_grid"])
+        if self.vision.head_dim % 4:
+            raise ValueError(f"vision.head_dim = {self.vision.head_dim} must be a multiple of 4 (2-D RoPE rotates "
+                             f"pairs within a row half and a column half)")
+        if self.vision.max_patches < self.vision.merge_size ** 2:
+            raise ValueError(f"vision.max_patches = {self.vision.max_patches} must hold at least one "
+                             f"{self.vision.merge_size} x {self.vision.merge_size} group of patches")
 
 
 def _build(cls, data: dict, prefix: str):

@@ -22,6 +22,8 @@ import torch
 
 from .kv_cache import PagedKVCache
 from .model import ForwardTrace, MiniDSA, build_model
+from .tokenizer import IMAGE_MARKER
+from .vision import preprocess
 
 _DEFAULT_MODELS: dict[str, MiniDSA] = {}
 DEFAULT_MODEL = "tiny"  # no trained weights ship yet: the default is the seeded tiny model
@@ -54,11 +56,19 @@ class GenerationTrace:
     ("{layer}.attn", "{layer}.ffn", "out") over its N sources (stored blocks, then the partial sum).
     """
 
-    token_ids: list[int]  # prompt ids (bos first), then the generated ids
+    token_ids: list[int]  # prompt ids (bos first, each <|media_pad|> expanded to its image's tokens), then generated
     prompt_len: int  # number of prompt ids, bos included
     text: str = ""  # decoded generated text
     selected: dict[int, torch.Tensor] = field(default_factory=dict)
     depth_weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    image_positions: list[int] = field(default_factory=list)  # positions holding image tokens
+
+    def image_keys(self, layer: int) -> torch.Tensor:
+        """bool [len(token_ids), topk]: which keys selected in MLA layer ``layer`` were image tokens."""
+        is_image = torch.zeros(len(self.token_ids) + 1, dtype=torch.bool)
+        is_image[torch.tensor(self.image_positions, dtype=torch.long)] = True
+        sel = self.selected[layer].long()
+        return torch.where(sel >= 0, is_image[sel.clamp_min(0)], torch.zeros_like(sel, dtype=torch.bool))
 
     def _append(self, forward_trace: ForwardTrace, row: int) -> None:
         new = [(self.selected, k, v[row]) for k, v in forward_trace.selected.items()]
@@ -84,8 +94,9 @@ class GenerationStream:
     ``.texts`` holds the full outputs and ``.traces`` the traces when requested."""
 
     def __init__(self, model: MiniDSA, prompts: list[list[int]], req: _Request, cache: PagedKVCache,
-                 batched: bool) -> None:
+                 batched: bool, image_features: list[list[torch.Tensor]] | None = None) -> None:
         self.model, self.prompts, self.req, self.cache, self.batched = model, prompts, req, cache, batched
+        self.image_features = image_features or [[] for _ in prompts]
         self.texts = [""] * len(prompts)
         self.num_generated = 0  # tokens sampled so far, all sequences together
         self.traces: list[GenerationTrace] | None = None
@@ -114,7 +125,9 @@ class GenerationStream:
             cache.reserve({sid: len(p) + req.max_new_tokens for sid, p in zip(sids, self.prompts)})
             gens = [torch.Generator().manual_seed(s) for s in req.seeds]
             decoders = [tok.stream_decoder() for _ in range(n)]
-            traces = [GenerationTrace(list(p), len(p)) for p in self.prompts]
+            pad = tok.media_pad_id
+            traces = [GenerationTrace(list(p), len(p), image_positions=[j for j, t in enumerate(p) if t == pad])
+                      for p in self.prompts]
             out_ids: list[list[int]] = [[] for _ in range(n)]
             bar = _progress(req.progress, n * req.max_new_tokens)
 
@@ -132,7 +145,7 @@ class GenerationStream:
             pending: dict[int, int] = {}  # row -> sampled token not yet fed to the model
             for i, ids in enumerate(self.prompts):  # prefill: one sequence at a time (lengths differ)
                 tr = ForwardTrace() if req.return_trace else None
-                logits = self._forward(torch.tensor([ids]), [sids[i]], tr)
+                logits = self._forward(torch.tensor([ids]), [sids[i]], tr, self.image_features[i])
                 self._record(traces[i], tr, 0)
                 pending[i] = self._sample(logits[0, -1], i, gens[i])
                 piece = emit(i, pending[i])
@@ -163,9 +176,14 @@ class GenerationStream:
             for sid in sids:
                 cache.free(sid)
 
-    def _forward(self, ids: torch.Tensor, sids: list[int], tr: ForwardTrace | None) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, sids: list[int], tr: ForwardTrace | None,
+                 images: list[torch.Tensor] = ()) -> torch.Tensor:
         with torch.inference_mode():
-            return self.model(ids.to(self.model.device), cache=self.cache, seq_ids=sids, trace=tr)
+            ids = ids.to(self.model.device)
+            if images:  # image tokens enter the cache through the same prefill as text
+                return self.model(inputs_embeds=self.model.embed(ids, images), cache=self.cache, seq_ids=sids,
+                                  trace=tr)
+            return self.model(ids, cache=self.cache, seq_ids=sids, trace=tr)
 
     def _finished(self, out: list[int]) -> bool:
         at_eos = self.req.stop_at_eos and bool(out) and out[-1] == self.model.tokenizer.eos_id
@@ -210,13 +228,19 @@ def _progress(enabled: bool, total: int):
     return _Null()
 
 
-def generate(prompt, model: MiniDSA | str | None = None, *, max_new_tokens: int = 64, temperature: float = 0.8,
+def generate(prompt, model: MiniDSA | str | None = None, *, images=None, max_new_tokens: int = 64,
+             temperature: float = 0.8,
              top_p: float = 0.95, seed: int | None = None, stream: bool = False, return_trace: bool = False,
              cache: PagedKVCache | None = None, progress: bool = False, stop_at_eos: bool = True):
     """Continue ``prompt`` (a str, or a list of str for a batch).
 
     Args:
         model: a MiniDSA, a preset name/path, or None for the default (seeded tiny) model.
+        images: images for the prompt (a list of HxWx3 uint8 numpy arrays, torch tensors or PNG/JPEG
+            paths; for a batch, one such list per prompt). The prompt marks each image's place with
+            ``minidsa.tokenizer.IMAGE_MARKER`` (any text containing one ``<|media_pad|>`` per image
+            works); a prompt with no marker gets the images before its text. Each ``<|media_pad|>``
+            expands to its image's (h/2)*(w/2) tokens.
         max_new_tokens: tokens to generate per sequence (>= 1); generation stops early at eos.
         temperature: 0 = greedy argmax; > 0 samples from softmax(logits / temperature).
         top_p: nucleus sampling mass in (0, 1]; 1 disables it.
@@ -249,7 +273,7 @@ def generate(prompt, model: MiniDSA | str | None = None, *, max_new_tokens: int 
     if cache is not None and not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be a PagedKVCache (model.new_cache()), got {type(cache).__name__}")
     ctx = model.config.max_seq_len
-    ids = [model.tokenizer.encode(t) for t in texts]  # bos + bytes; an empty prompt is bos alone
+    ids, features = _encode_prompts(model, texts, images, batched)
     for i, p in enumerate(ids):
         where = f"prompt[{i}]" if batched else "prompt"
         if len(p) > ctx:
@@ -261,13 +285,51 @@ def generate(prompt, model: MiniDSA | str | None = None, *, max_new_tokens: int 
     base = seed if seed is not None else int.from_bytes(os.urandom(6), "little")
     req = _Request(max_new_tokens, float(temperature), float(top_p), [base + i for i in range(len(ids))],
                    return_trace, progress, bool(stop_at_eos))
-    run = GenerationStream(model, ids, req, cache if cache is not None else model.default_cache(), batched)
+    run = GenerationStream(model, ids, req, cache if cache is not None else model.default_cache(), batched, features)
     if stream:
         return run
     for _ in run:
         pass
     out = run.texts if batched else run.texts[0]
     return (out, run.trace) if return_trace else out
+
+
+def _encode_prompts(model: MiniDSA, texts: list[str], images, batched: bool):
+    """Token ids per prompt (bos + bytes, <|media_pad|> expanded) and the image features per prompt."""
+    tok = model.tokenizer
+    if images is None:  # plain text: special-token strings stay literal text
+        return [tok.encode(t) for t in texts], None
+    per_prompt = images if batched else [images]
+    if not isinstance(images, (list, tuple)) or (batched and (
+            len(images) != len(texts) or not all(isinstance(x, (list, tuple)) for x in images))):
+        want = "one list of images per prompt" if batched else "a list of images"
+        raise TypeError(f"images must be {want}, got {type(images).__name__}"
+                        + (f" of length {len(images)}" if isinstance(images, (list, tuple)) else ""))
+    all_ids, all_feats = [], []
+    for i, (text, imgs) in enumerate(zip(texts, per_prompt)):
+        where = f"prompt[{i}]" if batched else "prompt"
+        ids = tok.encode(text, allow_special=True)
+        n_pad = ids.count(tok.media_pad_id)
+        if n_pad == 0 and imgs:  # default placement: every image before the text
+            marker = tok.encode(IMAGE_MARKER, add_bos=False, allow_special=True)
+            ids = ids[:1] + marker * len(imgs) + ids[1:]
+            n_pad = len(imgs)
+        if n_pad != len(imgs):
+            raise ValueError(f"{where} has {n_pad} <|media_pad|> placeholder(s) but {len(imgs)} image(s) were given; "
+                             f"use one placeholder per image (or none, to put all images before the text)")
+        prepared = [preprocess(im, model.config, name=f"images[{j}]" if not batched else f"images[{i}][{j}]")
+                    for j, im in enumerate(imgs)]
+        expanded, k = [], 0
+        for t in ids:
+            if t == tok.media_pad_id:
+                expanded += [t] * prepared[k].num_tokens
+                k += 1
+            else:
+                expanded.append(t)
+        with torch.inference_mode():
+            all_feats.append(model.encode_images(prepared))
+        all_ids.append(expanded)
+    return all_ids, all_feats
 
 
 def _check_prompt(prompt) -> tuple[bool, list[str]]:

@@ -27,6 +27,7 @@ from .moe import EXPERT_WEIGHTS, ExpertWorkspace, LatentMoE, expert_shapes
 from .norm import RMSNorm
 from .ops import BACKENDS
 from .tokenizer import ByteTokenizer
+from .vision import MultimodalProjector, PreparedImage, VisionTower, preprocess
 
 # Parameters the real model keeps in fp32 whatever the compute dtype (norms, gates, decay, indexer weights).
 _FP32_SUFFIXES = ("norm.weight", "k_norm.bias", "weights_proj.weight", "res_proj.weight", "A_log", "dt_bias",
@@ -160,6 +161,8 @@ class MiniDSA(nn.Module):
                              f"{self.tokenizer.vocab_size} ids; raise it")
         with torch.device(device):  # build in place: the reference-scale config only fits on "meta"
             self.language_model = LanguageModel(cfg, self.expert_workspace)
+            self.vision_tower = VisionTower(cfg)
+            self.mm_projector = MultimodalProjector(cfg)
         self._default_cache: PagedKVCache | None = None
         self._workspace: ExpertWorkspace | None = None
         if str(device) != "meta" and init:
@@ -290,19 +293,28 @@ class MiniDSA(nn.Module):
         return self._default_cache
 
     # ---------------------------------------------------------------- forward
-    def forward(self, input_ids: torch.Tensor, *, cache: PagedKVCache | None = None,
-                seq_ids: list[int] | None = None, trace: ForwardTrace | None = None) -> torch.Tensor:
-        """input_ids int [B, T] -> logits fp32 [B, T, vocab].
+    def forward(self, input_ids: torch.Tensor | None = None, *, inputs_embeds: torch.Tensor | None = None,
+                cache: PagedKVCache | None = None, seq_ids: list[int] | None = None,
+                trace: ForwardTrace | None = None) -> torch.Tensor:
+        """input_ids int [B, T] (or inputs_embeds [B, T, d], e.g. from ``embed``) -> logits fp32 [B, T, vocab].
 
         Without ``cache``: positions 0..T-1, nothing stored. With ``cache`` and ``seq_ids`` (one cache
         sequence per row): the tokens continue those sequences; the cache (KV and KDA state) changes
         only if the whole forward succeeds. ``trace`` (a ForwardTrace) receives the DSA selections
         and the AttnRes depth weights.
         """
-        self._check_ids(input_ids)
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if input_ids is not None:
+            self._check_ids(input_ids)
+            inputs_embeds = self.language_model.model.embed_tokens(input_ids.long())
+        elif (not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3
+              or inputs_embeds.shape[1] < 1 or inputs_embeds.shape[2] != self.config.hidden_size):
+            raise ValueError(f"inputs_embeds must be [B, T, {self.config.hidden_size}] with T >= 1, got "
+                             f"{tuple(getattr(inputs_embeds, 'shape', ()))}")
         if trace is not None and not isinstance(trace, ForwardTrace):
             raise TypeError(f"trace must be a minidsa.ForwardTrace, got {type(trace).__name__}")
-        B, T = input_ids.shape
+        B, T = inputs_embeds.shape[:2]
         ctx = None
         if cache is None:
             if seq_ids is not None:
@@ -311,9 +323,8 @@ class MiniDSA(nn.Module):
                 raise ValueError(f"input has {T} tokens, more than the model's context max_seq_len = "
                                  f"{self.config.max_seq_len}; shorten it")
         else:
-            ctx = self._cache_context(cache, seq_ids, B, T, input_ids.device)
-        h = self.language_model.model.embed_tokens(input_ids.long())
-        h = self.language_model.model(h, ctx, trace)
+            ctx = self._cache_context(cache, seq_ids, B, T, inputs_embeds.device)
+        h = self.language_model.model(inputs_embeds, ctx, trace)
         logits = self.language_model.lm_head(h)
         logits = logits if logits.dtype == torch.float64 else logits.float()
         if ctx is not None:  # success: publish the staged KDA states and the new lengths
@@ -322,6 +333,33 @@ class MiniDSA(nn.Module):
             for b, sid in enumerate(ctx.seq_ids):
                 cache.commit(sid, int(ctx.positions[b, -1]) + 1)
         return logits
+
+    # ---------------------------------------------------------------- images
+    def prepare_images(self, images: list) -> list[PreparedImage]:
+        """Load and preprocess images (arrays, tensors or PNG/JPEG paths); errors name the image."""
+        return [preprocess(im, self.config, name=f"images[{i}]") for i, im in enumerate(images)]
+
+    def encode_images(self, images: list[PreparedImage]) -> list[torch.Tensor]:
+        """Vision tower + projector: one [num_tokens_i, hidden] tensor per image."""
+        if not images:
+            return []
+        feats = self.vision_tower([PreparedImage(im.patches.to(self.device), im.grid) for im in images])
+        return [self.mm_projector(f) for f in feats]
+
+    def embed(self, input_ids: torch.Tensor, image_features: list[torch.Tensor] = ()) -> torch.Tensor:
+        """Token embeddings [B, T, d] with the ``<|media_pad|>`` positions filled, in order, by the rows of
+        ``image_features`` (their total count must equal the number of such positions)."""
+        self._check_ids(input_ids)
+        h = self.language_model.model.embed_tokens(input_ids.long())
+        slots = input_ids == self.tokenizer.media_pad_id
+        n = int(slots.sum())
+        feats = torch.cat(list(image_features)) if len(image_features) else h.new_zeros(0, h.shape[-1])
+        if feats.shape[0] != n:
+            raise ValueError(f"input_ids hold {n} <|media_pad|> positions but the images give {feats.shape[0]} "
+                             f"feature rows; expand each placeholder to its image's token count")
+        h = h.clone()
+        h[slots] = feats.to(h.dtype)
+        return h
 
     def _check_ids(self, input_ids) -> None:
         if not isinstance(input_ids, torch.Tensor):

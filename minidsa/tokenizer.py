@@ -20,6 +20,10 @@ SPECIAL_TOKENS = (
     "<|media_pad|>",
 )
 
+# How one image is written into a prompt (the Kimi-VL chat form); the <|media_pad|> is replaced by the
+# image's tokens. generate(..., images=[...]) inserts one per image before the text when the prompt has none.
+IMAGE_MARKER = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+
 
 class ByteTokenizer:
     """encode(str) -> list[int] and decode(list[int]) -> str, exact for any UTF-8 text."""
