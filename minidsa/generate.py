@@ -29,9 +29,10 @@ _DEFAULT_MODELS: dict[str, MiniDSA] = {}
 DEFAULT_MODEL = "tiny"  # no trained weights ship yet: the default is the seeded tiny model
 
 
-def load(name_or_path="tiny", *, device: torch.device | str = "cpu", progress: bool = False) -> MiniDSA:
+def load(name_or_path="tiny", *, device: torch.device | str = "cpu", progress: bool = True) -> MiniDSA:
     """A checkpoint directory (save_pretrained's output) with its weights, or the seeded random model
-    of a preset name ("tiny", "laptop", ...), a config JSON path or a ModelConfig."""
+    of a preset name ("tiny", "laptop", ...), a config JSON path or a ModelConfig. ``progress`` shows a
+    tqdm bar while a checkpoint streams in."""
     if isinstance(name_or_path, (str, os.PathLike)) and Path(name_or_path).is_dir():
         from .checkpoint import load_pretrained
 
