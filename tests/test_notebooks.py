@@ -1,0 +1,42 @@
+"""Every notebook's code cells run top to bottom (on the tiny config, with a non-interactive backend)."""
+
+import json
+from pathlib import Path
+
+import matplotlib
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs(path):
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    assert cells
+    namespace: dict = {}
+    for i, cell in enumerate(cells):
+        src = "".join(cell["source"]).replace('CONFIG = "laptop"', 'CONFIG = "tiny"')
+        exec(compile(src, f"{path.name}[cell {i}]", "exec"), namespace)
+    plt.close("all")
+    assert namespace["fig"] is not None
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS
+
+
+def test_selection_matrix_marks_exactly_the_selected_keys():
+    import minidsa
+    from minidsa.plot import selection_matrix
+    _, trace = minidsa.generate("abcdefghijklmnop", max_new_tokens=3, temperature=0, return_trace=True,
+                                stop_at_eos=False)
+    layer = min(trace.selected)
+    m = selection_matrix(trace, layer)
+    sel = trace.selected[layer]
+    assert m.shape == (len(trace.token_ids), len(trace.token_ids))
+    for t in range(m.shape[0]):
+        assert set(m[t].nonzero()[0].tolist()) == {int(s) for s in sel[t] if s >= 0}
+    with pytest.raises(ValueError, match="not an MLA layer"):
+        selection_matrix(trace, 0)
