@@ -11,6 +11,8 @@ beside them loses nothing; that is what the FP8 expert workspace holds.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 GROUP = 32  # elements sharing one E8M0 scale
@@ -24,10 +26,12 @@ E8M0_NAN = 0xFF
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
+@functools.lru_cache(maxsize=None)
 def e2m1_table(dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """The 16 code values: [0, 0.5, ..., 6, -0, -0.5, ..., -6]."""
+    """The 16 code values: [0, 0.5, ..., 6, -0, -0.5, ..., -6] (cached per dtype and device; do not modify)."""
     mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
-    return torch.cat([mags, -mags]).to(dtype)
+    with torch.inference_mode(False):
+        return torch.cat([mags, -mags]).to(dtype)
 
 
 def e8m0_to_float(scales: torch.Tensor, dtype: torch.dtype = torch.float32, name: str = "scales",
@@ -100,8 +104,7 @@ def to_fp8(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
     E2M1 magnitudes 0..6 are all e4m3 values, so nothing rounds; ``fp8_dequantize`` recovers ``dequantize``.
     """
     _check_pair(packed, scales)
-    table = e2m1_table(torch.float32, packed.device).to(torch.float8_e4m3fn)
-    return table[unpack_codes(packed).long()], scales
+    return e2m1_table(torch.float8_e4m3fn, packed.device)[unpack_codes(packed).long()], scales
 
 
 def fp8_dequantize(elements: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
