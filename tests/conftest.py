@@ -21,6 +21,12 @@ def tiny_model() -> minidsa.MiniDSA:
     return minidsa.load("tiny")
 
 
+@pytest.fixture(scope="session")
+def tiny_model64() -> minidsa.MiniDSA:
+    """fp64 twin of tiny: comparisons of DSA selections across paths are then free of rounding near-ties."""
+    return minidsa.MiniDSA(tiny_config(dtype="float64"))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

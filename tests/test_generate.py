@@ -12,7 +12,7 @@ from minidsa.tokenizer import ByteTokenizer
 TOK = ByteTokenizer()
 
 
-def greedy_reference(model, prompt, n):
+def greedy_reference(model, prompt, n, stop_at_eos=True):
     """Greedy decoding by re-running the full no-cache forward each step (independent of the cache)."""
     ids = TOK.encode(prompt)
     out = []
@@ -20,7 +20,7 @@ def greedy_reference(model, prompt, n):
         for _ in range(n):
             logits = model(torch.tensor([ids + out]))[0, -1, : TOK.vocab_size]
             out.append(int(torch.argmax(logits)))
-            if out[-1] == TOK.eos_id:
+            if stop_at_eos and out[-1] == TOK.eos_id:
                 break
     return out
 
@@ -29,10 +29,10 @@ def generated_ids(trace):
     return trace.token_ids[trace.prompt_len:]
 
 
-def test_greedy_generate_equals_full_forward_argmax(tiny_model):
-    text, trace = minidsa.generate("hello sparse world", tiny_model, max_new_tokens=20, temperature=0,
+def test_greedy_generate_equals_full_forward_argmax(tiny_model64):
+    text, trace = minidsa.generate("hello sparse world", tiny_model64, max_new_tokens=20, temperature=0,
                                    return_trace=True)
-    ref = greedy_reference(tiny_model, "hello sparse world", 20)
+    ref = greedy_reference(tiny_model64, "hello sparse world", 20)
     assert generated_ids(trace) == ref
     assert text == TOK.decode(ref)
     assert isinstance(text, str)
@@ -41,9 +41,7 @@ def test_greedy_generate_equals_full_forward_argmax(tiny_model):
 def test_default_model_and_empty_prompt():
     text, trace = minidsa.generate("", max_new_tokens=5, temperature=0, return_trace=True, stop_at_eos=False)
     assert trace.token_ids[0] == TOK.bos_id and trace.prompt_len == 1
-    assert len(generated_ids(trace)) == 5
-    assert generated_ids(trace) == greedy_reference(minidsa.default_model(), "", 5)[:5] or \
-        TOK.eos_id in greedy_reference(minidsa.default_model(), "", 5)
+    assert generated_ids(trace) == greedy_reference(minidsa.default_model(), "", 5, stop_at_eos=False)
 
 
 def test_sampling_is_seeded_and_streams_the_same_text(tiny_model):
@@ -64,19 +62,20 @@ def test_top_p_small_is_greedy(tiny_model):
     assert greedy == nucleus
 
 
-def test_batch_of_different_lengths_equals_each_alone(tiny_model):
+def test_batch_of_different_lengths_equals_each_alone(tiny_model64):
     prompts = ["", "a", "a longer prompt that crosses several KV blocks"]
     kw = dict(max_new_tokens=12, temperature=0.9, seed=11, stop_at_eos=False)
-    texts, traces = minidsa.generate(prompts, tiny_model, return_trace=True, **kw)
+    texts, traces = minidsa.generate(prompts, tiny_model64, return_trace=True, **kw)
     assert isinstance(texts, list) and len(traces) == 3
     for i, p in enumerate(prompts):
-        alone, tr = minidsa.generate(p, tiny_model, return_trace=True, **{**kw, "seed": 11 + i})
+        alone, tr = minidsa.generate(p, tiny_model64, return_trace=True, **{**kw, "seed": 11 + i})
         assert texts[i] == alone and traces[i].token_ids == tr.token_ids
         for layer in tr.selected:
             assert torch.equal(traces[i].selected[layer].sort(-1).values, tr.selected[layer].sort(-1).values)
 
 
-def test_trace_covers_every_token_and_matches_full_forward(tiny_model):
+def test_trace_covers_every_token_and_matches_full_forward(tiny_model64):
+    tiny_model = tiny_model64
     text, trace = minidsa.generate("trace me please", tiny_model, max_new_tokens=10, temperature=0.5, seed=1,
                                    return_trace=True, stop_at_eos=False)
     n = len(trace.token_ids)
