@@ -45,7 +45,11 @@ class LightningIndexer(nn.Module):
     def keys(self, x_hat: torch.Tensor) -> dict[str, torch.Tensor]:
         """x_hat [B, T, d] -> the cache planes of k_I: {"index_key": [B, T, D_I]} plus
         {"index_key_scale": [B, T, 1]} with fp8 numerics."""
-        k = self.k_norm(self.wk(x_hat))
+        k = self.wk(x_hat)
+        acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+        # LayerNorm in fp32 with its fp32 weight and bias, whatever the model dtype
+        k = nn.functional.layer_norm(k.to(acc), (self.head_dim,), self.k_norm.weight.to(acc),
+                                     self.k_norm.bias.to(acc), self.k_norm.eps)
         k, scale = self._numerics(k)
         planes = {"index_key": k}
         if scale is not None:

@@ -113,16 +113,20 @@ def preprocess(image, cfg: ModelConfig, name: str = "image") -> PreparedImage:
 
 
 def rope_2d(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """Rotate x [N, H, hd]: the first half of each head by the patch row, the second by its column.
+    """Rotate x [N, H, hd] (returned in fp32, fp64 kept): the first half of each head by the patch row, the
+    second by its column.
 
     Within each half, rotate-half pairing (i, i + hd/4) with frequency theta^(-4i/hd).
     """
     hd = x.shape[-1]
     quarter = hd // 4
-    inv_freq = ROPE_THETA ** (-torch.arange(quarter, dtype=torch.float64) / quarter)
+    inv_freq = ROPE_THETA ** (-torch.arange(quarter, dtype=torch.float64, device=x.device) / quarter)
+
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x = x.to(acc)
 
     def rotate(part, pos):
-        ang = (pos.double().unsqueeze(-1) * inv_freq).to(x.dtype if x.dtype == torch.float64 else torch.float32)
+        ang = (pos.double().unsqueeze(-1) * inv_freq).to(acc)
         cos, sin = ang.cos().unsqueeze(1), ang.sin().unsqueeze(1)  # [N, 1, quarter]
         a, b = part[..., :quarter], part[..., quarter:]
         return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
@@ -151,7 +155,7 @@ class VisionBlock(nn.Module):
         h = self.norm1(x)
         q = rope_2d(self.q_proj(h).view(N, self.num_heads, self.head_dim), rows, cols)
         k = rope_2d(self.k_proj(h).view(N, self.num_heads, self.head_dim), rows, cols)
-        v = self.v_proj(h).view(N, self.num_heads, self.head_dim)
+        v = self.v_proj(h).view(N, self.num_heads, self.head_dim).to(q.dtype)  # attention math in fp32 (fp64 kept)
         s = torch.einsum("nhd,mhd->hnm", q, k) * self.head_dim ** -0.5
         s = s.masked_fill(~same_image, float("-inf"))  # full attention inside an image, never across
         o = torch.einsum("hnm,mhd->nhd", torch.softmax(s, dim=-1), v).reshape(N, -1)
@@ -184,10 +188,10 @@ class VisionTower(nn.Module):
             h, w = im.grid
             x = self.patch_embed(im.patches.to(dtype)).flatten(1)  # [h*w, d]
             xs.append(x + self.positions(h, w).to(dtype))
-            r, c = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+            r, c = torch.meshgrid(torch.arange(h, device=x.device), torch.arange(w, device=x.device), indexing="ij")
             rows.append(r.reshape(-1))
             cols.append(c.reshape(-1))
-            owner.append(torch.full((h * w,), i))
+            owner.append(torch.full((h * w,), i, device=x.device))
         x = torch.cat(xs)
         rows, cols, owner = torch.cat(rows), torch.cat(cols), torch.cat(owner)
         same_image = owner.unsqueeze(0) == owner.unsqueeze(1)

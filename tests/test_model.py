@@ -276,3 +276,22 @@ def test_paged_cache_equals_one_contiguous_block():
     torch.testing.assert_close(a, b, atol=FP64_TOL, rtol=0)
     for layer in sel_a:
         assert torch.equal(sel_a[layer], sel_b[layer])
+
+
+def test_bfloat16_model_runs_every_path():
+    """bf16 weights with fp32 norms, gates and states: every path runs and stays finite."""
+    import numpy as np
+    model = minidsa.MiniDSA(tiny_config(dtype="bfloat16", indexer=minidsa.load_config("tiny").indexer))
+    assert model.language_model.lm_head.weight.dtype == torch.bfloat16
+    assert model.language_model.model.layers[3].self_attn.indexer.k_norm.weight.dtype == torch.float32
+    ids = torch.randint(0, 256, (2, 30))
+    with torch.no_grad():
+        full = model(ids)
+        _, _, cache, _ = incremental(model, ids[:1], 20)
+    assert full.dtype == torch.float32 and torch.isfinite(full).all()
+    img = np.random.default_rng(0).integers(0, 256, (56, 56, 3), dtype=np.uint8)
+    text = minidsa.generate("x", model, images=[img], max_new_tokens=4, temperature=0, stop_at_eos=False)
+    assert isinstance(text, str)
+    fp8 = minidsa.MiniDSA(with_indexer(tiny_config(dtype="bfloat16"), fp8=True, hadamard=True))
+    with torch.no_grad():
+        assert torch.isfinite(fp8(ids)).all()
