@@ -165,6 +165,7 @@ class MiniDSA(nn.Module):
             self.mm_projector = MultimodalProjector(cfg)
         self._default_cache: PagedKVCache | None = None
         self._workspace: ExpertWorkspace | None = None
+        self._last_conversions = 0  # experts converted by the most recent forward
         if str(device) != "meta" and init:
             self._init_weights()
         self._cast(cfg.torch_dtype)
@@ -229,7 +230,7 @@ class MiniDSA(nn.Module):
 
     def expert_stats(self) -> dict[str, int]:
         """Bytes of packed expert storage (and of the same experts in bf16), workspace bytes, the FP8
-        bytes held by offline mode, and expert conversions since the last reset."""
+        bytes held by offline mode, expert conversions since the last reset and in the last forward."""
         layers = self.moe_layers()
         packed = sum(t.numel() for m in layers for d in (m.packed, m.scale) for t in d.values())
         elements = sum(t.numel() * 2 for m in layers for t in m.packed.values())
@@ -238,7 +239,8 @@ class MiniDSA(nn.Module):
         ws = self._workspace
         return {"expert_bytes_mxfp4": packed, "expert_bytes_bf16": 2 * elements,
                 "workspace_bytes": ws.nbytes if ws is not None else 0, "offline_fp8_bytes": offline,
-                "conversions": ws.conversions if ws is not None else 0}
+                "conversions": ws.conversions if ws is not None else 0,
+                "conversions_last_forward": self._last_conversions}
 
     def reset_expert_stats(self) -> None:
         if self._workspace is not None:
@@ -324,7 +326,9 @@ class MiniDSA(nn.Module):
                                  f"{self.config.max_seq_len}; shorten it")
         else:
             ctx = self._cache_context(cache, seq_ids, B, T, inputs_embeds.device)
+        before = self._workspace.conversions if self._workspace is not None else 0
         h = self.language_model.model(inputs_embeds, ctx, trace)
+        self._last_conversions = (self._workspace.conversions if self._workspace is not None else 0) - before
         logits = self.language_model.lm_head(h)
         logits = logits if logits.dtype == torch.float64 else logits.float()
         if ctx is not None:  # success: publish the staged KDA states and the new lengths

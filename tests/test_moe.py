@@ -127,6 +127,7 @@ def test_only_routed_experts_are_converted():
         model(ids)
     n_moe = cfg.num_layers - cfg.moe.first_dense_layers
     assert model.expert_stats()["conversions"] == sum(routed) == n_moe * cfg.moe.top_k
+    assert model.expert_stats()["conversions_last_forward"] == n_moe * cfg.moe.top_k
     assert cfg.moe.top_k < cfg.moe.num_experts
     routed.clear()
     model.reset_expert_stats()
