@@ -58,6 +58,7 @@ def save_pretrained(model: MiniDSA, directory: str | os.PathLike, max_shard_size
     from safetensors.torch import save_file
 
     limit = _parse_size(max_shard_size)
+    model.materialize_experts()  # a lazily loaded model reads its remaining experts first
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = checkpoint_tensors(model)
@@ -83,9 +84,42 @@ def save_pretrained(model: MiniDSA, directory: str | os.PathLike, max_shard_size
     return directory
 
 
+_SAFETENSORS_DTYPES = {torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.float32: "F32",
+                       torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16"}
+_EXPERT_TENSOR = re.compile(r"^(.*\.block_sparse_moe)\.experts\.(\d+)\.(w[123])\.(weight_packed|weight_scale)$")
+
+
+def _check(name: str, shape, dtype, target: torch.Tensor) -> None:
+    if tuple(shape) != tuple(target.shape):
+        raise ValueError(f"tensor {name} has shape {tuple(shape)}, expected {tuple(target.shape)}")
+    if dtype != target.dtype and dtype != _SAFETENSORS_DTYPES.get(target.dtype):
+        raise ValueError(f"tensor {name} has dtype {dtype}, expected {target.dtype}")
+
+
+def read_tensor(path: Path, name: str, target: torch.Tensor) -> None:
+    """Read ``name`` from the shard at ``path`` into ``target`` after checking shape, dtype and E8M0 codes."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            t = f.get_tensor(name)
+    except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+        raise ValueError(f"cannot read tensor {name} from {path.name}: {e} (truncated or corrupt file?)") from None
+    _check(name, t.shape, t.dtype, target)
+    if name.endswith(".weight_scale") and bool((t == 0xFF).any()):
+        raise ValueError(f"tensor {name} holds the E8M0 NaN code 0xFF; the checkpoint is corrupt")
+    with torch.no_grad():
+        target.copy_(t)
+
+
 def load_pretrained(directory: str | os.PathLike, *, device: torch.device | str = "cpu",
-                    progress: bool = True) -> MiniDSA:
-    """Build the model of ``directory/config.json`` and fill it from the shards, verifying every tensor."""
+                    progress: bool = True, lazy_experts: bool = False) -> MiniDSA:
+    """Build the model of ``directory/config.json`` and fill it from the shards, verifying every tensor.
+
+    With ``lazy_experts`` the routed experts' headers (name, shape, dtype) are checked now but their
+    data is read from disk the first time a token is routed to them (their E8M0 codes are checked
+    then), so loading costs I/O only for the dense part.
+    """
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
@@ -114,6 +148,8 @@ def load_pretrained(directory: str | os.PathLike, *, device: torch.device | str 
     for fname in shards:
         if not (directory / fname).is_file():
             raise ValueError(f"shard {fname} listed in {INDEX_NAME} is missing from {directory}")
+    moe_of = {f"language_model.model.layers.{i}.block_sparse_moe": layer.block_sparse_moe
+              for i, layer in enumerate(model.language_model.model.layers) if layer.is_moe}
     loaded = 0
     bar = tqdm(total=len(weight_map), unit="tensor", desc="loading", disable=not progress, leave=False)
     for fname in sorted(shards):
@@ -127,24 +163,30 @@ def load_pretrained(directory: str | os.PathLike, *, device: torch.device | str 
             for name in shards[fname]:
                 if name not in present:
                     raise ValueError(f"tensor {name} is listed in {INDEX_NAME} under {fname} but the shard lacks it")
-                try:
-                    t = f.get_tensor(name)
-                except Exception as e:
-                    raise ValueError(f"cannot read tensor {name} from {fname}: {e} (truncated file?)") from None
                 target = expected[name]
-                if tuple(t.shape) != tuple(target.shape):
-                    raise ValueError(f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(target.shape)}")
-                if t.dtype != target.dtype:
-                    raise ValueError(f"tensor {name} has dtype {t.dtype}, expected {target.dtype}")
-                if name.endswith(".weight_scale") and bool((t == 0xFF).any()):
-                    raise ValueError(f"tensor {name} holds the E8M0 NaN code 0xFF; the checkpoint is corrupt")
-                with torch.no_grad():
-                    target.copy_(t)
-                loaded += t.numel()
+                expert = _EXPERT_TENSOR.match(name) if lazy_experts else None
+                if expert is not None:  # header now, data on first use
+                    sl = f.get_slice(name)
+                    _check(name, sl.get_shape(), sl.get_dtype(), target)
+                    prefix, e, w, kind = expert.groups()
+                    moe_of[prefix].lazy_source[(int(e), w, kind)] = (path, name, target)
+                else:
+                    try:
+                        t = f.get_tensor(name)
+                    except Exception as e:
+                        raise ValueError(f"cannot read tensor {name} from {fname}: {e} (truncated file?)") from None
+                    _check(name, t.shape, t.dtype, target)
+                    if name.endswith(".weight_scale") and bool((t == 0xFF).any()):
+                        raise ValueError(f"tensor {name} holds the E8M0 NaN code 0xFF; the checkpoint is corrupt")
+                    with torch.no_grad():
+                        target.copy_(t)
+                loaded += target.numel()
                 bar.update(1)
     bar.close()
     if loaded != sum(t.numel() for t in expected.values()):
         raise ValueError(f"loaded {loaded} values but the config defines {sum(t.numel() for t in expected.values())}")
+    for moe in moe_of.values():
+        moe.resident[:] = not moe.lazy_source
     if cfg.moe.offline_experts:
         model.set_expert_mode("offline")
     return model

@@ -29,14 +29,16 @@ _DEFAULT_MODELS: dict[str, MiniDSA] = {}
 DEFAULT_MODEL = "tiny"  # no trained weights ship yet: the default is the seeded tiny model
 
 
-def load(name_or_path="tiny", *, device: torch.device | str = "cpu", progress: bool = True) -> MiniDSA:
+def load(name_or_path="tiny", *, device: torch.device | str = "cpu", progress: bool = True,
+         lazy_experts: bool = False) -> MiniDSA:
     """A checkpoint directory (save_pretrained's output) with its weights, or the seeded random model
     of a preset name ("tiny", "laptop", ...), a config JSON path or a ModelConfig. ``progress`` shows a
-    tqdm bar while a checkpoint streams in."""
+    tqdm bar while a checkpoint streams in; ``lazy_experts`` leaves routed experts on disk until a
+    token is routed to them."""
     if isinstance(name_or_path, (str, os.PathLike)) and Path(name_or_path).is_dir():
         from .checkpoint import load_pretrained
 
-        return load_pretrained(name_or_path, device=device, progress=progress)
+        return load_pretrained(name_or_path, device=device, progress=progress, lazy_experts=lazy_experts)
     return build_model(name_or_path, device=device)
 
 

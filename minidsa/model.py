@@ -216,6 +216,11 @@ class MiniDSA(nn.Module):
     def moe_layers(self) -> list[LatentMoE]:
         return [layer.block_sparse_moe for layer in self.language_model.model.layers if layer.is_moe]
 
+    def materialize_experts(self) -> None:
+        """Read every routed expert still on disk (a model loaded with lazy_experts=True)."""
+        for moe in self.moe_layers():
+            moe.materialize()
+
     def set_expert_mode(self, mode: str) -> "MiniDSA":
         """"online": convert routed experts per forward into the shared workspace; "offline": convert
         every expert once now and keep the FP8 copies (memory grows with depth)."""
@@ -240,7 +245,8 @@ class MiniDSA(nn.Module):
         return {"expert_bytes_mxfp4": packed, "expert_bytes_bf16": 2 * elements,
                 "workspace_bytes": ws.nbytes if ws is not None else 0, "offline_fp8_bytes": offline,
                 "conversions": ws.conversions if ws is not None else 0,
-                "conversions_last_forward": self._last_conversions}
+                "conversions_last_forward": self._last_conversions,
+                "experts_resident": sum(int(m.resident.sum()) for m in layers)}
 
     def reset_expert_stats(self) -> None:
         if self._workspace is not None:

@@ -91,6 +91,9 @@ class LatentMoE(nn.Module):
                                                               dtype=torch.uint8))
         self._workspace_ref = workspace_ref  # callable -> the model's ExpertWorkspace (not a submodule)
         self.offline: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Lazy loading: (expert, "w1", "weight_packed") -> (shard path, tensor name, target view), read on first use.
+        self.lazy_source: dict[tuple[int, str, str], tuple] = {}
+        self.resident = torch.ones(m.num_experts, dtype=torch.bool, device="cpu")  # experts with packed data in memory
 
     @property
     def packed(self) -> dict[str, torch.Tensor]:
@@ -100,8 +103,26 @@ class LatentMoE(nn.Module):
     def scale(self) -> dict[str, torch.Tensor]:
         return {n: getattr(self, f"{n}_scale") for n in EXPERT_WEIGHTS}
 
+    def materialize(self, experts: torch.Tensor | None = None) -> None:
+        """Read the packed data of ``experts`` (default: all) from the checkpoint if still on disk."""
+        if not self.lazy_source:
+            return
+        from .checkpoint import read_tensor
+
+        ids = range(self.num_experts) if experts is None else experts.tolist()
+        for e in ids:
+            if self.resident[e]:
+                continue
+            keys = [(e, w, kind) for w in EXPERT_WEIGHTS for kind in ("weight_packed", "weight_scale")]
+            for key in keys:
+                read_tensor(*self.lazy_source[key])  # raises (naming the tensor) before anything is forgotten
+            for key in keys:
+                del self.lazy_source[key]
+            self.resident[e] = True
+
     def convert_all(self) -> None:
         """Offline mode: every expert to FP8 once (memory grows with depth; no per-forward conversion)."""
+        self.materialize()
         self.offline = {n: mxfp4.to_fp8(self.packed[n], self.scale[n]) for n in EXPERT_WEIGHTS}
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,6 +152,7 @@ class LatentMoE(nn.Module):
         for start in range(0, routed.numel(), step):  # rounds only if the routed set exceeds the workspace
             batch = routed[start: start + step]
             if self.offline is None:
+                self.materialize(batch)
                 ws.load(self, batch)
                 n = batch.numel()
                 mats = {w: mxfp4.fp8_dequantize(ws.elements[w][:n], ws.scales[w][:n], acc) for w in EXPERT_WEIGHTS}

@@ -182,3 +182,46 @@ def test_params_cli(capsys):
     out = capsys.readouterr().out
     assert out.startswith("tiny:") and "active per token" in out
     assert main(["params", "nope"]) == 2
+
+
+def test_lazy_experts_are_read_on_first_use(saved, tmp_path):
+    model, path = saved
+    lazy = minidsa.load(path, lazy_experts=True)
+    assert lazy.expert_stats()["experts_resident"] == 0
+    ids = torch.randint(0, 256, (1, 1))
+    with torch.no_grad():
+        out = lazy(ids)
+        ref = model(ids)
+    assert torch.equal(out, ref)
+    n_moe = len(lazy.moe_layers())
+    assert lazy.expert_stats()["experts_resident"] == n_moe * model.config.moe.top_k
+    ids = torch.randint(0, 256, (2, 19))
+    with torch.no_grad():
+        assert torch.equal(lazy(ids), model(ids))
+    again = tmp_path / "again"
+    lazy.save_pretrained(again)  # reads the rest first
+    assert lazy.expert_stats()["experts_resident"] == n_moe * model.config.moe.num_experts
+    with torch.no_grad():
+        assert torch.equal(minidsa.load(again)(ids), model(ids))
+
+
+def test_lazy_expert_with_nan_scale_fails_by_name_on_use(saved, tmp_path):
+    path = copy_of(saved, tmp_path)
+    names = [f"language_model.model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight_scale"
+             for i in range(1, 9) for e in range(8)]
+
+    def poison_all(tensors, index):
+        for n in names:
+            if n in tensors:
+                tensors[n][0, 0] = 0xFF
+    index = json.loads((path / INDEX).read_text())
+    for fname in sorted({index["weight_map"][n] for n in names}):
+        first = next(n for n in names if index["weight_map"][n] == fname)
+        rewrite_shard_of(path, first, poison_all)
+    lazy = minidsa.load(path, lazy_experts=True)  # headers are fine
+    for _ in range(2):  # the failure is repeatable: nothing about the expert was forgotten
+        with pytest.raises(ValueError, match=r"experts\.\d+\.w1\.weight_scale holds the E8M0 NaN code 0xFF"):
+            with torch.no_grad():
+                lazy(torch.randint(0, 256, (1, 3)))
+    with pytest.raises(ValueError, match="0xFF"):
+        minidsa.load(path)  # eager loading rejects it up front
