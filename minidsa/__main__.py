@@ -12,11 +12,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="continue a prompt with the (seeded, untrained) model")
     g.add_argument("prompt", help="text to continue ('' starts from bos alone)")
-    g.add_argument("--config", default="tiny", help="preset name or config path (default: tiny)")
+    g.add_argument("--config", default="tiny", help="preset name, config JSON path or checkpoint directory "
+                                                    "(default: tiny)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="a PNG/JPEG image for the prompt (repeatable); placed before the text unless the prompt "
+                        "marks its place with <|media_begin|>image<|media_content|><|media_pad|><|media_end|>")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     g.add_argument("--ignore-eos", action="store_true",
                    help="always generate --max-new-tokens (the untrained model samples eos at random)")
@@ -39,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = minidsa.load(args.config)
         start = time.perf_counter()
-        stream = minidsa.generate(args.prompt, model, max_new_tokens=args.max_new_tokens,
+        stream = minidsa.generate(args.prompt, model, images=args.image, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                   stream=True, progress=not args.no_progress,
                                   stop_at_eos=not args.ignore_eos)

@@ -183,3 +183,16 @@ def test_cli_generate():
     r = subprocess.run([sys.executable, "-m", "minidsa", "generate", "hello", "--top-p", "2"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and "top_p" in r.stderr
+
+
+def test_cli_generate_with_an_image(tmp_path, capsys):
+    from PIL import Image
+
+    from minidsa.__main__ import main
+    Image.new("RGB", (60, 40), (200, 10, 10)).save(tmp_path / "red.png")
+    assert main(["generate", "what colour?", "--image", str(tmp_path / "red.png"), "--max-new-tokens", "3",
+                 "--ignore-eos", "--no-progress"]) == 0
+    assert "3 tokens in" in capsys.readouterr().err
+    (tmp_path / "bad.png").write_text("nope")
+    assert main(["generate", "x", "--image", str(tmp_path / "bad.png"), "--no-progress"]) == 2
+    assert "not a readable PNG/JPEG" in capsys.readouterr().err
