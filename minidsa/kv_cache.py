@@ -17,6 +17,7 @@ Allocation is explicit and all-or-nothing: a request that needs more blocks than
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,13 @@ class CacheLayout:
         raise KeyError(f"no cache plane named {name!r}; planes: {[p.name for p in self.planes]}")
 
     def bytes_per_token(self) -> int:
+        """KV bytes one token occupies across all MLA layers (every plane)."""
         return self.num_layers * sum(p.width * torch.empty((), dtype=p.dtype).element_size() for p in self.planes)
+
+    def state_bytes_per_sequence(self) -> int:
+        """KDA bytes one sequence occupies across all KDA layers (recurrent + conv states), whatever its length."""
+        elem = torch.empty((), dtype=self.state_dtype).element_size()
+        return self.num_state_layers * sum(math.prod(shape) for _, shape in self.states) * elem
 
 
 class PagedKVCache:

@@ -78,3 +78,12 @@ def test_truncate_releases_whole_blocks():
     c.commit(s, 10)
     c.truncate(s, 5)
     assert len(c.block_table(s)) == 2 and c.seq_len(s) == 5 and c.num_free_blocks == 2
+
+
+def test_reference_scale_memory_arithmetic():
+    import minidsa
+    layout = minidsa.MiniDSA("k3.1-pro", device="meta").cache_layout()
+    # 24 MLA layers x (c_kv 512 + k_pe 64 in bf16, k_I 128 in e4m3 + one fp32 scale)
+    assert layout.bytes_per_token() == 24 * ((512 + 64) * 2 + 128 + 4)
+    # 69 KDA layers x (96 heads x 128 x 128 state + 3 conv states of 3 x 12288), fp32
+    assert layout.state_bytes_per_sequence() == 69 * (96 * 128 * 128 + 3 * 3 * 12288) * 4

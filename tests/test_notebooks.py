@@ -20,7 +20,7 @@ def test_notebook_runs(path):
         src = "".join(cell["source"]).replace('CONFIG = "laptop"', 'CONFIG = "tiny"')
         exec(compile(src, f"{path.name}[cell {i}]", "exec"), namespace)
     plt.close("all")
-    assert namespace["fig"] is not None
+    assert "model" in namespace
 
 
 def test_there_are_notebooks():
