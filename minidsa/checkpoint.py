@@ -96,20 +96,27 @@ def _check(name: str, shape, dtype, target: torch.Tensor) -> None:
         raise ValueError(f"tensor {name} has dtype {dtype}, expected {target.dtype}")
 
 
-def read_tensor(path: Path, name: str, target: torch.Tensor) -> None:
-    """Read ``name`` from the shard at ``path`` into ``target`` after checking shape, dtype and E8M0 codes."""
-    from safetensors import safe_open
-
+def _store(name: str, fname: str, read, target: torch.Tensor) -> None:
+    """t = read(); check its shape, dtype and (for E8M0 scales) NaN codes; copy it into ``target``."""
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            t = f.get_tensor(name)
+        t = read()
     except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
-        raise ValueError(f"cannot read tensor {name} from {path.name}: {e} (truncated or corrupt file?)") from None
+        raise ValueError(f"cannot read tensor {name} from {fname}: {e} (truncated or corrupt file?)") from None
     _check(name, t.shape, t.dtype, target)
     if name.endswith(".weight_scale") and bool((t == 0xFF).any()):
         raise ValueError(f"tensor {name} holds the E8M0 NaN code 0xFF; the checkpoint is corrupt")
     with torch.no_grad():
         target.copy_(t)
+
+
+def read_tensor(path: Path, name: str, target: torch.Tensor) -> None:
+    """Read ``name`` from the shard at ``path`` into ``target`` (checked as at load)."""
+    from safetensors import safe_open
+
+    def read():
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
+    _store(name, path.name, read, target)
 
 
 def load_pretrained(directory: str | os.PathLike, *, device: torch.device | str = "cpu",
@@ -171,15 +178,7 @@ def load_pretrained(directory: str | os.PathLike, *, device: torch.device | str 
                     prefix, e, w, kind = expert.groups()
                     moe_of[prefix].lazy_source[(int(e), w, kind)] = (path, name, target)
                 else:
-                    try:
-                        t = f.get_tensor(name)
-                    except Exception as e:
-                        raise ValueError(f"cannot read tensor {name} from {fname}: {e} (truncated file?)") from None
-                    _check(name, t.shape, t.dtype, target)
-                    if name.endswith(".weight_scale") and bool((t == 0xFF).any()):
-                        raise ValueError(f"tensor {name} holds the E8M0 NaN code 0xFF; the checkpoint is corrupt")
-                    with torch.no_grad():
-                        target.copy_(t)
+                    _store(name, fname, lambda: f.get_tensor(name), target)
                 loaded += target.numel()
                 bar.update(1)
     bar.close()
