@@ -111,6 +111,10 @@ class GenerationStream:
     def __next__(self):
         return next(self._it)
 
+    def close(self) -> None:
+        """Stop early and give the request's cache blocks back (also happens when the stream is garbage-collected)."""
+        self._it.close()
+
     @property
     def trace(self) -> GenerationTrace | list[GenerationTrace] | None:
         if self.traces is None:

@@ -170,7 +170,7 @@ def test_abandoned_stream_gives_blocks_back(tiny_model):
     stream = minidsa.generate("stream", tiny_model, max_new_tokens=30, stream=True, cache=cache, stop_at_eos=False)
     next(stream)
     assert cache.num_free_blocks < cache.layout.num_blocks
-    stream._it.close()
+    stream.close()
     assert cache.num_free_blocks == cache.layout.num_blocks
 
 
