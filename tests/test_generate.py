@@ -196,3 +196,12 @@ def test_cli_generate_with_an_image(tmp_path, capsys):
     (tmp_path / "bad.png").write_text("nope")
     assert main(["generate", "x", "--image", str(tmp_path / "bad.png"), "--no-progress"]) == 2
     assert "not a readable PNG/JPEG" in capsys.readouterr().err
+
+
+def test_too_many_sequences_for_the_state_slots(tiny_model):
+    cache = tiny_model.new_cache()
+    n = tiny_model.config.max_sequences
+    with pytest.raises(minidsa.OutOfKVBlocksError, match="state slots"):
+        minidsa.generate(["x"] * (n + 1), tiny_model, max_new_tokens=2, cache=cache)
+    assert cache.sequences() == [] and cache.num_free_state_slots == n and cache.num_free_blocks == 128
+    assert len(minidsa.generate(["x"] * n, tiny_model, max_new_tokens=2, cache=cache)) == n
