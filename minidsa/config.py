@@ -98,6 +98,7 @@ class ModelConfig:
     activation_beta_up: float = 25.0  # SiTU-GLU up saturation: |up| < beta_up
     rms_norm_eps: float = 1e-5  # eps of every RMSNorm
     attn_res_block_size: int = 2  # Block AttnRes: layers per stored block (embedding is block 0)
+    attn_res_two_phase: bool = False  # exact inference schedule: score a block's mixers in one batch, then merge
     max_seq_len: int = 128  # context length: the longest prompt + generation a sequence may hold
     kv_block_size: int = 8  # tokens per paged-KV block; smaller than max_seq_len so paging is real
     kv_num_blocks: int = 64  # blocks in a default cache (shared by all sequences of a batch)

@@ -107,6 +107,8 @@ class TextDecoder(nn.Module):
     def __init__(self, cfg: ModelConfig, workspace_ref=None) -> None:
         super().__init__()
         self.block_size = cfg.attn_res_block_size
+        self.two_phase = cfg.attn_res_two_phase
+        self.eps = cfg.rms_norm_eps
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rank = {i: r for r, i in enumerate(cfg.mla_layers)} | {i: r for r, i in enumerate(cfg.kda_layers)}
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rank[i], workspace_ref) for i in range(cfg.num_layers))
@@ -123,6 +125,8 @@ class TextDecoder(nn.Module):
         sub-layer outputs of the current block. Each sub-layer reads a softmax mix of blocks + [p].
         """
         acc = torch.float64 if emb.dtype == torch.float64 else torch.float32
+        if self.two_phase:
+            return self._forward_two_phase(emb.to(acc), ctx, trace)
         blocks: list[torch.Tensor] = []
         p_in = emb.to(acc)
         for l, layer in enumerate(self.layers):
@@ -133,6 +137,47 @@ class TextDecoder(nn.Module):
             else:
                 p = p_in + layer.attention(h, ctx, trace).to(acc)
             h = layer.mix_ffn(blocks + [p], trace)
+            p_in = p + layer.feed_forward(h).to(acc)
+        out = mix_sources(blocks + [p_in], self.output_res_norm, self.output_res_proj, "out", trace, self.backend)
+        return self.norm(out.to(self.compute_dtype))
+
+
+    def _forward_two_phase(self, p_in: torch.Tensor, ctx, trace) -> torch.Tensor:
+        """The same function as ``forward``, scheduled as in the AttnRes paper's inference: when a block
+        starts, score all its mixers against the stored blocks in one batch (phase 1); each mixer then
+        only merges its current partial sum by online softmax (phase 2). Exact up to rounding."""
+        acc = p_in.dtype
+        blocks: list[torch.Tensor] = []
+        stacked = scores = None  # the stored blocks and their scores, set when each block starts
+
+        def merge(k, partial, norm, proj, name):  # phase 2 for mixer k of the current block
+            out = ops.attn_res_merge(stacked, scores[k], partial, proj.weight[0], norm.weight, self.eps,
+                                     return_weights=trace is not None)
+            if trace is None:
+                return out
+            trace.depth_weights[name] = out[1]
+            return out[0]
+
+        for l, layer in enumerate(self.layers):
+            j = l % self.block_size
+            if j == 0:  # the finished block is stored; score this block's 2 * block_size mixers at once
+                blocks.append(p_in)
+                stacked = torch.stack(blocks)
+                group = self.layers[l: l + self.block_size]
+                q = torch.stack([w for x in group for w in (x.self_attention_res_proj.weight[0],
+                                                            x.mlp_res_proj.weight[0])])
+                g = torch.stack([w for x in group for w in (x.self_attention_res_norm.weight,
+                                                            x.mlp_res_norm.weight)])
+                scores = ops.attn_res_block_scores(stacked, q, g, self.eps)  # [2 * block, N, B, T]
+
+            if j == 0:  # the attention mixer's sources are exactly the stored blocks (layer 0: the embedding)
+                h = p_in if l == 0 else merge(0, None, layer.self_attention_res_norm, layer.self_attention_res_proj,
+                                              f"{l}.attn")
+                p = layer.attention(h, ctx, trace).to(acc)
+            else:
+                h = merge(2 * j, p_in, layer.self_attention_res_norm, layer.self_attention_res_proj, f"{l}.attn")
+                p = p_in + layer.attention(h, ctx, trace).to(acc)
+            h = merge(2 * j + 1, p, layer.mlp_res_norm, layer.mlp_res_proj, f"{l}.ffn")
             p_in = p + layer.feed_forward(h).to(acc)
         out = mix_sources(blocks + [p_in], self.output_res_norm, self.output_res_proj, "out", trace, self.backend)
         return self.norm(out.to(self.compute_dtype))

@@ -124,3 +124,39 @@ def test_generate_trace_records_depth_weights(tiny_model):
     assert set(trace.depth_weights) >= {"1.attn", "0.ffn", "out"}
     out = trace.depth_weights["out"]
     assert out.shape[0] == n and torch.allclose(out.sum(-1), torch.ones(n))
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3, 4])
+def test_two_phase_inference_is_exact(block_size):
+    """SPEC section 1's optional schedule: batch-score a block's mixers, merge partial sums online."""
+    cfg = tiny_config(dtype="float64", attn_res_block_size=block_size)
+    seq = minidsa.MiniDSA(cfg)
+    randomise_queries(seq)
+    two = minidsa.MiniDSA(cfg.replace(attn_res_two_phase=True))
+    two.load_state_dict(seq.state_dict())
+    ids = torch.randint(0, 256, (2, 13))
+    ta, tb = minidsa.ForwardTrace(), minidsa.ForwardTrace()
+    with torch.no_grad():
+        a, b = seq(ids, trace=ta), two(ids, trace=tb)
+        torch.testing.assert_close(b, a, atol=1e-12, rtol=0)
+        cache = two.new_cache()
+        sid = cache.add_sequence()
+        steps = [two(ids[:1, :9], cache=cache, seq_ids=[sid])] + \
+            [two(ids[:1, t: t + 1], cache=cache, seq_ids=[sid]) for t in range(9, 13)]
+    torch.testing.assert_close(torch.cat(steps, 1), a[:1], atol=1e-11, rtol=0)
+    assert ta.depth_weights.keys() == tb.depth_weights.keys()
+    for name in ta.depth_weights:
+        torch.testing.assert_close(tb.depth_weights[name], ta.depth_weights[name], atol=1e-12, rtol=0)
+
+
+def test_two_phase_ops_match_the_mixer():
+    blocks = torch.randn(3, 2, 5, 16, dtype=torch.float64)
+    partial = torch.randn(2, 5, 16, dtype=torch.float64)
+    q, g = torch.randn(4, 16, dtype=torch.float64), torch.rand(4, 16, dtype=torch.float64) + 0.5
+    scores = ops.attn_res_block_scores(blocks, q, g)
+    assert scores.shape == (4, 3, 2, 5)
+    for j in range(4):
+        out, w = ops.attn_res_merge(blocks, scores[j], partial, q[j], g[j], return_weights=True)
+        ref, ref_w = naive_mix(list(blocks) + [partial], q[j], g[j])
+        torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+        torch.testing.assert_close(w, ref_w, atol=1e-12, rtol=0)

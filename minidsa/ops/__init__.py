@@ -10,12 +10,13 @@ import torch
 
 from ._dispatch import BACKENDS, pick
 from .attention import gather_rows, indices_to_mask, masked_dense_attention, sparse_attention_ref
-from .attn_res import attn_res_mix_ref
+from .attn_res import attn_res_block_scores, attn_res_merge, attn_res_mix_ref
 from .indexer import index_scores_ref, topk_indices_ref
 from .kda import kda_chunk_ref, kda_recurrent_ref
 
 __all__ = ["BACKENDS", "index_scores", "topk_indices", "sparse_attention", "masked_dense_attention",
-           "indices_to_mask", "gather_rows", "kda_recurrent", "kda_chunk", "attn_res_mix"]
+           "indices_to_mask", "gather_rows", "kda_recurrent", "kda_chunk", "attn_res_mix",
+           "attn_res_block_scores", "attn_res_merge"]
 
 
 def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float, *,

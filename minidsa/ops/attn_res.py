@@ -35,3 +35,42 @@ def attn_res_mix_ref(sources: torch.Tensor, query: torch.Tensor, norm_weight: to
     alpha = torch.softmax(scores, dim=0)
     out = (alpha.unsqueeze(-1) * v).sum(dim=0)
     return (out, alpha) if return_weights else out
+
+
+def attn_res_block_scores(blocks: torch.Tensor, queries: torch.Tensor, norm_weights: torch.Tensor,
+                          eps: float = 1e-5) -> torch.Tensor:
+    """Phase 1 of two-phase Block AttnRes: every mixer of a block scored against the stored blocks at once.
+
+    blocks [N, ..., D], queries [M, D], norm_weights [M, D] -> scores [M, N, ...] (fp32, fp64 kept).
+    The stored blocks do not change inside a block, so these scores are computed once per block.
+    """
+    acc = acc_dtype(blocks, queries, norm_weights)
+    v = blocks.to(acc)
+    unit = v * torch.rsqrt(v.pow(2).mean(dim=-1, keepdim=True) + eps)  # [N, ..., D]
+    return torch.einsum("n...d,md->mn...", unit, queries.to(acc) * norm_weights.to(acc))
+
+
+def attn_res_merge(blocks: torch.Tensor, block_scores: torch.Tensor, partial: torch.Tensor | None,
+                   query: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-5,
+                   return_weights: bool = False):
+    """Phase 2: one mixer's output from its precomputed block scores [N, ...] and the current partial
+    sum [..., D] (None when the mixer has no partial source), merged by online softmax.
+
+    Equals ``attn_res_mix(cat(blocks, [partial]), query, norm_weight, eps)`` up to rounding.
+    """
+    acc = block_scores.dtype
+    v = blocks.to(acc)
+    m = block_scores.amax(dim=0)  # running max over the stored blocks
+    e = torch.exp(block_scores - m)
+    denom, num = e.sum(dim=0), (e.unsqueeze(-1) * v).sum(dim=0)
+    if partial is None:
+        out = num / denom.unsqueeze(-1)
+        return (out, e / denom) if return_weights else out
+    s_p = attn_res_block_scores(partial.unsqueeze(0), query.unsqueeze(0), norm_weight.unsqueeze(0), eps)[0, 0]
+    m_new = torch.maximum(m, s_p)
+    old, new = torch.exp(m - m_new), torch.exp(s_p - m_new)
+    total = denom * old + new
+    out = (num * old.unsqueeze(-1) + partial.to(acc) * new.unsqueeze(-1)) / total.unsqueeze(-1)
+    if not return_weights:
+        return out
+    return out, torch.cat([e * old, new.unsqueeze(0)]) / total
