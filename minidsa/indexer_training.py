@@ -1,0 +1,74 @@
+"""Training signal of the DSA lightning indexer (SPEC section 2).
+
+The indexer learns to predict where the main attention looks: the target p[t, :] is the main
+attention's probabilities summed over heads and L1-normalised; the loss is KL(p || softmax(I[t, :])).
+
+* Warm-up stage: attention is dense (all causal keys) and only the indexer learns.
+* Sparse stage: the KL is taken over the selected keys only, and the indexer's input is detached, so
+  the indexer learns from this loss alone while the rest of the model learns from the LM loss.
+
+    loss = indexer_kl_loss(model, input_ids, stage="warmup")
+    loss.backward()   # gradients reach only the indexer parameters
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .mla import GatedMLA
+from .model import MiniDSA
+
+
+def _capture_mla_inputs(model: MiniDSA, input_ids: torch.Tensor, dense: bool) -> dict[GatedMLA, torch.Tensor]:
+    """Run one no-cache forward and keep each MLA layer's (normalised) input x [B, T, d]; with ``dense``
+    the model attends to every causal key (the warm-up stage's forward)."""
+    seen: dict[GatedMLA, torch.Tensor] = {}
+    layers = [m for m in model.modules() if isinstance(m, GatedMLA)]
+    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.__setitem__(mod, args[0])) for m in layers]
+    topks = [m.indexer.topk for m in layers]
+    try:
+        if dense:
+            for m in layers:
+                m.indexer.topk = input_ids.shape[1]  # top-k of all causal keys = dense attention
+        with torch.no_grad():
+            model(input_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, k in zip(layers, topks):
+            m.indexer.topk = k
+    return seen
+
+
+def layer_kl(mla: GatedMLA, x: torch.Tensor, stage: str = "warmup") -> torch.Tensor:
+    """KL(p || softmax(I)) of one MLA layer, averaged over queries. x [B, T, d] is the layer's input."""
+    if stage not in ("warmup", "sparse"):
+        raise ValueError(f"stage={stage!r}; use 'warmup' or 'sparse'")
+    B, T, _ = x.shape
+    causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    with torch.no_grad():  # the target: the main attention over all causal keys, summed over heads
+        p = mla._project(x)
+        k, _ = mla.decompress(p["kv_latent"], p["k_pe"])
+        s = torch.einsum("bthd,bshd->bhts", p["q"].float(), k.float()) * mla.softmax_scale
+        probs = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1).sum(1)  # [B, T, S]
+    xi = x.detach() if stage == "sparse" else x  # sparse stage: the indexer's input is detached
+    c_q = mla.q_a_layernorm(mla.q_a_proj(xi)).detach()
+    q_idx, w_idx = mla.indexer.queries(c_q, xi)
+    k_idx = mla.indexer.dequant_keys(mla.indexer.keys(xi))
+    scores = ops.index_scores(q_idx, k_idx, w_idx, mla.indexer.softmax_scale, backend="torch")  # [B, T, S]
+    keep = causal.expand(B, T, T)
+    if stage == "sparse":
+        sel = ops.topk_indices(scores.detach(), mla.indexer.topk, torch.arange(T, device=x.device).expand(B, T))
+        keep = keep & ops.indices_to_mask(sel, T)
+    target = torch.where(keep, probs, torch.zeros_like(probs))
+    target = target / target.sum(-1, keepdim=True)  # L1-normalised over the kept keys
+    log_q = torch.log_softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    kl = torch.where(keep & (target > 0), target * (torch.log(target.clamp_min(1e-30)) - log_q), torch.zeros_like(log_q))
+    return kl.sum(-1).mean()
+
+
+def indexer_kl_loss(model: MiniDSA, input_ids: torch.Tensor, stage: str = "warmup") -> torch.Tensor:
+    """Mean over MLA layers of ``layer_kl``. Gradients reach only the indexers' parameters."""
+    inputs = _capture_mla_inputs(model, input_ids, dense=stage == "warmup")
+    return torch.stack([layer_kl(mla, x, stage) for mla, x in inputs.items()]).mean()
