@@ -21,6 +21,7 @@ from .kda import KimiDeltaAttention
 from .mla import CacheContext, GatedMLA
 from .moe import LatentMoE
 from .norm import RMSNorm
+from .ops import acc_dtype
 
 
 @dataclass
@@ -113,7 +114,7 @@ class TextDecoder(nn.Module):
         blocks: completed block representations (the embedding is block 0); p: the running sum of
         sub-layer outputs of the current block. Each sub-layer reads a softmax mix of blocks + [p].
         """
-        acc = torch.float64 if emb.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(emb)
         if self.two_phase:
             return self._forward_two_phase(emb.to(acc), ctx, trace)
         blocks: list[torch.Tensor] = []

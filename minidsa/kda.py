@@ -21,6 +21,7 @@ from torch import nn
 from . import ops
 from .config import ModelConfig
 from .norm import RMSNorm
+from .ops import acc_dtype
 
 L2_EPS = 1e-6  # q, k <- x / sqrt(sum x^2 + eps)
 
@@ -75,7 +76,7 @@ class KimiDeltaAttention(nn.Module):
         receives the per-sequence state; without it the sequence starts from a zero state."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(x)
         if ctx is None:
             state = {n: torch.zeros((B,) + s, dtype=acc, device=x.device) for n, s in self.state_shapes().items()}
         else:

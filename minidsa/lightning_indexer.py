@@ -17,6 +17,7 @@ from torch import nn
 
 from . import ops
 from .config import ModelConfig
+from .ops import acc_dtype
 from .quant import dequantize_fp8, hadamard, quantize_fp8_pow2
 
 LAYERNORM_EPS = 1e-6  # the indexer's k_norm is a LayerNorm with bias (DeepSeek-V3.2 uses eps 1e-6)
@@ -46,7 +47,7 @@ class LightningIndexer(nn.Module):
         """x_hat [B, T, d] -> the cache planes of k_I: {"index_key": [B, T, D_I]} plus
         {"index_key_scale": [B, T, 1]} with fp8 numerics."""
         k = self.wk(x_hat)
-        acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(k)
         # LayerNorm in fp32 with its fp32 weight and bias, whatever the model dtype
         k = nn.functional.layer_norm(k.to(acc), (self.head_dim,), self.k_norm.weight.to(acc),
                                      self.k_norm.bias.to(acc), self.k_norm.eps)
@@ -69,7 +70,7 @@ class LightningIndexer(nn.Module):
         q, scale = self._numerics(q)
         if scale is not None:
             q = dequantize_fp8(q, scale)
-        acc = torch.float64 if x_hat.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(x_hat)
         w = nn.functional.linear(x_hat.to(acc), self.weights_proj.weight.to(acc)) * self.num_heads ** -0.5
         return q, w
 

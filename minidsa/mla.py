@@ -28,6 +28,7 @@ from .config import ModelConfig
 from .kv_cache import PagedKVCache
 from .lightning_indexer import LightningIndexer
 from .norm import RMSNorm
+from .ops import acc_dtype
 
 PREFILL_TILE = 64  # query tokens whose selected blocks are gathered together in prefill
 
@@ -82,7 +83,7 @@ class GatedMLA(nn.Module):
         q = self.q_b_proj(c_q).view(B, T, self.num_heads, self.dn + self.dr)
         kv = self.kv_a_proj_with_mqa(x)
         q_idx, w_idx = self.indexer.queries(c_q, x)
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(x)
         return dict(
             q=q,
             kv_latent=self.kv_a_layernorm(kv[..., : self.r]),  # [B, T, r]
@@ -160,7 +161,7 @@ class GatedMLA(nn.Module):
         cache, bs = ctx.cache, ctx.cache.block_size
         B, T = idx.shape[:2]
         out = torch.empty(B, T, self.num_heads, self.dv,
-                          dtype=torch.float64 if p["q"].dtype == torch.float64 else torch.float32,
+                          dtype=acc_dtype(p["q"]),
                           device=idx.device)
         for b, sid in enumerate(ctx.seq_ids):
             for t0 in range(0, T, PREFILL_TILE):
@@ -189,7 +190,7 @@ class GatedMLA(nn.Module):
         slots = ctx.slots_of(idx[:, 0])  # [B, K]
         kv_latent = cache.gather(self.cache_layer, "kv_latent", slots)  # [B, K, r]; -1 -> zeros, unread
         k_pe = cache.gather(self.cache_layer, "k_pe", slots)  # [B, K, dr]
-        acc = torch.float64 if p["q"].dtype == torch.float64 else torch.float32
+        acc = acc_dtype(p["q"])
         w_uk, w_uv = self.absorbed_weights()
         q = p["q"].to(acc)
         q_lat = torch.einsum("bthn,hnr->bthr", q[..., : self.dn], w_uk.to(acc))  # [B, 1, H, r]

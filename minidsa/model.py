@@ -21,7 +21,7 @@ from .decoder import ForwardTrace, LanguageModel
 from .kv_cache import CacheLayout, PagedKVCache, Plane
 from .mla import CacheContext
 from .moe import EXPERT_WEIGHTS, ExpertWorkspace, LatentMoE, expert_shapes
-from .ops import BACKENDS
+from .ops import BACKENDS, acc_dtype
 from .tokenizer import ByteTokenizer
 from .vision import MultimodalProjector, PreparedImage, VisionTower, preprocess
 
@@ -168,7 +168,7 @@ class MiniDSA(nn.Module):
         return CacheLayout(tuple(planes), len(cfg.mla_layers), cfg.kv_block_size,
                            cfg.kv_num_blocks if num_blocks is None else num_blocks,
                            states=states, num_state_layers=len(kda), num_state_slots=cfg.max_sequences,
-                           state_dtype=torch.float64 if dt == torch.float64 else torch.float32)
+                           state_dtype=acc_dtype(self.language_model.lm_head.weight))
 
     def new_cache(self, num_blocks: int | None = None) -> PagedKVCache:
         """A fresh paged cache for this model (``num_blocks`` defaults to config.kv_num_blocks)."""

@@ -23,6 +23,7 @@ from . import mxfp4
 from .config import ModelConfig
 from .ffn import SituGluMLP, situ_glu
 from .norm import RMSNorm
+from .ops import acc_dtype
 
 ROUTER_EPS = 1e-20  # guards the renormalisation when every chosen score underflows to 0
 EXPERT_WEIGHTS = ("w1", "w3", "w2")  # gate, up (latent -> I) and down (I -> latent)
@@ -127,7 +128,7 @@ class LatentMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, d] -> (expert ids int64 [N, top_k], weights fp32 [N, top_k])."""
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(x)
         s = torch.sigmoid(nn.functional.linear(x.to(acc), self.gate.weight.to(acc)))
         biased = s + self.gate.e_score_correction_bias.to(acc)
         ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.top_k]  # ties -> lower id
@@ -142,7 +143,7 @@ class LatentMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(x)
         ids, weights = self.route(x)
         z = self.routed_expert_down_proj(x).to(acc)
         y_lat = torch.zeros_like(z)

@@ -25,6 +25,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .norm import RMSNorm
+from .ops import acc_dtype
 
 ROPE_THETA = 10000.0  # base of the 2-D rotary frequencies
 
@@ -79,6 +80,8 @@ def load_image(image, name: str = "image") -> torch.Tensor:
 def target_size(height: int, width: int, patch: int, merge: int, max_patches: int) -> tuple[int, int]:
     """Multiples of patch * merge, as close to the original size as possible, scaled down to fit
     ``max_patches`` patches."""
+    if max_patches < merge * merge:
+        raise ValueError(f"max_patches = {max_patches} cannot hold even one {merge} x {merge} group of patches")
     unit = patch * merge
     scale = min(1.0, math.sqrt(max_patches * patch * patch / (height * width)))
     h = max(1, round(height * scale / unit))
@@ -88,8 +91,6 @@ def target_size(height: int, width: int, patch: int, merge: int, max_patches: in
             h -= 1
         else:
             w -= 1
-    if h < 1 or w < 1:
-        raise ValueError(f"max_patches = {max_patches} cannot hold even one {merge} x {merge} group of patches")
     return h * unit, w * unit
 
 
@@ -122,7 +123,7 @@ def rope_2d(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Te
     quarter = hd // 4
     inv_freq = ROPE_THETA ** (-torch.arange(quarter, dtype=torch.float64, device=x.device) / quarter)
 
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(x)
     x = x.to(acc)
 
     def rotate(part, pos):

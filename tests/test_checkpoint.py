@@ -105,36 +105,24 @@ def test_tensor_listed_but_absent_from_shard(saved, tmp_path):
         minidsa.load(path)
 
 
-def test_wrong_shape(saved, tmp_path):
+DAMAGED_TENSORS = [  # tensor, how it is damaged, what the error must say
+    ("language_model.model.layers.3.self_attn.kv_b_proj.weight", lambda t: t[:-1].clone(),
+     r"kv_b_proj.weight has shape .* expected"),
+    ("language_model.model.layers.1.block_sparse_moe.experts.0.w3.weight_packed", lambda t: t.to(torch.int16),
+     r"experts.0.w3.weight_packed has dtype torch.int16, expected torch.uint8"),
+    ("language_model.model.layers.2.block_sparse_moe.experts.5.w2.weight_scale",
+     lambda t: t.index_fill(1, torch.tensor([0]), 0xFF), r"experts.5.w2.weight_scale holds the E8M0 NaN code 0xFF"),
+]
+
+
+@pytest.mark.parametrize("name, damage, msg", DAMAGED_TENSORS, ids=["shape", "dtype", "e8m0_nan"])
+def test_damaged_tensor_is_named(saved, tmp_path, name, damage, msg):
     path = copy_of(saved, tmp_path)
-    name = "language_model.model.layers.3.self_attn.kv_b_proj.weight"
 
-    def shrink(tensors, index):
-        tensors[name] = tensors[name][:-1].clone()
-    rewrite_shard_of(path, name, shrink)
-    with pytest.raises(ValueError, match=r"kv_b_proj.weight has shape .* expected"):
-        minidsa.load(path)
-
-
-def test_wrong_dtype(saved, tmp_path):
-    path = copy_of(saved, tmp_path)
-    name = "language_model.model.layers.1.block_sparse_moe.experts.0.w3.weight_packed"
-
-    def widen(tensors, index):
-        tensors[name] = tensors[name].to(torch.int16)
-    rewrite_shard_of(path, name, widen)
-    with pytest.raises(ValueError, match=r"experts.0.w3.weight_packed has dtype torch.int16, expected torch.uint8"):
-        minidsa.load(path)
-
-
-def test_e8m0_nan_is_rejected_by_name(saved, tmp_path):
-    path = copy_of(saved, tmp_path)
-    name = "language_model.model.layers.2.block_sparse_moe.experts.5.w2.weight_scale"
-
-    def poison(tensors, index):
-        tensors[name][0, 0] = 0xFF
-    rewrite_shard_of(path, name, poison)
-    with pytest.raises(ValueError, match=r"experts.5.w2.weight_scale holds the E8M0 NaN code 0xFF"):
+    def apply(tensors, index):
+        tensors[name] = damage(tensors[name])
+    rewrite_shard_of(path, name, apply)
+    with pytest.raises(ValueError, match=msg):
         minidsa.load(path)
 
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import acc_dtype
 from ._dispatch import BACKENDS, pick
 from .attention import gather_rows, indices_to_mask, masked_dense_attention, sparse_attention_ref
 from .attn_res import attn_res_block_scores, attn_res_merge, attn_res_mix_ref
 from .indexer import index_scores_ref, topk_indices_ref
 from .kda import kda_chunk_ref, kda_recurrent_ref
 
-__all__ = ["BACKENDS", "index_scores", "topk_indices", "sparse_attention", "masked_dense_attention",
+__all__ = ["BACKENDS", "acc_dtype", "index_scores", "topk_indices", "sparse_attention", "masked_dense_attention",
            "indices_to_mask", "gather_rows", "kda_recurrent", "kda_chunk", "attn_res_mix",
            "attn_res_block_scores", "attn_res_merge"]
 

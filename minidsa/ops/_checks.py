@@ -26,5 +26,5 @@ def check_tensor(name: str, t, *, ndim: int | None = None, shape: tuple | None =
 
 
 def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """Accumulation dtype of the references: fp32, or fp64 when an input is fp64 (for exactness tests)."""
+    """Accumulation dtype everywhere in minidsa: fp32, or fp64 when an input is fp64 (for exactness tests)."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
