@@ -4,20 +4,24 @@
     print(minidsa.generate("hello", max_new_tokens=16, temperature=0))
     model = minidsa.load("laptop")
     logits = model(torch.tensor([[256, 104, 105]]))   # one full forward, no cache
+
+The design document, mechanism by mechanism: docs/design.md in the repository.
 """
 
-from . import ops
+from . import mxfp4, ops
+from .checkpoint import build_model, count_parameters, default_model, load
 from .config import ModelConfig, load_config, preset_names
-from .generate import GenerationStream, GenerationTrace, default_model, generate, load
-from .kv_cache import CacheLayout, OutOfKVBlocksError, PagedKVCache, Plane
-from . import mxfp4
-from .model import ForwardTrace, MiniDSA, build_model, count_parameters
+from .generate import GenerationStream, generate
+from .kv_cache import CacheContext, CacheLayout, OutOfKVBlocksError, PagedKVCache, Plane
+from .model import MiniDSA
+from .sampling import sample_next_token
 from .tokenizer import ByteTokenizer
+from .trace import ForwardTrace, GenerationTrace
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ops", "ModelConfig", "load_config", "preset_names", "generate", "load", "default_model",
-    "GenerationStream", "GenerationTrace", "CacheLayout", "OutOfKVBlocksError", "PagedKVCache", "Plane",
-    "MiniDSA", "ForwardTrace", "build_model", "count_parameters", "ByteTokenizer", "mxfp4",
+    "ops", "mxfp4", "ModelConfig", "load_config", "preset_names", "generate", "load", "default_model",
+    "GenerationStream", "GenerationTrace", "CacheContext", "CacheLayout", "OutOfKVBlocksError", "PagedKVCache",
+    "Plane", "MiniDSA", "ForwardTrace", "build_model", "count_parameters", "ByteTokenizer", "sample_next_token",
 ]

@@ -1,4 +1,4 @@
-"""The Kimi Delta Attention layer of K3 (SPEC section 5).
+"""The Kimi Delta Attention layer of K3 (docs/design.md §5).
 
     q, k, v = SiLU(causal depthwise conv4(W_{q,k,v} x))   q, k L2-normalised per head
     g       = lb * sigmoid(exp(A_log[h]) * (W_fb W_fa x + dt_bias))   log-decay in (lb, 0), lb = -5
@@ -20,6 +20,7 @@ from torch import nn
 
 from . import ops
 from .config import ModelConfig
+from .kv_cache import CacheContext
 from .norm import RMSNorm
 from .ops import acc_dtype
 
@@ -42,10 +43,11 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> t
 class KimiDeltaAttention(nn.Module):
     STATE_NAMES = ("recurrent", "conv_q", "conv_k", "conv_v")
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, state_layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, cache_layer: int) -> None:
         super().__init__()
         kc = cfg.kda
-        self.layer_idx, self.state_layer = layer_idx, state_layer
+        self.layer_idx = layer_idx  # position in the decoder
+        self.cache_layer = cache_layer  # index among KDA layers: which state tensors of the cache are this layer's
         self.num_heads, self.head_dim, self.conv_size = kc.num_heads, kc.head_dim, kc.conv_size
         self.lower_bound, self.chunk_size = kc.decay_lower_bound, kc.chunk_size
         d, HK = cfg.hidden_size, kc.num_heads * kc.head_dim
@@ -63,7 +65,6 @@ class KimiDeltaAttention(nn.Module):
         self.g_proj = nn.Linear(d, HK, bias=False)
         self.o_norm = RMSNorm(kc.head_dim, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(HK, d, bias=False)
-        self.backend = "auto"
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per-sequence state tensors (all fp32) for the cache's state slots."""
@@ -71,7 +72,7 @@ class KimiDeltaAttention(nn.Module):
         conv = (W - 1, H * K)
         return {"recurrent": (H, K, K), "conv_q": conv, "conv_k": conv, "conv_v": conv}
 
-    def forward(self, x: torch.Tensor, ctx=None, trace=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: CacheContext | None = None, trace=None) -> torch.Tensor:
         """x [B, T, d] (already normalised) -> [B, T, d]. ``ctx`` (a CacheContext) supplies and
         receives the per-sequence state; without it the sequence starts from a zero state."""
         B, T, _ = x.shape
@@ -80,7 +81,7 @@ class KimiDeltaAttention(nn.Module):
         if ctx is None:
             state = {n: torch.zeros((B,) + s, dtype=acc, device=x.device) for n, s in self.state_shapes().items()}
         else:
-            state = {n: ctx.cache.read_state(self.state_layer, n, ctx.seq_ids) for n in self.STATE_NAMES}
+            state = {n: ctx.cache.read_state(self.cache_layer, n, ctx.state_slots) for n in self.STATE_NAMES}
         new_state = {}
         qkv = []
         for name, proj, conv in (("q", self.q_proj, self.q_conv1d), ("k", self.k_proj, self.k_conv1d),
@@ -95,14 +96,12 @@ class KimiDeltaAttention(nn.Module):
         g = g.view(B, T, H, K)
         beta = torch.sigmoid(self.b_proj(x).to(acc))
         if T == 1:  # decode: the recurrence, one step (chosen at run time from the query count)
-            o, new_state["recurrent"] = ops.kda_recurrent(q, k, v, g, beta, None, state["recurrent"],
-                                                          backend=self.backend)
+            o, new_state["recurrent"] = ops.kda_recurrent(q, k, v, g, beta, None, state["recurrent"])
         else:
-            o, new_state["recurrent"] = ops.kda_chunk(q, k, v, g, beta, None, state["recurrent"], self.chunk_size,
-                                                      backend=self.backend)
+            o, new_state["recurrent"] = ops.kda_chunk(q, k, v, g, beta, None, state["recurrent"], self.chunk_size)
         if ctx is not None:
             for n, value in new_state.items():
-                ctx.stage_state(self.state_layer, n, value)
+                ctx.stage_state(self.cache_layer, n, value)
         gate = torch.sigmoid(self.g_proj(x).to(acc))
         o = self.o_norm(o).reshape(B, T, H * K) * gate
         return self.o_proj(o.to(self.o_proj.weight.dtype))

@@ -1,15 +1,22 @@
-"""Paged KV cache for the MLA+DSA layers (SPEC section 3).
+"""Paged KV cache for the MLA+DSA layers, KDA state slots, and the per-forward cache context
+(docs/design.md §3).
 
 Storage is a pool of fixed-size blocks shared by all sequences. A sequence owns a list of block
 ids (its block table); token ``pos`` of sequence ``s`` lives in slot
 ``block_table[s][pos // block_size] * block_size + pos % block_size``. Each MLA layer stores
 separate planes (the latent c_kv, the shared k_pe, the indexer key k_I and, with fp8 numerics,
 k_I's scale) so prefill reads whole contiguous blocks and decode gathers a few rows per plane.
-Planes are described by a ``CacheLayout`` rather than hard-coded shapes, so the KDA state slots
-and other layers plug in without touching this file's logic.
+Planes are described by a ``CacheLayout`` rather than hard-coded shapes: each layer type states what
+it needs (``GatedMLA.cache_planes``, ``KimiDeltaAttention.state_shapes``) and the decoder assembles
+the layout. This file only allocates and keeps the books; the ops read and write the planes
+(``ops.store_kv``, ``ops.paged_index_scores``, ``ops.sparse_mla_*``).
 
 KDA layers keep no KV: each live sequence owns a state slot holding, per KDA layer, the fp32
-recurrent state and the short-conv states (SPEC section 3), described in the same layout.
+recurrent state and the short-conv states, described in the same layout.
+
+Before each cached forward the host turns its bookkeeping into a ``CacheContext`` of device tensors
+(positions, slot mapping, block table, context lengths, state slots), so the forward itself never
+needs to ask the host anything (docs/design.md §14).
 
 Allocation is explicit and all-or-nothing: a request that needs more blocks than are free raises
 ``OutOfKVBlocksError`` before anything changes, so a failed request never loses state.
@@ -18,7 +25,7 @@ Allocation is explicit and all-or-nothing: a request that needs more blocks than
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,12 +51,16 @@ class CacheLayout:
 
     planes: tuple[Plane, ...]
     num_layers: int  # number of MLA layers (KDA layers keep state, not KV)
-    block_size: int  # tokens per block
+    block_size: int  # tokens per KV block (not the AttnRes block: that one counts layers)
     num_blocks: int  # blocks in the pool
     states: tuple[tuple[str, tuple[int, ...]], ...] = ()  # per-sequence state tensors of one KDA layer
     num_state_layers: int = 0  # number of KDA layers
     num_state_slots: int = 16  # sequences that can be live at once (each owns one state slot)
-    state_dtype: torch.dtype = torch.float32  # KDA state stays fp32 (SPEC section 10, trap 6)
+    state_dtype: torch.dtype = torch.float32  # KDA state stays fp32 (docs/design.md §10, trap 6)
+
+    @property
+    def plane_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.planes)
 
     def plane(self, name: str) -> Plane:
         for p in self.planes:
@@ -232,32 +243,73 @@ class PagedKVCache:
         return out.to(self.device)
 
     # ---------------------------------------------------------------- data
-    def write(self, layer: int, plane: str, slots: torch.Tensor, values: torch.Tensor) -> None:
-        """Store values [N, width] at slots [N]; slots of -1 are skipped ("no write")."""
-        store = self.storage[layer][plane].view(-1, self.layout.plane(plane).width)
-        keep = slots >= 0
-        store[slots[keep].long()] = values[keep].to(store.dtype)
+    def plane(self, layer: int, name: str) -> torch.Tensor:
+        """Plane ``name`` of MLA cache layer ``layer``: [num_blocks, block_size, width] (ops read and write it)."""
+        return self.storage[layer][name]
 
-    def gather(self, layer: int, plane: str, slots: torch.Tensor) -> torch.Tensor:
-        """Rows at ``slots`` [...] -> [..., width]; slot -1 gives zeros and reads nothing."""
-        store = self.storage[layer][plane].view(-1, self.layout.plane(plane).width)
-        out = store.new_zeros(tuple(slots.shape) + (store.shape[1],))
-        keep = slots >= 0
-        out[keep] = store[slots[keep].long()]
-        return out
+    def state_slots(self, sids: list[int]) -> torch.Tensor:
+        """int64 [B]: the KDA state slot of each sequence."""
+        for sid in sids:
+            self._check_sid(sid)
+        return torch.tensor([self._state_slot[s] for s in sids], dtype=torch.long, device=self.device)
 
-    def gather_blocks(self, layer: int, plane: str, sid: int, logical_blocks: torch.Tensor) -> torch.Tensor:
-        """Whole blocks of ``sid`` by logical block number [n] -> [n * block_size, width], in order."""
-        table = torch.tensor(self._tables[sid], dtype=torch.long, device=self.device)
-        phys = table[logical_blocks.long()]
-        return self.storage[layer][plane][phys].reshape(-1, self.layout.plane(plane).width)
-
-    # ---------------------------------------------------------------- KDA state slots
-    def read_state(self, layer: int, name: str, sids: list[int]) -> torch.Tensor:
-        """State ``name`` of KDA layer ``layer`` for sequences ``sids`` -> [B, *shape] (a copy)."""
-        slots = torch.tensor([self._state_slot[s] for s in sids], device=self.device)
+    def read_state(self, layer: int, name: str, slots: torch.Tensor) -> torch.Tensor:
+        """State ``name`` of KDA cache layer ``layer`` at state ``slots`` [B] -> [B, *shape] (a copy)."""
         return self.state[layer][name][slots]
 
-    def write_state(self, layer: int, name: str, sids: list[int], value: torch.Tensor) -> None:
-        slots = torch.tensor([self._state_slot[s] for s in sids], device=self.device)
+    def write_state(self, layer: int, name: str, slots: torch.Tensor, value: torch.Tensor) -> None:
         self.state[layer][name][slots] = value.to(self.layout.state_dtype)
+
+    # ---------------------------------------------------------------- one forward
+    def prepare(self, seq_ids: list[int], num_tokens: int, device: torch.device | str,
+                max_len: int | None = None) -> "CacheContext":
+        """Reserve room for ``num_tokens`` more tokens in each sequence (all-or-nothing; no sequence may
+        exceed ``max_len``) and describe where they go as device tensors. Nothing is committed until
+        ``CacheContext.publish``."""
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids must be distinct, got {seq_ids!r}")
+        starts = [self.seq_len(s) for s in seq_ids]
+        for sid, start in zip(seq_ids, starts):
+            if max_len is not None and start + num_tokens > max_len:
+                raise ValueError(f"sequence {sid} would hold {start + num_tokens} tokens, more than "
+                                 f"max_seq_len = {max_len}")
+        self.reserve({sid: s + num_tokens for sid, s in zip(seq_ids, starts)})
+        positions = torch.tensor(starts).unsqueeze(1) + torch.arange(num_tokens)  # [B, T], host
+        table = self.block_table_tensor(seq_ids).cpu()
+        block = positions // self.block_size
+        slots = table.long().gather(1, block) * self.block_size + positions % self.block_size
+        return CacheContext(
+            self, list(seq_ids), starts, positions.to(device), slots.reshape(-1).to(device), table.to(device),
+            torch.tensor([s + num_tokens for s in starts], dtype=torch.int32, device=device),
+            self.state_slots(seq_ids).to(device))
+
+
+@dataclass
+class CacheContext:
+    """Where the tokens of one cached forward go and what they may read. B sequences, T new tokens each.
+
+    Built on the host by ``PagedKVCache.prepare`` before the forward; layers only read it (and stage
+    their new KDA states in it), so the forward needs no host round trip.
+    """
+
+    cache: PagedKVCache
+    seq_ids: list[int]  # cache sequence of each batch row
+    starts: list[int]  # tokens each sequence held before this forward (host copy)
+    positions: torch.Tensor  # int64 [B, T] absolute positions of the new tokens
+    slot_mapping: torch.Tensor  # int64 [B * T] physical slot of each new token, row-major
+    block_table: torch.Tensor  # int32 [B, max_blocks] physical block of each logical block, -1 past the end
+    context_lens: torch.Tensor  # int32 [B] tokens each sequence holds once this forward's are stored
+    state_slots: torch.Tensor  # int64 [B] KDA state slot of each sequence
+    staged: dict = field(default_factory=dict)  # (cache layer, state name) -> new KDA state [B, ...]
+
+    def stage_state(self, layer: int, name: str, value: torch.Tensor) -> None:
+        """Keep a KDA layer's new state until the whole forward succeeds."""
+        self.staged[(layer, name)] = value
+
+    def publish(self) -> None:
+        """The forward succeeded: write the staged KDA states and commit the new lengths."""
+        for (layer, name), value in self.staged.items():
+            self.cache.write_state(layer, name, self.state_slots, value)
+        T = self.positions.shape[1]
+        for sid, start in zip(self.seq_ids, self.starts):
+            self.cache.commit(sid, start + T)

@@ -1,4 +1,4 @@
-"""The DSA lightning indexer module: cheap scores over every past token, then top-k (SPEC section 2).
+"""The DSA lightning indexer module: cheap scores over every past token, then top-k (docs/design.md §2).
 
 q_I = W_qI c_q        -> [H_I, D_I] per token (reads the MLA's compressed query)
 k_I = LayerNorm(W_kI x) -> [D_I] per token, one key shared by all indexer heads (this is cached)
@@ -17,6 +17,7 @@ from torch import nn
 
 from . import ops
 from .config import ModelConfig
+from .kv_cache import CacheContext, Plane
 from .ops import acc_dtype
 from .quant import dequantize_fp8, hadamard, quantize_fp8_pow2
 
@@ -34,6 +35,13 @@ class LightningIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(ic.head_dim, eps=LAYERNORM_EPS)
         self.weights_proj = nn.Linear(cfg.hidden_size, ic.num_heads, bias=False)
         self.softmax_scale = ic.head_dim ** -0.5
+
+    @staticmethod
+    def cache_planes(cfg: ModelConfig, dtype: torch.dtype) -> tuple[Plane, ...]:
+        """The cached form of k_I: e4m3 values plus one fp32 scale per token with fp8 numerics."""
+        if cfg.indexer.fp8:
+            return (Plane("index_key", cfg.indexer.head_dim, torch.float8_e4m3fn), Plane("index_key_scale", 1, torch.float32))
+        return (Plane("index_key", cfg.indexer.head_dim, dtype),)
 
     def _numerics(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rotation + fp8 round trip of the deployment numerics; identity (no scale) otherwise."""
@@ -74,8 +82,15 @@ class LightningIndexer(nn.Module):
         w = nn.functional.linear(x_hat.to(acc), self.weights_proj.weight.to(acc)) * self.num_heads ** -0.5
         return q, w
 
-    def select(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
-               backend: str = "auto") -> torch.Tensor:
+    def select(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
         """q [B,T,H_I,D_I], w [B,T,H_I], k [B,S,D_I] (positions 0..S-1), q_pos [B,T] -> int32 [B,T,topk]."""
-        scores = ops.index_scores(q, k, w, self.softmax_scale, backend=backend)
-        return ops.topk_indices(scores, self.topk, q_pos, backend=backend)
+        scores = ops.index_scores(q, k, w, self.softmax_scale)
+        return ops.topk_indices(scores, self.topk, q_pos)
+
+    def select_paged(self, q: torch.Tensor, w: torch.Tensor, planes: dict[str, torch.Tensor],
+                     ctx: CacheContext) -> torch.Tensor:
+        """The same selection over the paged key planes of one layer ([num_blocks, block_size, D_I] and,
+        with fp8 numerics, the [.., 1] scales): q [B,T,H_I,D_I], w [B,T,H_I] -> int32 [B,T,topk]."""
+        scores = ops.paged_index_scores(q, w, planes["index_key"], planes.get("index_key_scale"), ctx.block_table,
+                                        ctx.context_lens, self.softmax_scale)
+        return ops.topk_indices(scores, self.topk, ctx.positions)

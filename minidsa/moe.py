@@ -1,5 +1,5 @@
 """Latent mixture of experts with MXFP4 routed experts converted online into one FP8 workspace
-(SPEC sections 6 and 7).
+(docs/design.md §6, §7).
 
     s = sigmoid(W_r x)                       router scores, fp32, on the full-width x
     chosen = top_k(s + e_score_correction_bias)   the bias only selects ...
@@ -9,12 +9,19 @@
 
 Routed experts are stored packed (MXFP4: uint8 codes + E8M0 scales), stacked per layer as
 [E, rows, K/2] and [E, rows, K/32]; the checkpoint names them per expert (``experts.{e}.w1.weight_packed``).
-Before a layer computes, only the experts its tokens were routed to are converted into ONE FP8
-workspace owned by the model and shared by every layer, so expert memory at run time does not grow
-with depth. ``offline`` mode converts every expert once at load instead, for comparison.
+Before a layer computes, the experts its tokens were routed to are converted into ONE FP8 workspace
+owned by the model and shared by every layer, so expert memory at run time does not grow with depth.
+``offline`` mode converts every expert once instead, for comparison.
+
+No step here needs the routing on the host (docs/design.md §14): the layer converts a batch of
+min(tokens * top_k, num_experts) slots, known from shapes alone, with the routed experts first in
+ascending id order; slots past the routed ones hold experts no token reads. The expert compute is
+dense over the converted slots, weighted by a routing matrix that is zero for unrouted pairs.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
@@ -29,55 +36,52 @@ ROUTER_EPS = 1e-20  # guards the renormalisation when every chosen score underfl
 EXPERT_WEIGHTS = ("w1", "w3", "w2")  # gate, up (latent -> I) and down (I -> latent)
 
 
-class ExpertWorkspace:
-    """One FP8 buffer for ``capacity`` experts, shared by all MoE layers of a model.
-
-    elements[name]: float8_e4m3fn [capacity, rows, K]; scales[name]: uint8 [capacity, rows, K/32].
-    ``conversions`` counts experts converted since the last ``reset_stats``.
-    """
-
-    def __init__(self, cfg: ModelConfig, device: torch.device | str) -> None:
-        m = cfg.moe
-        self.capacity = m.workspace_experts
-        shapes = expert_shapes(cfg)
-        with torch.inference_mode(False):  # normal tensors, so later forwards may update them in place
-            self._allocate(shapes, device)
-        self.conversions = 0
-
-    def _allocate(self, shapes, device) -> None:
-        self.elements = {n: torch.empty((self.capacity,) + s, dtype=torch.float8_e4m3fn, device=device)
-                         for n, s in shapes.items()}
-        self.scales = {n: torch.empty((self.capacity, s[0], s[1] // mxfp4.GROUP), dtype=torch.uint8, device=device)
-                       for n, s in shapes.items()}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.elements, self.scales) for t in d.values())
-
-    def load(self, layer: "LatentMoE", experts: torch.Tensor) -> None:
-        """Convert the packed weights of ``experts`` (ids, at most ``capacity``) into slots 0..n-1."""
-        n = experts.numel()
-        for name in EXPERT_WEIGHTS:
-            elements, scales = mxfp4.to_fp8(layer.packed[name][experts], layer.scale[name][experts])
-            self.elements[name][:n] = elements
-            self.scales[name][:n] = scales
-        self.conversions += n
-
-
 def expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """Logical [rows, K] of each routed expert matrix."""
     L, I = cfg.moe.latent_size, cfg.moe.expert_intermediate_size
     return {"w1": (I, L), "w3": (I, L), "w2": (L, I)}
 
 
+class ExpertWorkspace:
+    """One FP8 buffer for ``capacity`` experts, shared by all MoE layers of a model.
+
+    elements[name]: float8_e4m3fn [capacity, rows, K]; scales[name]: uint8 [capacity, rows, K/32].
+    ``routed`` int64 [2] counts routed experts converted: since the last reset, and in the current
+    forward. It stays on the device (no host sync per layer) and is read only by ``expert_stats``.
+    """
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str) -> None:
+        self.capacity = cfg.moe.workspace_experts
+        with torch.inference_mode(False):  # normal tensors, so later forwards may update them in place
+            self.elements = {n: torch.empty((self.capacity,) + s, dtype=torch.float8_e4m3fn, device=device)
+                             for n, s in expert_shapes(cfg).items()}
+            self.scales = {n: torch.empty((self.capacity, s[0], s[1] // mxfp4.GROUP), dtype=torch.uint8,
+                                          device=device) for n, s in expert_shapes(cfg).items()}
+            self.routed = torch.zeros(2, dtype=torch.long, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.elements, self.scales) for t in d.values())
+
+    def load(self, layer: "LatentMoE", experts: torch.Tensor, num_routed: torch.Tensor) -> None:
+        """Convert the packed weights of ``experts`` (ids [n], n <= capacity) into slots 0..n-1;
+        ``num_routed`` (a device scalar) of them are routed experts, the rest placeholders."""
+        n = experts.numel()
+        for name in EXPERT_WEIGHTS:
+            elements, scales = mxfp4.to_fp8(layer.packed[name][experts], layer.scales[name][experts])
+            self.elements[name][:n] = elements
+            self.scales[name][:n] = scales
+        self.routed += num_routed
+
+
 class LatentMoE(nn.Module):
     """``block_sparse_moe`` of one layer. forward(x_hat [B, T, d]) -> [B, T, d]."""
 
-    def __init__(self, cfg: ModelConfig, workspace_ref) -> None:
+    def __init__(self, cfg: ModelConfig, workspace: Callable[[], ExpertWorkspace]) -> None:
         super().__init__()
         m = cfg.moe
         d = cfg.hidden_size
-        self.num_experts, self.top_k, self.scaling = m.num_experts, m.top_k, m.routed_scaling_factor
+        self.num_experts, self.top_k, self.routed_scaling_factor = m.num_experts, m.top_k, m.routed_scaling_factor
         self.beta_gate, self.beta_up = cfg.activation_beta_gate, cfg.activation_beta_up
         self.gate = nn.Linear(d, m.num_experts, bias=False)  # router, kept fp32
         self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(m.num_experts))  # selection-only bias
@@ -90,33 +94,42 @@ class LatentMoE(nn.Module):
             self.register_buffer(f"{name}_packed", torch.zeros(m.num_experts, rows, k // 2, dtype=torch.uint8))
             self.register_buffer(f"{name}_scale", torch.zeros(m.num_experts, rows, k // mxfp4.GROUP,
                                                               dtype=torch.uint8))
-        self._workspace_ref = workspace_ref  # callable -> the model's ExpertWorkspace (not a submodule)
+        self._workspace = workspace  # callable -> the model's ExpertWorkspace (shared, so not a submodule)
         self.offline: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
-        # Lazy loading: (expert, "w1", "weight_packed") -> (shard path, tensor name, target view), read on first use.
-        self.lazy_source: dict[tuple[int, str, str], tuple] = {}
+        # Lazy loading: (expert, "w1", "weight_packed") -> a reader that fills that tensor (checked) from disk.
+        self.lazy_source: dict[tuple[int, str, str], Callable[[], None]] = {}
         self.resident = torch.ones(m.num_experts, dtype=torch.bool, device="cpu")  # experts with packed data in memory
 
     @property
     def packed(self) -> dict[str, torch.Tensor]:
+        """uint8 [E, rows, K/2] E2M1 codes of each expert matrix."""
         return {n: getattr(self, f"{n}_packed") for n in EXPERT_WEIGHTS}
 
     @property
-    def scale(self) -> dict[str, torch.Tensor]:
+    def scales(self) -> dict[str, torch.Tensor]:
+        """uint8 [E, rows, K/32] E8M0 scales of each expert matrix."""
         return {n: getattr(self, f"{n}_scale") for n in EXPERT_WEIGHTS}
 
+    @torch.no_grad()
+    def init_experts(self, generator: torch.Generator, std: float) -> None:
+        """Seeded N(0, std) expert weights, stored in MXFP4."""
+        for name in EXPERT_WEIGHTS:
+            shape = self.packed[name].shape[:-1] + (self.packed[name].shape[-1] * 2,)
+            packed, scales = mxfp4.quantize(torch.randn(shape, generator=generator) * std)
+            self.packed[name].copy_(packed)
+            self.scales[name].copy_(scales)
+
+    # ---------------------------------------------------------------- residency
     def materialize(self, experts: torch.Tensor | None = None) -> None:
         """Read the packed data of ``experts`` (default: all) from the checkpoint if still on disk."""
         if not self.lazy_source:
             return
-        from .checkpoint import read_tensor
-
-        ids = range(self.num_experts) if experts is None else experts.tolist()
-        for e in ids:
+        for e in range(self.num_experts) if experts is None else experts.tolist():
             if self.resident[e]:
                 continue
             keys = [(e, w, kind) for w in EXPERT_WEIGHTS for kind in ("weight_packed", "weight_scale")]
             for key in keys:
-                read_tensor(*self.lazy_source[key])  # raises (naming the tensor) before anything is forgotten
+                self.lazy_source[key]()  # raises (naming the tensor) before anything is forgotten
             for key in keys:
                 del self.lazy_source[key]
             self.resident[e] = True
@@ -124,8 +137,9 @@ class LatentMoE(nn.Module):
     def convert_all(self) -> None:
         """Offline mode: every expert to FP8 once (memory grows with depth; no per-forward conversion)."""
         self.materialize()
-        self.offline = {n: mxfp4.to_fp8(self.packed[n], self.scale[n]) for n in EXPERT_WEIGHTS}
+        self.offline = {n: mxfp4.to_fp8(self.packed[n], self.scales[n]) for n in EXPERT_WEIGHTS}
 
+    # ---------------------------------------------------------------- forward
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, d] -> (expert ids int64 [N, top_k], weights fp32 [N, top_k])."""
         acc = acc_dtype(x)
@@ -133,35 +147,58 @@ class LatentMoE(nn.Module):
         biased = s + self.gate.e_score_correction_bias.to(acc)
         ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.top_k]  # ties -> lower id
         chosen = s.gather(1, ids)
-        return ids, chosen / (chosen.sum(-1, keepdim=True) + ROUTER_EPS) * self.scaling
+        return ids, chosen / (chosen.sum(-1, keepdim=True) + ROUTER_EPS) * self.routed_scaling_factor
 
-    def _expert(self, z: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One expert on its tokens: z [n, latent] -> [n, latent]."""
-        h = situ_glu(z @ w["w1"].T, z @ w["w3"].T, self.beta_gate, self.beta_up)
-        return h @ w["w2"].T
+    def conversion_plan(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [N, top_k] -> (experts int64 [n], number routed: a device scalar), n = min(N * top_k, E).
+
+        The routed experts come first in ascending id order, then unrouted placeholders; n is known
+        from the shape alone, so planning needs no host sync."""
+        routed = torch.zeros(self.num_experts, dtype=torch.bool, device=ids.device)
+        routed[ids.reshape(-1)] = True
+        order = torch.sort((~routed).to(torch.int8), stable=True).indices
+        return order[: min(ids.numel(), self.num_experts)], routed.sum()
+
+    def _weights(self, experts: torch.Tensor, num_routed: torch.Tensor, acc: torch.dtype) -> dict[str, torch.Tensor]:
+        """FP8 matrices of ``experts`` [m] (through the shared workspace, or the offline copies) -> [m, rows, K]."""
+        if self.offline is not None:
+            return {w: mxfp4.fp8_dequantize(el[experts], sc[experts], acc) for w, (el, sc) in self.offline.items()}
+        ws, m = self._workspace(), experts.numel()
+        ws.load(self, experts, num_routed)
+        return {w: mxfp4.fp8_dequantize(ws.elements[w][:m], ws.scales[w][:m], acc) for w in EXPERT_WEIGHTS}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         acc = acc_dtype(x)
         ids, weights = self.route(x)
-        z = self.routed_expert_down_proj(x).to(acc)
-        y_lat = torch.zeros_like(z)
-        routed = torch.unique(ids)  # sorted: the conversion order is deterministic
-        ws = self._workspace_ref()
-        step = routed.numel() if self.offline is not None else ws.capacity
-        for start in range(0, routed.numel(), step):  # rounds only if the routed set exceeds the workspace
-            batch = routed[start: start + step]
-            if self.offline is None:
-                self.materialize(batch)
-                ws.load(self, batch)
-                n = batch.numel()
-                mats = {w: mxfp4.fp8_dequantize(ws.elements[w][:n], ws.scales[w][:n], acc) for w in EXPERT_WEIGHTS}
-            else:
-                mats = {w: mxfp4.fp8_dequantize(el[batch], sc[batch], acc) for w, (el, sc) in self.offline.items()}
-            for slot, e in enumerate(batch.tolist()):
-                w = {name: m[slot] for name, m in mats.items()}
-                rows, k = (ids == e).nonzero(as_tuple=True)
-                y_lat.index_add_(0, rows, self._expert(z[rows], w) * weights[rows, k].unsqueeze(-1))
+        z = self.routed_expert_down_proj(x).to(acc)  # [N, latent]
+        if self.lazy_source:  # experts still on disk: the host must decide which to read (not graph-capturable)
+            self.materialize(torch.unique(ids))
+        experts, num_routed = self.conversion_plan(ids)
+        step = experts.numel() if self.offline is not None else self._workspace().capacity
+        parts = []  # [m, N, latent] per round; summed once, so rounds change no rounding
+        for start in range(0, experts.numel(), step):  # rounds only if the batch exceeds the workspace
+            batch = experts[start: start + step]
+            w = self._weights(batch, num_routed if start == 0 else torch.zeros_like(num_routed), acc)
+            gates = ((ids.unsqueeze(0) == batch.view(-1, 1, 1)) * weights).sum(-1)  # [m, N], 0 = not routed
+            h = situ_glu(torch.einsum("nl,mil->mni", z, w["w1"]), torch.einsum("nl,mil->mni", z, w["w3"]),
+                         self.beta_gate, self.beta_up)  # [m, N, I]
+            parts.append(torch.einsum("mni,mli->mnl", h * gates.unsqueeze(-1), w["w2"]))
+        y_lat = torch.cat(parts).sum(0)
         y = self.routed_expert_up_proj(self.routed_expert_norm(y_lat.to(x.dtype)))
         return (y + self.shared_experts(x)).reshape(shape)
+
+
+def expert_stats(layers: list[LatentMoE], workspace: ExpertWorkspace | None) -> dict[str, int]:
+    """Bytes of packed expert storage (and of the same experts in bf16), workspace bytes, FP8 bytes held
+    by offline mode, routed experts converted since the last reset and in the last forward."""
+    packed = sum(t.numel() for m in layers for d in (m.packed, m.scales) for t in d.values())
+    elements = sum(t.numel() * 2 for m in layers for t in m.packed.values())
+    offline = sum(t.numel() * t.element_size() for m in layers if m.offline is not None
+                  for pair in m.offline.values() for t in pair)
+    total, last = workspace.routed.tolist() if workspace is not None else (0, 0)
+    return {"expert_bytes_mxfp4": packed, "expert_bytes_bf16": 2 * elements,
+            "workspace_bytes": workspace.nbytes if workspace is not None else 0, "offline_fp8_bytes": offline,
+            "conversions": total, "conversions_last_forward": last,
+            "experts_resident": sum(int(m.resident.sum()) for m in layers)}

@@ -1,4 +1,4 @@
-"""MXFP4 (OCP Microscaling, E2M1 elements + E8M0 scales) and its exact conversion to FP8 (SPEC section 7).
+"""MXFP4 (OCP Microscaling, E2M1 elements + E8M0 scales) and its exact conversion to FP8 (docs/design.md §7).
 
 Layout (gpt-oss / compressed-tensors ``mxfp4-pack-quantized``) of a weight W [rows, K]:
     packed uint8 [rows, K/2]   two E2M1 codes per byte, the LOW nibble holds the even (lower-index) element
@@ -98,19 +98,46 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     return (values * scale).to(dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _byte_to_fp8_pair(device=None) -> torch.Tensor:
+    """uint8 [256, 2]: the e4m3 bit patterns of the two E2M1 codes of every packed byte, low nibble first."""
+    codes = torch.arange(256)
+    pair = torch.stack([codes & 0x0F, codes >> 4], dim=-1)
+    with torch.inference_mode(False):
+        return e2m1_table(torch.float8_e4m3fn)[pair].view(torch.uint8).to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_values(device=None) -> torch.Tensor:
+    """fp32 [256]: the value of every e4m3 bit pattern (a lookup is faster than a cast on the CPU)."""
+    with torch.inference_mode(False):
+        return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _e8m0_values(device=None) -> torch.Tensor:
+    """fp32 [256]: 2^(s - 127) for every E8M0 code (0xFF gives NaN; it is rejected at load)."""
+    with torch.inference_mode(False):
+        return torch.exp2(torch.arange(256, dtype=torch.float64) - E8M0_BIAS).float().to(device)
+
+
 def to_fp8(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact conversion for compute: (packed, scales) -> (elements float8_e4m3fn [..., K], the same scales).
 
     E2M1 magnitudes 0..6 are all e4m3 values, so nothing rounds; ``fp8_dequantize`` recovers ``dequantize``.
+    One table lookup per packed byte gives both of its elements.
     """
     _check_pair(packed, scales)
-    return e2m1_table(torch.float8_e4m3fn, packed.device)[unpack_codes(packed).long()], scales
+    pairs = _byte_to_fp8_pair(packed.device)[packed.long()]  # [..., K/2, 2]
+    return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2).view(torch.float8_e4m3fn), scales
 
 
 def fp8_dequantize(elements: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """FP8 elements [..., K] with (validated) E8M0 group scales [..., K/32] -> [..., K] in ``dtype``."""
-    scale = e8m0_to_float(scales, check=False).repeat_interleave(GROUP, dim=-1)
-    return (elements.to(torch.float32) * scale).to(dtype)
+    """FP8 elements [..., K] with (validated) E8M0 group scales [..., K/32] -> [..., K] in ``dtype`` (exact)."""
+    values = _fp8_values(elements.device).take(elements.view(torch.uint8).long())
+    scale = _e8m0_values(scales.device).take(scales.long())
+    grouped = values.view(*values.shape[:-1], -1, GROUP) * scale.unsqueeze(-1)
+    return grouped.view(values.shape).to(dtype)
 
 
 def check_fold(scales: torch.Tensor, dim: int = -1) -> torch.Tensor:

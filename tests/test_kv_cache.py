@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from minidsa import ops
 from minidsa.kv_cache import CacheLayout, OutOfKVBlocksError, PagedKVCache, Plane
 
 
@@ -58,17 +59,19 @@ def test_running_out_is_all_or_nothing_and_release_works():
         c.seq_len(a)
 
 
-def test_write_skips_minus_one_and_gather_never_reads_it():
+def test_store_skips_minus_one_and_gather_never_reads_it():
     c = make_cache(num_blocks=2, block_size=4)
-    c.storage[0]["a"].fill_(float("nan"))  # garbage everywhere, as after reuse
+    plane = c.plane(0, "a")
+    plane.fill_(float("nan"))  # garbage everywhere, as after reuse
     s = c.add_sequence()
     c.reserve({s: 3})
     slots = c.slots(s, torch.tensor([0, 1, -1]))
-    c.write(0, "a", slots, torch.arange(9.0).view(3, 3))
-    got = c.gather(0, "a", torch.tensor([[slots[1], -1], [slots[0], -1]]))
-    assert torch.equal(got, torch.tensor([[[3.0, 4, 5], [0, 0, 0]], [[0.0, 1, 2], [0, 0, 0]]]))
-    blk = c.gather_blocks(0, "a", s, torch.tensor([0]))
-    assert blk.shape == (4, 3) and torch.equal(blk[:2], torch.arange(6.0).view(2, 3))
+    ops.store_kv(plane, slots, torch.arange(9.0).view(3, 3))
+    table = c.block_table_tensor([s])
+    got = ops.gather_positions(plane, table, torch.tensor([[1, -1, 0, -1]]))
+    assert torch.equal(got, torch.tensor([[[3.0, 4, 5], [0, 0, 0], [0, 1, 2], [0, 0, 0]]]))
+    third = c.slots(s, torch.tensor([2]))
+    assert torch.isnan(plane.view(-1, 3)[third]).all(), "the -1 row must not have written anything"
 
 
 def test_truncate_releases_whole_blocks():

@@ -6,7 +6,6 @@ import torch
 
 import minidsa
 from minidsa import ops
-from minidsa.mla import CacheContext
 
 from conftest import tiny_config, with_indexer
 
@@ -187,12 +186,9 @@ def cached_layer(mla, x, model, prompt_len):
     sid = cache.add_sequence()
     outs = []
     for lo, hi in [(0, prompt_len)] + [(t, t + 1) for t in range(prompt_len, x.shape[1])]:
-        cache.reserve({sid: hi})
-        pos = torch.arange(lo, hi).view(1, -1)
-        key_slots = cache.slots(sid, torch.arange(hi)).view(1, -1)
-        ctx = CacheContext(cache, [sid], pos, key_slots[:, lo:hi], key_slots)
+        ctx = cache.prepare([sid], hi - lo, x.device)
         outs.append(mla(x[:, lo:hi], ctx))
-        cache.commit(sid, hi)
+        ctx.publish()
     return torch.cat(outs, 1)
 
 

@@ -48,10 +48,10 @@ def dense_reference(moe, x):
     s = torch.sigmoid(x @ moe.gate.weight.T.to(x.dtype))
     ids = (s + moe.gate.e_score_correction_bias).topk(moe.top_k, -1).indices
     w = s.gather(1, ids)
-    w = w / (w.sum(-1, keepdim=True) + 1e-20) * moe.scaling
+    w = w / (w.sum(-1, keepdim=True) + 1e-20) * moe.routed_scaling_factor
     z = moe.routed_expert_down_proj(x)
     y_lat = torch.zeros_like(z)
-    mats = {n: mxfp4.dequantize(moe.packed[n], moe.scale[n], x.dtype) for n in ("w1", "w2", "w3")}
+    mats = {n: mxfp4.dequantize(moe.packed[n], moe.scales[n], x.dtype) for n in ("w1", "w2", "w3")}
     for t in range(x.shape[0]):
         for j in range(moe.top_k):
             e = int(ids[t, j])

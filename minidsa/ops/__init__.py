@@ -1,7 +1,10 @@
-"""Public ops. Each takes ``backend="torch" | "triton" | "auto"`` (default "auto").
+"""Public ops: one thin dispatching wrapper per op, its reference beside it in ``<op>.py``.
 
-The references (fp32 math, shape docstrings) live beside this file; Triton kernels register
-themselves in ``_dispatch.TRITON_KERNELS`` under the same names and signatures.
+Every op takes ``backend=`` ("torch", "triton", "auto", or None for the backend in force: see
+``use_backend`` / ``set_backend``). The references compute in fp32 (fp64 when given fp64). The
+paged ops read the KV cache the way a kernel does (planes [num_blocks, block_size, width], int32
+block tables, int32 indices with -1 = padding, never read); the dense ops are what they are tested
+against. See docs/design.md §12.
 """
 
 from __future__ import annotations
@@ -9,19 +12,32 @@ from __future__ import annotations
 import torch
 
 from ._checks import acc_dtype
-from ._dispatch import BACKENDS, pick
+from ._dispatch import BACKENDS, TRITON_KERNELS, current_backend, pick, set_backend, use_backend
 from .attention import gather_rows, indices_to_mask, masked_dense_attention, sparse_attention_ref
 from .attn_res import attn_res_block_scores, attn_res_merge, attn_res_mix_ref
-from .indexer import index_scores_ref, topk_indices_ref
+from .indexer import index_scores_ref, paged_index_scores_ref, topk_indices_ref
 from .kda import kda_chunk_ref, kda_recurrent_ref
+from .kv_store import store_kv_ref
+from .mla_attention import PREFILL_TILE, decompress_kv, sparse_mla_decode_ref, sparse_mla_prefill_ref
+from .paging import gather_positions, paged_slots
 
-__all__ = ["BACKENDS", "acc_dtype", "index_scores", "topk_indices", "sparse_attention", "masked_dense_attention",
-           "indices_to_mask", "gather_rows", "kda_recurrent", "kda_chunk", "attn_res_mix",
-           "attn_res_block_scores", "attn_res_merge"]
+__all__ = ["BACKENDS", "TRITON_KERNELS", "REFERENCES", "acc_dtype", "current_backend", "set_backend",
+           "use_backend", "index_scores", "paged_index_scores", "topk_indices", "sparse_attention",
+           "masked_dense_attention", "indices_to_mask", "gather_rows", "store_kv", "sparse_mla_decode",
+           "sparse_mla_prefill", "decompress_kv", "paged_slots", "gather_positions", "PREFILL_TILE",
+           "kda_recurrent", "kda_chunk", "attn_res_mix", "attn_res_block_scores", "attn_res_merge"]
+
+# op name -> its PyTorch reference; a Triton kernel registered under the same name must share its signature.
+REFERENCES = {
+    "index_scores": index_scores_ref, "paged_index_scores": paged_index_scores_ref,
+    "topk_indices": topk_indices_ref, "sparse_attention": sparse_attention_ref, "store_kv": store_kv_ref,
+    "sparse_mla_decode": sparse_mla_decode_ref, "sparse_mla_prefill": sparse_mla_prefill_ref,
+    "kda_recurrent": kda_recurrent_ref, "kda_chunk": kda_chunk_ref, "attn_res_mix": attn_res_mix_ref,
+}
 
 
 def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float, *,
-                 backend: str = "auto") -> torch.Tensor:
+                 backend: str | None = None) -> torch.Tensor:
     """Lightning-indexer scores. q [B,T,H,D], k [B,S,D], w [B,T,H] -> [B,T,S] fp32.
 
     I[b,t,s] = sum_h w[b,t,h] * ReLU(scale * q[b,t,h] . k[b,s]); no causal masking here.
@@ -29,7 +45,17 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float
     return pick("index_scores", backend, index_scores_ref, q, k, w)(q, k, w, scale)
 
 
-def topk_indices(scores: torch.Tensor, topk: int, q_pos: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def paged_index_scores(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Tensor,
+                       key_scale_plane: torch.Tensor | None, block_table: torch.Tensor,
+                       context_lens: torch.Tensor, scale: float, *, backend: str | None = None) -> torch.Tensor:
+    """``index_scores`` over each sequence's cached keys. q [B,T,H,D], w [B,T,H], key_plane [NB,bs,D]
+    (+ key_scale_plane [NB,bs,1] or None), block_table int32 [B,MB], context_lens int32 [B]
+    -> [B,T,MB*bs] fp32, -inf at positions >= context_lens[b]."""
+    return pick("paged_index_scores", backend, paged_index_scores_ref, q, key_plane)(
+        q, w, key_plane, key_scale_plane, block_table, context_lens, scale)
+
+
+def topk_indices(scores: torch.Tensor, topk: int, q_pos: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """Causal top-k. scores [B,T,S], q_pos [B,T] -> int32 [B,T,topk].
 
     Candidates are positions <= q_pos; sorted by descending score, ties -> lower position; rows
@@ -39,8 +65,8 @@ def topk_indices(scores: torch.Tensor, topk: int, q_pos: torch.Tensor, *, backen
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, scale: float,
-                     *, backend: str = "auto") -> torch.Tensor:
-    """Attention over selected keys only. q [B,T,H,Dk], k [B,S,Hkv,Dk], v [B,S,Hkv,Dv],
+                     *, backend: str | None = None) -> torch.Tensor:
+    """Attention over selected keys only (dense tensors). q [B,T,H,Dk], k [B,S,Hkv,Dk], v [B,S,Hkv,Dv],
     indices [B,T,K] (-1 = padding), Hkv in {1, H} -> [B,T,H,Dv] fp32.
 
     Equals ``masked_dense_attention(q, k, v, indices_to_mask(indices, S), scale)``.
@@ -48,9 +74,33 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices:
     return pick("sparse_attention", backend, sparse_attention_ref, q, k, v)(q, k, v, indices, scale)
 
 
+def store_kv(plane: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor, *,
+             backend: str | None = None) -> None:
+    """In place: plane [NB,bs,W] (viewed as [NB*bs, W]) gets values [N,W] at slot_mapping [N]; -1 is skipped."""
+    return pick("store_kv", backend, store_kv_ref, plane)(plane, slot_mapping, values)
+
+
+def sparse_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_plane: torch.Tensor,
+                      k_pe_plane: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor, scale: float, *,
+                      backend: str | None = None) -> torch.Tensor:
+    """Absorbed sparse MLA over the paged latent planes. q_latent [B,T,H,r], q_pe [B,T,H,dr],
+    planes [NB,bs,r] / [NB,bs,dr], block_table int32 [B,MB], indices int32 [B,T,K] -> o_latent [B,T,H,r] fp32."""
+    return pick("sparse_mla_decode", backend, sparse_mla_decode_ref, q_latent, kv_latent_plane)(
+        q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices, scale)
+
+
+def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plane: torch.Tensor,
+                       block_table: torch.Tensor, indices: torch.Tensor, kv_b_weight: torch.Tensor, scale: float, *,
+                       backend: str | None = None) -> torch.Tensor:
+    """Block-aggregated sparse MLA over the paged planes, decompressed with kv_b_weight [H*(dn+dv), r].
+    q [B,T,H,dn+dr], block_table int32 [B,MB], indices int32 [B,T,K] -> [B,T,H,dv] fp32."""
+    return pick("sparse_mla_prefill", backend, sparse_mla_prefill_ref, q, kv_latent_plane)(
+        q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
+
+
 def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   scale: float | None = None, initial_state: torch.Tensor | None = None, *,
-                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                  backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Kimi Delta Attention, one step at a time. q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] log-decay;
     beta [B,T,HV]; initial_state [B,HV,K,V] -> (o [B,T,HV,V] in v.dtype, final_state [B,HV,K,V] fp32)."""
     return pick("kda_recurrent", backend, kda_recurrent_ref, q, k, v)(q, k, v, g, beta, scale, initial_state)
@@ -58,14 +108,14 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               scale: float | None = None, initial_state: torch.Tensor | None = None, chunk_size: int = 64, *,
-              backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+              backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked (WY/UT) form of ``kda_recurrent`` with the same inputs and outputs; T need not be a
     multiple of ``chunk_size``."""
     return pick("kda_chunk", backend, kda_chunk_ref, q, k, v)(q, k, v, g, beta, scale, initial_state, chunk_size)
 
 
 def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-5,
-                 return_weights: bool = False, *, backend: str = "auto"):
+                 return_weights: bool = False, *, backend: str | None = None):
     """Attention Residual mixer. sources [N,...,D], query [D], norm_weight [D] -> [...,D]
     (and the depth weights [N,...] with ``return_weights``)."""
     return pick("attn_res_mix", backend, attn_res_mix_ref, sources)(sources, query, norm_weight, eps, return_weights)

@@ -28,3 +28,13 @@ def check_tensor(name: str, t, *, ndim: int | None = None, shape: tuple | None =
 def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """Accumulation dtype everywhere in minidsa: fp32, or fp64 when an input is fp64 (for exactness tests)."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def on_host(*tensors: torch.Tensor) -> bool:
+    """True when every tensor lives in CPU memory, so checking its values costs no device sync.
+
+    Ops check data-dependent conditions (NaN scores, out-of-range indices) only then: on a GPU the
+    same check would stall the host on every call and make a decode step impossible to capture in a
+    CUDA graph (docs/design.md §14). Shapes and dtypes are always checked.
+    """
+    return all(t.device.type == "cpu" for t in tensors)

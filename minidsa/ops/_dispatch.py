@@ -1,43 +1,87 @@
-"""Backend selection shared by every public op.
+"""Backend selection for every public op, decided in one place.
 
-Each op has a PyTorch reference (always available, fp32 math) and, where it is a hot path, a
-Triton kernel with the same signature. ``backend="auto"`` takes the kernel when one is registered,
-Triton imports, and the inputs live on a GPU; otherwise the reference.
+Each op has a PyTorch reference in ``minidsa/ops/<op>.py`` (always available, fp32 math) and, where
+it is a hot path, a Triton kernel in ``minidsa/ops/<op>_triton.py`` with the same signature. The
+table ``TRITON_KERNELS`` below is the only place that says which kernel backs which op; kernel
+modules are imported the first time they are picked, so importing minidsa never imports triton.
+
+The backend in force comes from ``use_backend(...)`` (a context manager; ``model.set_backend``
+enters it around every forward) or ``set_backend(...)`` (process-wide default), unless an op call
+passes ``backend=`` itself. See docs/design.md §12.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import contextvars
+import importlib
+import importlib.util
+from typing import Callable, Iterator
 
 BACKENDS = ("torch", "triton", "auto")
 
-# op name -> Triton implementation; filled by minidsa.ops.triton modules when they exist.
-TRITON_KERNELS: dict[str, Callable] = {}
+# op name -> (module, function) of the Triton kernel that implements it, with the reference's signature.
+# Empty until the kernel issues land; each entry is checked against its reference by a test.
+TRITON_KERNELS: dict[str, tuple[str, str]] = {}
+
+_default = "auto"
+_current: contextvars.ContextVar[str | None] = contextvars.ContextVar("minidsa_backend", default=None)
+
+
+def check_backend(backend: str, what: str = "backend") -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"{what}={backend!r}; use one of {BACKENDS}")
+    return backend
+
+
+def set_backend(backend: str) -> None:
+    """Process-wide default backend ("auto" at import)."""
+    global _default
+    _default = check_backend(backend)
+
+
+def current_backend() -> str:
+    """The backend an op uses when it is not given one: the innermost ``use_backend``, else the default."""
+    return _current.get() or _default
+
+
+@contextlib.contextmanager
+def use_backend(backend: str | None) -> Iterator[None]:
+    """``with ops.use_backend("torch"): ...`` runs every op inside on that backend (None: leave it as is)."""
+    if backend is None:
+        yield
+        return
+    token = _current.set(check_backend(backend))
+    try:
+        yield
+    finally:
+        _current.reset(token)
 
 
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("triton") is not None
 
 
-def pick(op: str, backend: str, reference: Callable, *tensors) -> Callable:
-    """Return the implementation of ``op`` for ``backend``; raise ValueError naming the fix."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} for {op}; use one of {BACKENDS}")
+def load_kernel(op: str) -> Callable:
+    """Import the Triton kernel registered for ``op`` (raises KeyError when none is)."""
+    module, name = TRITON_KERNELS[op]
+    return getattr(importlib.import_module(module), name)
+
+
+def pick(op: str, backend: str | None, reference: Callable, *tensors) -> Callable:
+    """The implementation of ``op`` for ``backend`` (None: the current one); ValueError names the fix."""
+    backend = check_backend(current_backend() if backend is None else backend, f"backend for {op}")
     if backend == "torch":
         return reference
-    kernel = TRITON_KERNELS.get(op)
+    registered = op in TRITON_KERNELS
     if backend == "triton":
-        if kernel is None:
+        if not registered:
             raise ValueError(f"{op} has no Triton kernel yet; use backend='torch' or 'auto'")
         if not triton_available():
             raise ValueError(f"backend='triton' for {op} but triton is not installed; "
                              f"pip install 'minidsa[triton]' (Linux) or use backend='torch'")
-        return kernel
+        return load_kernel(op)
     on_gpu = any(getattr(t, "is_cuda", False) for t in tensors)
-    if kernel is not None and on_gpu and triton_available():
-        return kernel
+    if registered and on_gpu and triton_available():
+        return load_kernel(op)
     return reference

@@ -1,31 +1,48 @@
-"""Reference sparse attention: each query attends to an explicit list of key positions.
+"""Reference sparse attention on dense tensors: each query attends to an explicit list of key positions.
 
-``sparse_attention`` is what both DSA paths call. Its contract is the masked-dense reference
-(``masked_dense_attention`` with ``indices_to_mask``): scores over all keys, -inf outside the
-selected set, softmax, weighted sum. Index -1 marks padding and is never dereferenced.
+This is the form a reader learns first, and the contract of every sparse attention path: it equals
+the masked-dense reference (``masked_dense_attention`` with ``indices_to_mask``): scores over all
+keys, -inf outside the selected set, softmax, weighted sum. Index -1 marks padding and is never
+dereferenced. The paged MLA ops (mla_attention.py) are tested against this one.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._checks import acc_dtype, check_tensor
+from ._checks import acc_dtype, check_tensor, on_host
 
 
 def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """rows[b, n] = src[b, idx[b, n]] for idx >= 0, and 0 where idx == -1, without reading src there.
+    """rows[b, n] = src[b, idx[b, n]] for idx >= 0, and 0 where idx == -1.
 
     Args:
         src: [B, S, *F]; idx: integer [B, N]. Returns [B, N, *F] in src.dtype.
-    Reading row 0 for -1 and multiplying by zero would still turn a NaN in row 0 into NaN output
-    (SPEC section 10, trap 4), so padded rows are filled with zeros and only valid rows are read.
+    A padded entry reads a clamped row and discards it with a select; multiplying row 0 by zero
+    instead would turn a NaN stored there into NaN output (docs/design.md §10, trap 4).
     """
     B, N = idx.shape
-    out = src.new_zeros((B, N) + tuple(src.shape[2:]))
-    valid = idx >= 0
-    b = torch.arange(B, device=idx.device).unsqueeze(1).expand(B, N)
-    out[valid] = src[b[valid], idx[valid].long()]
-    return out
+    safe = idx.long().clamp_min(0)
+    rows = src[torch.arange(B, device=idx.device).unsqueeze(1), safe]  # [B, N, *F]
+    keep = (idx >= 0).view(B, N, *([1] * (src.dim() - 2)))
+    return torch.where(keep, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention of each query over its own K gathered keys.
+
+    q [B, T, H, Dk]; k [B, T, K, Hkv, Dk]; v [B, T, K, Hkv, Dv] (Hkv in {1, H}); valid bool [B, T, K]
+    -> [B, T, H, Dv] in q's dtype. Invalid keys get -inf; a query with no valid key gets zeros.
+    """
+    H = q.shape[2]
+    s = torch.einsum("bthd,btkhd->bthk", q, k.expand(-1, -1, -1, H, -1)) * float(scale)
+    s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all-padded rows: avoid -inf - -inf
+    p = torch.exp(s - m)
+    denom = p.sum(dim=-1, keepdim=True)
+    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return torch.einsum("bthk,btkhd->bthd", p, v.expand(-1, -1, -1, H, -1))
 
 
 def sparse_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
@@ -41,7 +58,9 @@ def sparse_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indi
            the same set. Entries must be distinct apart from -1 (top-k output is).
         scale: softmax scale applied to q.k.
     Returns:
-        [B, T, H, Dv] float32 (float64 if an input is). A query whose indices are all -1 gets zeros (there is nothing to attend to).
+        [B, T, H, Dv] float32 (float64 if an input is). A query whose indices are all -1 gets zeros.
+    Out-of-range indices are rejected when they are in CPU memory (elsewhere the check would cost a
+    device sync per call).
     """
     B, T, H, Dk = check_tensor("q", q, ndim=4, floating=True)
     _, S, Hkv, _ = check_tensor("k", k, shape=(B, None, None, Dk), floating=True)
@@ -49,23 +68,16 @@ def sparse_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indi
     K = check_tensor("indices", indices, shape=(B, T, None), integer=True)[2]
     if Hkv not in (1, H):
         raise ValueError(f"k has {Hkv} heads; it must have 1 (shared latent) or {H} (one per query head)")
-    if indices.numel() and int(indices.max()) >= S:
-        raise ValueError(f"indices hold position {int(indices.max())} but k has only S={S} positions")
-    if indices.numel() and int(indices.min()) < -1:
-        raise ValueError(f"indices hold {int(indices.min())}; only -1 may mark padding")
+    if indices.numel() and on_host(indices):
+        if int(indices.max()) >= S:
+            raise ValueError(f"indices hold position {int(indices.max())} but k has only S={S} positions")
+        if int(indices.min()) < -1:
+            raise ValueError(f"indices hold {int(indices.min())}; only -1 may mark padding")
     acc = acc_dtype(q, k, v)
     flat = indices.reshape(B, T * K)
     kg = gather_rows(k.to(acc), flat).view(B, T, K, Hkv, Dk)
     vg = gather_rows(v.to(acc), flat).view(B, T, K, Hkv, -1)
-    valid = (indices >= 0).unsqueeze(2)  # [B, T, 1, K]
-    s = torch.einsum("bthd,btkhd->bthk", q.to(acc), kg.expand(-1, -1, -1, H, -1)) * float(scale)
-    s = s.masked_fill(~valid, float("-inf"))
-    m = s.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all-padded rows: avoid -inf - -inf
-    p = torch.exp(s - m)
-    denom = p.sum(dim=-1, keepdim=True)
-    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
-    return torch.einsum("bthk,btkhd->bthd", p, vg.expand(-1, -1, -1, H, -1))
+    return attend(q.to(acc), kg, vg, indices >= 0, scale)
 
 
 def indices_to_mask(indices: torch.Tensor, num_keys: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Reference Attention-Residual mixer: softmax over depth (SPEC section 1).
+"""Reference Attention-Residual mixer: softmax over depth (docs/design.md §1).
 
 Sources V_0..V_{N-1} (stored block representations plus the current partial sum) are scored by a
 learned pseudo-query w against their RMS-normalised form; the output is their softmax-weighted

@@ -1,13 +1,16 @@
-"""Reference ops of the DSA lightning indexer: scores and top-k selection (SPEC section 2).
+"""Reference ops of the DSA lightning indexer: scores, scores over a paged key plane, and top-k
+selection (docs/design.md §2).
 
-fp32 math on any device; loops kept out only where a broadcast reads as clearly.
+fp32 math on any device. ``paged_index_scores`` is ``index_scores`` after gathering each sequence's
+keys through its block table; tests hold the two equal.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._checks import acc_dtype, check_tensor
+from ._checks import acc_dtype, check_tensor, on_host
+from .paging import gather_positions
 
 
 def index_scores_ref(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
@@ -21,7 +24,7 @@ def index_scores_ref(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: f
     Returns:
         [B, T, S] float32 (float64 if an input is).
     The ReLU is taken per head, before the signed weight: ReLU of the weighted sum is a different
-    (and wrong) function (SPEC section 10, trap 2).
+    (and wrong) function (docs/design.md §10, trap 2).
     """
     B, T, H, D = check_tensor("q", q, ndim=4, floating=True)
     check_tensor("k", k, shape=(B, None, D), floating=True)
@@ -41,13 +44,15 @@ def topk_indices_ref(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> to
     Returns:
         int32 [B, T, topk]: positions ordered by descending score, ties broken by the lower position;
         when fewer than ``topk`` candidates exist the row is padded with -1 at the end (never with a
-        future position: SPEC section 10, trap 3).
+        future position: docs/design.md §10, trap 3).
+    A NaN score is rejected when ``scores`` is in CPU memory (elsewhere the check would cost a device
+    sync per call; NaN then sorts first).
     """
     B, T, S = check_tensor("scores", scores, ndim=3, floating=True)
     check_tensor("q_pos", q_pos, shape=(B, T), integer=True)
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
-    if torch.isnan(scores).any():
+    if on_host(scores) and bool(torch.isnan(scores).any()):
         raise ValueError("scores contain NaN; top-k of NaN is undefined (check the indexer inputs)")
     pos = torch.arange(S, device=scores.device)
     candidate = pos.view(1, 1, S) <= q_pos.to(torch.long).unsqueeze(-1)  # [B, T, S]
@@ -63,3 +68,34 @@ def topk_indices_ref(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> to
         pad = torch.full((B, T, topk - k_eff), -1, dtype=torch.int32, device=scores.device)
         idx = torch.cat([idx, pad], dim=-1)
     return idx
+
+
+def paged_index_scores_ref(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Tensor,
+                           key_scale_plane: torch.Tensor | None, block_table: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Index scores of each query against every cached key of its own sequence.
+
+    Args:
+        q: [B, T, H, D] indexer queries; w: [B, T, H] signed head weights.
+        key_plane: [num_blocks, block_size, D] cached indexer keys (float8_e4m3fn with fp8 numerics).
+        key_scale_plane: [num_blocks, block_size, 1] fp32 per-key scales, or None for unquantised keys.
+        block_table: int32 [B, max_blocks] physical block of each logical block (-1 = none).
+        context_lens: int32 [B] keys each sequence holds (the new tokens included).
+        scale: the D^-0.5 factor inside the ReLU.
+    Returns:
+        [B, T, S] float32 with S = max_blocks * block_size (a shape fixed by the table, not by the data):
+        ``index_scores`` over positions < context_lens[b], -inf at every later position.
+    """
+    B, T, H, D = check_tensor("q", q, ndim=4, floating=True)
+    check_tensor("w", w, shape=(B, T, H), floating=True)
+    _, bs, _ = check_tensor("key_plane", key_plane, shape=(None, None, D))
+    MB = check_tensor("block_table", block_table, shape=(B, None), integer=True)[1]
+    check_tensor("context_lens", context_lens, shape=(B,), integer=True)
+    positions = torch.arange(MB * bs, device=q.device).expand(B, MB * bs)
+    keys = gather_positions(key_plane, block_table, positions).to(acc_dtype(q, w))
+    if key_scale_plane is not None:
+        check_tensor("key_scale_plane", key_scale_plane, shape=(key_plane.shape[0], bs, 1))
+        keys = keys * gather_positions(key_scale_plane, block_table, positions).to(keys.dtype)
+    scores = index_scores_ref(q, keys, w, scale)
+    cached = positions < context_lens.long().unsqueeze(1)  # [B, S]
+    return torch.where(cached.unsqueeze(1), scores, torch.full_like(scores, float("-inf")))

@@ -1,4 +1,4 @@
-"""Reference Kimi Delta Attention: the recurrence and its chunked (WY/UT) form (SPEC section 5).
+"""Reference Kimi Delta Attention: the recurrence and its chunked (WY/UT) form (docs/design.md §5).
 
 Layouts follow flash-linear-attention: q, k [B, T, H, K]; v [B, T, HV, V] (HV a multiple of H);
 g [B, T, HV, K] log-decay per channel; beta [B, T, HV]; state [B, HV, K, V]. Math in fp32

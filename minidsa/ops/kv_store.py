@@ -1,0 +1,39 @@
+"""Reference KV store: write each new token's row into its slot of a paged cache plane.
+
+Slot -1 means "no write" (a padding token). A boolean-mask write would need the mask on the host
+(a device sync per call); instead every -1 row repeats the write of the first real row, which
+leaves the plane exactly as a skipped row would, whatever order the writes land in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_tensor
+
+
+def store_kv_ref(plane: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+    """In place: plane viewed as [num_blocks * block_size, W] gets ``values[i]`` at row ``slot_mapping[i]``.
+
+    Args:
+        plane: [num_blocks, block_size, W] one cache plane of one layer (any dtype, e.g. float8_e4m3fn).
+        slot_mapping: integer [N] physical slots, -1 = skip this row. Real slots must be distinct.
+        values: [N, W] rows to store, cast to plane.dtype.
+    """
+    _, _, W = check_tensor("plane", plane, ndim=3)
+    N = check_tensor("slot_mapping", slot_mapping, ndim=1, integer=True)[0]
+    check_tensor("values", values, shape=(N, W))
+    if N == 0:
+        return
+    flat = plane.view(-1, W)
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    first = torch.argmax(valid.to(torch.int8))  # first real row (row 0 when there is none)
+    any_valid = valid[first]
+    # Padding rows repeat the first real row's write; with no real row at all, row 0 of the
+    # plane is written back onto itself. Either way the plane ends as if they were skipped.
+    fallback_slot = torch.where(any_valid, slots[first], torch.zeros_like(slots[first]))
+    fallback_row = torch.where(any_valid, values[first].to(flat.dtype), flat[0])
+    target = torch.where(valid, slots, fallback_slot)
+    rows = torch.where(valid.unsqueeze(-1), values.to(flat.dtype), fallback_row.unsqueeze(0))
+    flat[target] = rows

@@ -1,0 +1,60 @@
+"""Records of what the sparse attention and the residual mixers did: for plots, notebooks and tests.
+
+``ForwardTrace`` is filled by one forward (``model(ids, trace=tr)``); ``GenerationTrace`` collects,
+for one generated sequence, a row per token across the prefill and every decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardTrace:
+    """What one forward did.
+
+    selected[layer]: int32 [B, T, topk] key positions chosen by the DSA indexer of MLA layer ``layer``.
+    depth_weights[mixer]: [N, B, T] softmax weights of an AttnRes mixer over its N sources (stored
+    blocks, then the partial sum); mixers are named "{layer}.attn", "{layer}.ffn" and "out".
+    """
+
+    selected: dict[int, torch.Tensor] = field(default_factory=dict)
+    depth_weights: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class GenerationTrace:
+    """What the sparse attention did for one generated sequence.
+
+    ``selected[layer]`` is int32 [len(token_ids), topk]: row t holds the key positions the query at
+    position t selected in that MLA layer (descending index score, -1 = padding). Every token has a
+    row: the prompt's (from prefill) and each generated one (fed back through the model once).
+    ``depth_weights[mixer]`` is [len(token_ids), N]: the Block-AttnRes softmax weights of that mixer
+    ("{layer}.attn", "{layer}.ffn", "out") over its N sources (stored blocks, then the partial sum).
+    """
+
+    token_ids: list[int]  # prompt ids (bos first, each <|media_pad|> expanded to its image's tokens), then generated
+    prompt_len: int  # number of prompt ids, bos included
+    text: str = ""  # decoded generated text
+    selected: dict[int, torch.Tensor] = field(default_factory=dict)
+    depth_weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    image_positions: list[int] = field(default_factory=list)  # positions holding image tokens
+
+    def image_keys(self, layer: int) -> torch.Tensor:
+        """bool [len(token_ids), topk]: which keys selected in MLA layer ``layer`` were image tokens."""
+        is_image = torch.zeros(len(self.token_ids) + 1, dtype=torch.bool)
+        is_image[torch.tensor(self.image_positions, dtype=torch.long)] = True
+        sel = self.selected[layer].long()
+        return torch.where(sel >= 0, is_image[sel.clamp_min(0)], torch.zeros_like(sel, dtype=torch.bool))
+
+    def append(self, forward_trace: ForwardTrace | None, row: int) -> None:
+        """Add batch row ``row`` of one forward's trace (its T tokens) to this sequence's rows."""
+        if forward_trace is None:
+            return
+        new = [(self.selected, k, v[row]) for k, v in forward_trace.selected.items()]
+        new += [(self.depth_weights, k, v[:, row].T.float()) for k, v in forward_trace.depth_weights.items()]
+        for table, key, rows in new:
+            rows = rows.cpu()
+            table[key] = rows if key not in table else torch.cat([table[key], rows])
