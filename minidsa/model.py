@@ -33,7 +33,7 @@ from .vision import MultimodalProjector, PreparedImage, VisionTower, preprocess
 # Parameters the real model keeps in fp32 whatever the compute dtype (norms, gates, decay, indexer weights).
 _FP32_SUFFIXES = ("norm.weight", "k_norm.bias", "weights_proj.weight", "res_proj.weight", "A_log", "dt_bias",
                   "conv1d.weight", "gate.weight", "e_score_correction_bias")
-_EXPERT_BUFFER = re.compile(r"^(.*\.block_sparse_moe)\.(w[123])_(packed|scale)$")
+_EXPERT_BUFFER = re.compile(r"^(.*\.block_sparse_moe)\.experts_(packed|scale)$")
 
 
 class MiniDSA(nn.Module):
@@ -220,15 +220,11 @@ class MiniDSA(nn.Module):
     # ---------------------------------------------------------------- checkpoint and counts
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the checkpoint by its real name (stacked expert buffers split per expert; views)."""
-        out: dict[str, torch.Tensor] = {}
-        for name, t in self.state_dict().items():
-            m = _EXPERT_BUFFER.match(name)
-            if m is None:
-                out[name] = t
-                continue
-            prefix, w, kind = m.groups()
-            for e in range(t.shape[0]):
-                out[f"{prefix}.experts.{e}.{w}.weight_{'packed' if kind == 'packed' else 'scale'}"] = t[e]
+        out = {name: t for name, t in self.state_dict().items() if not _EXPERT_BUFFER.match(name)}
+        for i, layer in enumerate(self.language_model.model.layers):
+            if layer.is_moe:
+                prefix = f"language_model.model.layers.{i}.block_sparse_moe."
+                out.update({prefix + name: t for name, t in layer.block_sparse_moe.checkpoint_tensors().items()})
         return out
 
     def save_pretrained(self, directory, max_shard_size: int | str = "2GB") -> Path:

@@ -7,8 +7,11 @@
     z = W_down x                             into the latent width
     y = W_up RMSNorm(sum_i w_i E_i(z)) + Shared(x),  E_i(z) = W2_i SiTU-GLU(W1_i z, W3_i z)
 
-Routed experts are stored packed (MXFP4: uint8 codes + E8M0 scales), stacked per layer as
-[E, rows, K/2] and [E, rows, K/32]; the checkpoint names them per expert (``experts.{e}.w1.weight_packed``).
+Routed experts are stored packed (MXFP4: uint8 codes + E8M0 scales). In memory one expert's three
+matrices (w1, w3, w2: each rows x K = I x latent elements) are one contiguous block, so a layer's
+storage is [E, 3, I*latent/2] codes and [E, 3, I*latent/32] scales and converting an expert is one
+pass over one block; ``packed`` / ``scales`` give the per-matrix views [E, rows, K/2] / [E, rows, K/32],
+which the checkpoint names per expert (``experts.{e}.w1.weight_packed``).
 Before a layer computes, the experts its tokens were routed to are converted into ONE FP8 workspace
 owned by the model and shared by every layer, so expert memory at run time does not grow with depth.
 ``offline`` mode converts every expert once instead, for comparison.
@@ -42,35 +45,40 @@ def expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return {"w1": (I, L), "w3": (I, L), "w2": (L, I)}
 
 
+def split_matrices(block: torch.Tensor, cfg_shapes: dict[str, tuple[int, int]], per_element: int) -> dict:
+    """[..., 3, n] expert blocks -> {"w1", "w3", "w2": [..., rows, K / per_element]} views."""
+    return {name: block[..., j, :].unflatten(-1, (rows, k // per_element))
+            for j, (name, (rows, k)) in enumerate(cfg_shapes.items())}
+
+
 class ExpertWorkspace:
     """One FP8 buffer for ``capacity`` experts, shared by all MoE layers of a model.
 
-    elements[name]: float8_e4m3fn [capacity, rows, K]; scales[name]: uint8 [capacity, rows, K/32].
+    elements: float8_e4m3fn [capacity, 3, I*latent]; scales: uint8 [capacity, 3, I*latent/32] (w1, w3, w2).
     ``routed`` int64 [2] counts routed experts converted: since the last reset, and in the current
     forward. It stays on the device (no host sync per layer) and is read only by ``expert_stats``.
     """
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str) -> None:
         self.capacity = cfg.moe.workspace_experts
+        n = cfg.moe.latent_size * cfg.moe.expert_intermediate_size
         with torch.inference_mode(False):  # normal tensors, so later forwards may update them in place
-            self.elements = {n: torch.empty((self.capacity,) + s, dtype=torch.float8_e4m3fn, device=device)
-                             for n, s in expert_shapes(cfg).items()}
-            self.scales = {n: torch.empty((self.capacity, s[0], s[1] // mxfp4.GROUP), dtype=torch.uint8,
-                                          device=device) for n, s in expert_shapes(cfg).items()}
+            self.elements = torch.empty(self.capacity, 3, n, dtype=torch.float8_e4m3fn, device=device)
+            self.scales = torch.empty(self.capacity, 3, n // mxfp4.GROUP, dtype=torch.uint8, device=device)
             self.routed = torch.zeros(2, dtype=torch.long, device=device)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.elements, self.scales) for t in d.values())
+        return self.elements.numel() * self.elements.element_size() + self.scales.numel()
 
     def load(self, layer: "LatentMoE", experts: torch.Tensor, num_routed: torch.Tensor) -> None:
         """Convert the packed weights of ``experts`` (ids [n], n <= capacity) into slots 0..n-1;
         ``num_routed`` (a device scalar) of them are routed experts, the rest placeholders."""
         n = experts.numel()
-        for name in EXPERT_WEIGHTS:
-            elements, scales = mxfp4.to_fp8(layer.packed[name][experts], layer.scales[name][experts])
-            self.elements[name][:n] = elements
-            self.scales[name][:n] = scales
+        elements, scales = mxfp4.to_fp8(layer.experts_packed.index_select(0, experts),
+                                        layer.experts_scale.index_select(0, experts))
+        self.elements[:n] = elements
+        self.scales[:n] = scales
         self.routed += num_routed
 
 
@@ -90,32 +98,39 @@ class LatentMoE(nn.Module):
         self.routed_expert_up_proj = nn.Linear(m.latent_size, d, bias=False)
         self.shared_experts = SituGluMLP(d, m.shared_intermediate_size, cfg.activation_beta_gate,
                                          cfg.activation_beta_up)
-        for name, (rows, k) in expert_shapes(cfg).items():
-            self.register_buffer(f"{name}_packed", torch.zeros(m.num_experts, rows, k // 2, dtype=torch.uint8))
-            self.register_buffer(f"{name}_scale", torch.zeros(m.num_experts, rows, k // mxfp4.GROUP,
-                                                              dtype=torch.uint8))
+        self.shapes = expert_shapes(cfg)
+        n = m.latent_size * m.expert_intermediate_size  # elements per expert matrix
+        self.register_buffer("experts_packed", torch.zeros(m.num_experts, 3, n // 2, dtype=torch.uint8))
+        self.register_buffer("experts_scale", torch.zeros(m.num_experts, 3, n // mxfp4.GROUP, dtype=torch.uint8))
         self._workspace = workspace  # callable -> the model's ExpertWorkspace (shared, so not a submodule)
-        self.offline: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.offline: tuple[torch.Tensor, torch.Tensor] | None = None  # FP8 elements and scales of every expert
         # Lazy loading: (expert, "w1", "weight_packed") -> a reader that fills that tensor (checked) from disk.
         self.lazy_source: dict[tuple[int, str, str], Callable[[], None]] = {}
         self.resident = torch.ones(m.num_experts, dtype=torch.bool, device="cpu")  # experts with packed data in memory
 
     @property
     def packed(self) -> dict[str, torch.Tensor]:
-        """uint8 [E, rows, K/2] E2M1 codes of each expert matrix."""
-        return {n: getattr(self, f"{n}_packed") for n in EXPERT_WEIGHTS}
+        """uint8 [E, rows, K/2] E2M1 codes of each expert matrix (views of ``experts_packed``)."""
+        return split_matrices(self.experts_packed, self.shapes, 2)
 
     @property
     def scales(self) -> dict[str, torch.Tensor]:
-        """uint8 [E, rows, K/32] E8M0 scales of each expert matrix."""
-        return {n: getattr(self, f"{n}_scale") for n in EXPERT_WEIGHTS}
+        """uint8 [E, rows, K/32] E8M0 scales of each expert matrix (views of ``experts_scale``)."""
+        return split_matrices(self.experts_scale, self.shapes, mxfp4.GROUP)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """{"experts.{e}.w1.weight_packed": uint8 [rows, K/2], "...weight_scale": [rows, K/32], ...} views."""
+        out = {}
+        for kind, mats in (("weight_packed", self.packed), ("weight_scale", self.scales)):
+            for name, t in mats.items():
+                out.update({f"experts.{e}.{name}.{kind}": t[e] for e in range(self.num_experts)})
+        return out
 
     @torch.no_grad()
     def init_experts(self, generator: torch.Generator, std: float) -> None:
         """Seeded N(0, std) expert weights, stored in MXFP4."""
-        for name in EXPERT_WEIGHTS:
-            shape = self.packed[name].shape[:-1] + (self.packed[name].shape[-1] * 2,)
-            packed, scales = mxfp4.quantize(torch.randn(shape, generator=generator) * std)
+        for name, (rows, k) in self.shapes.items():
+            packed, scales = mxfp4.quantize(torch.randn(self.num_experts, rows, k, generator=generator) * std)
             self.packed[name].copy_(packed)
             self.scales[name].copy_(scales)
 
@@ -137,7 +152,7 @@ class LatentMoE(nn.Module):
     def convert_all(self) -> None:
         """Offline mode: every expert to FP8 once (memory grows with depth; no per-forward conversion)."""
         self.materialize()
-        self.offline = {n: mxfp4.to_fp8(self.packed[n], self.scales[n]) for n in EXPERT_WEIGHTS}
+        self.offline = mxfp4.to_fp8(self.experts_packed, self.experts_scale)
 
     # ---------------------------------------------------------------- forward
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,10 +177,12 @@ class LatentMoE(nn.Module):
     def _weights(self, experts: torch.Tensor, num_routed: torch.Tensor, acc: torch.dtype) -> dict[str, torch.Tensor]:
         """FP8 matrices of ``experts`` [m] (through the shared workspace, or the offline copies) -> [m, rows, K]."""
         if self.offline is not None:
-            return {w: mxfp4.fp8_dequantize(el[experts], sc[experts], acc) for w, (el, sc) in self.offline.items()}
-        ws, m = self._workspace(), experts.numel()
-        ws.load(self, experts, num_routed)
-        return {w: mxfp4.fp8_dequantize(ws.elements[w][:m], ws.scales[w][:m], acc) for w in EXPERT_WEIGHTS}
+            elements, scales = self.offline[0][experts], self.offline[1][experts]
+        else:
+            ws, m = self._workspace(), experts.numel()
+            ws.load(self, experts, num_routed)
+            elements, scales = ws.elements[:m], ws.scales[:m]
+        return split_matrices(mxfp4.fp8_dequantize(elements, scales, acc), self.shapes, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -182,9 +199,8 @@ class LatentMoE(nn.Module):
             batch = experts[start: start + step]
             w = self._weights(batch, num_routed if start == 0 else torch.zeros_like(num_routed), acc)
             gates = ((ids.unsqueeze(0) == batch.view(-1, 1, 1)) * weights).sum(-1)  # [m, N], 0 = not routed
-            h = situ_glu(torch.einsum("nl,mil->mni", z, w["w1"]), torch.einsum("nl,mil->mni", z, w["w3"]),
-                         self.beta_gate, self.beta_up)  # [m, N, I]
-            parts.append(torch.einsum("mni,mli->mnl", h * gates.unsqueeze(-1), w["w2"]))
+            h = situ_glu(z @ w["w1"].mT, z @ w["w3"].mT, self.beta_gate, self.beta_up)  # [m, N, I]
+            parts.append((h * gates.unsqueeze(-1)) @ w["w2"].mT)  # [m, N, latent]
         y_lat = torch.cat(parts).sum(0)
         y = self.routed_expert_up_proj(self.routed_expert_norm(y_lat.to(x.dtype)))
         return (y + self.shared_experts(x)).reshape(shape)
@@ -195,8 +211,7 @@ def expert_stats(layers: list[LatentMoE], workspace: ExpertWorkspace | None) -> 
     by offline mode, routed experts converted since the last reset and in the last forward."""
     packed = sum(t.numel() for m in layers for d in (m.packed, m.scales) for t in d.values())
     elements = sum(t.numel() * 2 for m in layers for t in m.packed.values())
-    offline = sum(t.numel() * t.element_size() for m in layers if m.offline is not None
-                  for pair in m.offline.values() for t in pair)
+    offline = sum(t.numel() * t.element_size() for m in layers if m.offline is not None for t in m.offline)
     total, last = workspace.routed.tolist() if workspace is not None else (0, 0)
     return {"expert_bytes_mxfp4": packed, "expert_bytes_bf16": 2 * elements,
             "workspace_bytes": workspace.nbytes if workspace is not None else 0, "offline_fp8_bytes": offline,

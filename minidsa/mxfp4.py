@@ -100,11 +100,12 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
 
 @functools.lru_cache(maxsize=None)
 def _byte_to_fp8_pair(device=None) -> torch.Tensor:
-    """uint8 [256, 2]: the e4m3 bit patterns of the two E2M1 codes of every packed byte, low nibble first."""
+    """int16 [256]: the two e4m3 bytes of every packed byte's E2M1 codes, low nibble first in memory
+    (built by viewing the byte pair as int16, so it is right on any byte order)."""
     codes = torch.arange(256)
     pair = torch.stack([codes & 0x0F, codes >> 4], dim=-1)
     with torch.inference_mode(False):
-        return e2m1_table(torch.float8_e4m3fn)[pair].view(torch.uint8).to(device)
+        return e2m1_table(torch.float8_e4m3fn)[pair].view(torch.uint8).contiguous().view(torch.int16)[:, 0].to(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,6 +122,11 @@ def _e8m0_values(device=None) -> torch.Tensor:
         return torch.exp2(torch.arange(256, dtype=torch.float64) - E8M0_BIAS).float().to(device)
 
 
+def _lookup(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """table [256] indexed by uint8 ``codes`` [...] -> [...] (index_select on int32: the fastest gather on CPU)."""
+    return table.index_select(0, codes.reshape(-1).int()).view(codes.shape)
+
+
 def to_fp8(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact conversion for compute: (packed, scales) -> (elements float8_e4m3fn [..., K], the same scales).
 
@@ -128,14 +134,14 @@ def to_fp8(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
     One table lookup per packed byte gives both of its elements.
     """
     _check_pair(packed, scales)
-    pairs = _byte_to_fp8_pair(packed.device)[packed.long()]  # [..., K/2, 2]
-    return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2).view(torch.float8_e4m3fn), scales
+    pairs = _lookup(_byte_to_fp8_pair(packed.device), packed)  # int16 [..., K/2]: both bytes at once
+    return pairs.view(torch.uint8).view(torch.float8_e4m3fn), scales
 
 
 def fp8_dequantize(elements: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """FP8 elements [..., K] with (validated) E8M0 group scales [..., K/32] -> [..., K] in ``dtype`` (exact)."""
-    values = _fp8_values(elements.device).take(elements.view(torch.uint8).long())
-    scale = _e8m0_values(scales.device).take(scales.long())
+    values = _lookup(_fp8_values(elements.device), elements.view(torch.uint8))
+    scale = _lookup(_e8m0_values(scales.device), scales)
     grouped = values.view(*values.shape[:-1], -1, GROUP) * scale.unsqueeze(-1)
     return grouped.view(values.shape).to(dtype)
 

@@ -106,7 +106,7 @@ def test_workspace_is_flat_in_depth():
     assert s2["workspace_bytes"] == s8["workspace_bytes"] > 0
     assert s8["expert_bytes_mxfp4"] == 7 * s2["expert_bytes_mxfp4"]  # 1 vs 7 MoE layers (layer 0 is dense)
     ws = two.expert_workspace()
-    assert all(t.dtype == torch.float8_e4m3fn for t in ws.elements.values())
+    assert ws.elements.dtype == torch.float8_e4m3fn
 
 
 def test_only_routed_experts_are_converted():

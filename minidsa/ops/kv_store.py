@@ -28,12 +28,13 @@ def store_kv_ref(plane: torch.Tensor, slot_mapping: torch.Tensor, values: torch.
     flat = plane.view(-1, W)
     slots = slot_mapping.long()
     valid = slots >= 0
-    first = torch.argmax(valid.to(torch.int8))  # first real row (row 0 when there is none)
-    any_valid = valid[first]
-    # Padding rows repeat the first real row's write; with no real row at all, row 0 of the
-    # plane is written back onto itself. Either way the plane ends as if they were skipped.
-    fallback_slot = torch.where(any_valid, slots[first], torch.zeros_like(slots[first]))
-    fallback_row = torch.where(any_valid, values[first].to(flat.dtype), flat[0])
+    # Padding rows repeat the first real row's write; with no real row at all, row 0 of the plane
+    # is written back onto itself. Either way the plane ends as if they were skipped. (``first`` stays
+    # a 1-element tensor: indexing with a 0-d tensor would read it on the host.)
+    first = torch.argmax(valid.to(torch.int8)).view(1)  # first real row (row 0 when there is none)
+    any_valid = valid.index_select(0, first)
+    fallback_slot = torch.where(any_valid, slots.index_select(0, first), torch.zeros_like(first))
+    fallback_row = torch.where(any_valid.unsqueeze(-1), values.index_select(0, first).to(flat.dtype), flat[:1])
     target = torch.where(valid, slots, fallback_slot)
-    rows = torch.where(valid.unsqueeze(-1), values.to(flat.dtype), fallback_row.unsqueeze(0))
+    rows = torch.where(valid.unsqueeze(-1), values.to(flat.dtype), fallback_row)
     flat[target] = rows
