@@ -21,7 +21,7 @@ LAYER_TYPES = ("mla", "kda")  # "mla" = Gated MLA + DSA indexer; "kda" = Kimi De
 
 @dataclass
 class MLAConfig:
-    """Gated Multi-head Latent Attention (SPEC section 2)."""
+    """Gated Multi-head Latent Attention (docs/design.md §2)."""
 
     num_heads: int = 4  # attention heads; all heads share one DSA top-k set
     q_lora_rank: int = 32  # width of the compressed query c_q (the indexer reads it too)
@@ -33,7 +33,7 @@ class MLAConfig:
 
 @dataclass
 class IndexerConfig:
-    """DSA lightning indexer (SPEC section 2)."""
+    """DSA lightning indexer (docs/design.md §2)."""
 
     num_heads: int = 2  # indexer heads; their ReLU scores are summed with learned signed weights
     head_dim: int = 16  # D_I: width of q_I and of the single cached k_I per token
@@ -44,7 +44,7 @@ class IndexerConfig:
 
 @dataclass
 class KDAConfig:
-    """Kimi Delta Attention (SPEC section 5); filled in by the KDA layers."""
+    """Kimi Delta Attention (docs/design.md §5); filled in by the KDA layers."""
 
     num_heads: int = 4  # heads of the recurrent state
     head_dim: int = 16  # K = V per head; the state is [K, V] fp32 per head
@@ -56,7 +56,7 @@ class KDAConfig:
 
 @dataclass
 class MoEConfig:
-    """Latent mixture of experts (SPEC section 6); layers >= first_dense_layers use it."""
+    """Latent mixture of experts (docs/design.md §6); layers >= first_dense_layers use it."""
 
     num_experts: int = 8  # routed experts; more than top_k so routing is real
     top_k: int = 2  # experts per token
@@ -71,7 +71,7 @@ class MoEConfig:
 
 @dataclass
 class VisionConfig:
-    """MoonViT-V2-style vision tower (SPEC section 8)."""
+    """MoonViT-V2-style vision tower (docs/design.md §8)."""
 
     patch_size: int = 14  # pixels per patch side
     hidden_size: int = 64  # tower width
@@ -103,7 +103,6 @@ class ModelConfig:
     kv_block_size: int = 8  # tokens per paged-KV block; smaller than max_seq_len so paging is real
     kv_num_blocks: int = 64  # blocks in a default cache (shared by all sequences of a batch)
     max_sequences: int = 16  # live sequences per cache: each owns a preallocated KDA state slot
-    tie_word_embeddings: bool = False  # lm_head has its own weight, as in the real model
     init_std: float = 0.02  # std of the random initial weights
     seed: int = 0  # seed of the random initial weights, so "tiny" is the same model everywhere
     dtype: str = "float32"  # parameter dtype: float32 (reference numerics) or bfloat16
@@ -125,10 +124,6 @@ class ModelConfig:
     @property
     def kda_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == "kda"]
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim
 
     @property
     def torch_dtype(self):

@@ -1,4 +1,4 @@
-"""The SiTU-GLU activation and the dense MLP built on it (SPEC section 6).
+"""The SiTU-GLU activation and the dense MLP built on it (docs/design.md §6).
 
 SiTU-GLU(g, u) = [b_g * tanh(g / b_g) * sigmoid(g)] * [b_u * tanh(u / b_u)]: a SiLU-like gate and
 a linear-like up branch, each soft-clipped by tanh, so |h| < b_g * b_u (= 100 for K3's 4 and 25).

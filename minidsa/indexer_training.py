@@ -1,4 +1,4 @@
-"""Training signal of the DSA lightning indexer (SPEC section 2).
+"""Training signal of the DSA lightning indexer (docs/design.md §2).
 
 The indexer learns to predict where the main attention looks: the target p[t, :] is the main
 attention's probabilities summed over heads and L1-normalised; the loss is KL(p || softmax(I[t, :])).

@@ -4,7 +4,7 @@ The real indexer keeps its key cache in float8_e4m3fn with one scale per token. 
 scale (an exponent, as in UE8M0) makes scaling exact; the Walsh-Hadamard rotation spreads outlier
 channels over all channels before quantising. The rotation is orthonormal, so applying it to BOTH
 q_I and k_I leaves every dot product unchanged; applying it to one side only breaks retrieval
-(SPEC section 10, trap 1), which is why ``hadamard`` here is always applied by the caller to both.
+(docs/design.md §10, trap 1), which is why ``hadamard`` here is always applied by the caller to both.
 """
 
 from __future__ import annotations

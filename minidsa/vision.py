@@ -1,4 +1,4 @@
-"""Native-resolution vision tower (MoonViT-V2 form) and the projector into the text width (SPEC section 8).
+"""Native-resolution vision tower (MoonViT-V2 form) and the projector into the text width (docs/design.md §8).
 
     image -> RGB, (x / 255 - 0.5) / 0.5, resized to multiples of patch * merge (within a patch budget)
           -> patches [L, 3, P, P] in row-major order -> conv P x P stride P (no bias)

@@ -1,4 +1,4 @@
-"""Block Attention Residuals (SPEC section 1): the mixer op and the decoder wiring, both against
+"""Block Attention Residuals (docs/design.md §1): the mixer op and the decoder wiring, both against
 naive versions written here."""
 
 import pytest
@@ -49,7 +49,7 @@ def test_mix_rejects_bad_shapes():
 
 
 def naive_decoder_logits(model, ids):
-    """SPEC section 1 step by step, with the model's sub-layers and naive_mix; fp64 model."""
+    """docs/design.md §1 step by step, with the model's sub-layers and naive_mix; fp64 model."""
     lm = model.language_model
     bs = model.config.attn_res_block_size
     p_in = lm.model.embed_tokens(ids)
@@ -128,7 +128,7 @@ def test_generate_trace_records_depth_weights(tiny_model):
 
 @pytest.mark.parametrize("block_size", [1, 2, 3, 4])
 def test_two_phase_inference_is_exact(block_size):
-    """SPEC section 1's optional schedule: batch-score a block's mixers, merge partial sums online."""
+    """docs/design.md §1's optional schedule: batch-score a block's mixers, merge partial sums online."""
     cfg = tiny_config(dtype="float64", attn_res_block_size=block_size)
     seq = minidsa.MiniDSA(cfg)
     randomise_queries(seq)

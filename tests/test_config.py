@@ -94,7 +94,7 @@ def test_bad_fields_are_named(patch, field):
         ModelConfig.from_dict(data)
 
 
-# Reference-scale tensor shapes of SPEC section 5 (and section 9 names).
+# Reference-scale tensor shapes of docs/design.md §5 (and section 9 names).
 KDA_SHAPES = {"q_proj.weight": (12288, 7168), "k_proj.weight": (12288, 7168), "v_proj.weight": (12288, 7168),
               "q_conv1d.weight": (12288, 1, 4), "f_a_proj.weight": (128, 7168), "f_b_proj.weight": (12288, 128),
               "A_log": (96,), "dt_bias": (12288,), "b_proj.weight": (96, 7168), "g_proj.weight": (12288, 7168),

@@ -1,4 +1,4 @@
-"""The indexer's KL training signal (SPEC section 2)."""
+"""The indexer's KL training signal (docs/design.md §2)."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """Kimi Delta Attention: the chunked form against the recurrence, and both against a loop written
-here from SPEC section 5; the layer's prefill -> decode state handoff in the full hybrid model."""
+here from docs/design.md §5; the layer's prefill -> decode state handoff in the full hybrid model."""
 
 import pytest
 import torch

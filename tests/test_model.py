@@ -40,7 +40,7 @@ def incremental(model, ids, prompt_len, cache=None):
 def distinct_tokens(B, T):
     """Token ids without repeats. MLA has no positional encoding, so when the layers below an MLA layer
     carry little context (a random model), a repeated token gets a near-identical indexer key, its
-    scores nearly tie and rounding (which differs between paths) may pick the order: SPEC section 10,
+    scores nearly tie and rounding (which differs between paths) may pick the order: docs/design.md §10,
     trap 8. Distinct tokens keep selections comparable."""
     return torch.stack([torch.randperm(256)[:T] for _ in range(B)])
 

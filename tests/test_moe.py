@@ -44,7 +44,7 @@ def test_router_bias_selects_but_does_not_weight():
 
 
 def dense_reference(moe, x):
-    """SPEC section 6 with experts dequantised straight from MXFP4 (no FP8, no workspace)."""
+    """docs/design.md §6 with experts dequantised straight from MXFP4 (no FP8, no workspace)."""
     s = torch.sigmoid(x @ moe.gate.weight.T.to(x.dtype))
     ids = (s + moe.gate.e_score_correction_bias).topk(moe.top_k, -1).indices
     w = s.gather(1, ids)

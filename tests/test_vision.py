@@ -1,4 +1,4 @@
-"""Vision tower and multimodal generate (SPEC section 8)."""
+"""Vision tower and multimodal generate (docs/design.md §8)."""
 
 import numpy as np
 import pytest
