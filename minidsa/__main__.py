@@ -6,6 +6,9 @@ import argparse
 import sys
 import time
 
+from .checkpoint import count_parameters, load
+from .generate import generate
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minidsa", description=__doc__)
@@ -27,12 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("params", help="count total and active parameters of a config (meta device, no memory)")
     c.add_argument("config", help="preset name, config JSON path or checkpoint directory")
     args = parser.parse_args(argv)
-
-    import minidsa
-
     if args.command == "params":
         try:
-            counts = minidsa.count_parameters(args.config)
+            counts = count_parameters(args.config)
         except (ValueError, TypeError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     try:
-        model = minidsa.load(args.config)
+        model = load(args.config)
         start = time.perf_counter()
-        stream = minidsa.generate(args.prompt, model, images=args.image, max_new_tokens=args.max_new_tokens,
+        stream = generate(args.prompt, model, images=args.image, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                   stream=True, progress=not args.no_progress,
                                   stop_at_eos=not args.ignore_eos)

@@ -174,6 +174,9 @@ class ModelConfig:
             raise ValueError(f"kv_block_size = {self.kv_block_size} must be <= max_seq_len = {self.max_seq_len}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        self._validate_sections()
+
+    def _validate_sections(self) -> None:
         _positive(self.mla, "mla.", ["num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
                                      "qk_rope_head_dim", "v_head_dim"])
         _positive(self.indexer, "indexer.", ["num_heads", "head_dim", "topk"])

@@ -234,13 +234,14 @@ class PagedKVCache:
         slot = table[safe // self.block_size] * self.block_size + safe % self.block_size
         return torch.where(valid, slot, torch.full_like(slot, -1))
 
-    def block_table_tensor(self, sids: list[int]) -> torch.Tensor:
-        """int32 [B, max_blocks], -1 past each sequence's last block (the form a kernel reads)."""
+    def block_table_tensor(self, sids: list[int], device: torch.device | str | None = None) -> torch.Tensor:
+        """int32 [B, max_blocks], -1 past each sequence's last block (the form a kernel reads); on the
+        cache's device unless ``device`` is given."""
         n = max((len(self._tables[s]) for s in sids), default=0)
         out = torch.full((len(sids), n), -1, dtype=torch.int32)
         for i, s in enumerate(sids):
             out[i, : len(self._tables[s])] = torch.tensor(self._tables[s], dtype=torch.int32)
-        return out.to(self.device)
+        return out.to(self.device if device is None else device)
 
     # ---------------------------------------------------------------- data
     def plane(self, layer: int, name: str) -> torch.Tensor:
@@ -248,10 +249,10 @@ class PagedKVCache:
         return self.storage[layer][name]
 
     def state_slots(self, sids: list[int]) -> torch.Tensor:
-        """int64 [B]: the KDA state slot of each sequence."""
+        """int64 [B] (host memory): the KDA state slot of each sequence."""
         for sid in sids:
             self._check_sid(sid)
-        return torch.tensor([self._state_slot[s] for s in sids], dtype=torch.long, device=self.device)
+        return torch.tensor([self._state_slot[s] for s in sids], dtype=torch.long)
 
     def read_state(self, layer: int, name: str, slots: torch.Tensor) -> torch.Tensor:
         """State ``name`` of KDA cache layer ``layer`` at state ``slots`` [B] -> [B, *shape] (a copy)."""
@@ -275,14 +276,17 @@ class PagedKVCache:
                                  f"max_seq_len = {max_len}")
         self.reserve({sid: s + num_tokens for sid, s in zip(seq_ids, starts)})
         positions = torch.tensor(starts).unsqueeze(1) + torch.arange(num_tokens)  # [B, T], host
-        table = self.block_table_tensor(seq_ids).cpu()
-        block = positions // self.block_size
-        slots = table.long().gather(1, block) * self.block_size + positions % self.block_size
-        return CacheContext(
-            self, list(seq_ids), starts, positions.to(device), slots.reshape(-1).to(device), table.to(device),
-            torch.tensor([s + num_tokens for s in starts], dtype=torch.int32, device=device),
-            self.state_slots(seq_ids).to(device))
-
+        table = self.block_table_tensor(seq_ids, device="cpu")
+        slots = table.long().gather(1, positions // self.block_size) * self.block_size + positions % self.block_size
+        lens = torch.tensor([s + num_tokens for s in starts])
+        # One upload for all metadata (a host-to-device copy per tensor would be one wait each).
+        packed = torch.cat([positions.reshape(-1), slots.reshape(-1), table.reshape(-1).long(), lens,
+                            self.state_slots(seq_ids).cpu()]).to(device)
+        B, T = positions.shape
+        sizes = [B * T, B * T, table.numel(), B, B]
+        pos, slot_mapping, tab, context_lens, state_slots = packed.split(sizes)
+        return CacheContext(self, list(seq_ids), starts, pos.view(B, T), slot_mapping, tab.view(table.shape).int(),
+                            context_lens.int(), state_slots)
 
 @dataclass
 class CacheContext:

@@ -169,8 +169,7 @@ class LatentMoE(nn.Module):
 
         The routed experts come first in ascending id order, then unrouted placeholders; n is known
         from the shape alone, so planning needs no host sync."""
-        routed = torch.zeros(self.num_experts, dtype=torch.bool, device=ids.device)
-        routed[ids.reshape(-1)] = True
+        routed = torch.zeros(self.num_experts, dtype=torch.bool, device=ids.device).index_fill_(0, ids.reshape(-1), True)
         order = torch.sort((~routed).to(torch.int8), stable=True).indices
         return order[: min(ids.numel(), self.num_experts)], routed.sum()
 

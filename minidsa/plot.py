@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .generate import GenerationTrace
+from .trace import GenerationTrace
 
 
 def selection_matrix(trace: GenerationTrace, layer: int) -> np.ndarray:

@@ -58,7 +58,7 @@ def topk_indices_ref(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> to
     candidate = pos.view(1, 1, S) <= q_pos.to(torch.long).unsqueeze(-1)  # [B, T, S]
     # Non-candidates sort after every candidate: -inf ties with a candidate scored -inf, and a
     # stable sort then keeps the lower position (every candidate) first.
-    masked = torch.where(candidate, scores, torch.tensor(float("-inf"), device=scores.device))
+    masked = scores.masked_fill(~candidate, float("-inf"))
     order = torch.sort(masked, dim=-1, descending=True, stable=True).indices  # ties -> lower position
     k_eff = min(topk, S)
     idx = order[..., :k_eff]
