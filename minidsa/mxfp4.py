@@ -142,8 +142,8 @@ def fp8_dequantize(elements: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     """FP8 elements [..., K] with (validated) E8M0 group scales [..., K/32] -> [..., K] in ``dtype`` (exact)."""
     values = _lookup(_fp8_values(elements.device), elements.view(torch.uint8))
     scale = _lookup(_e8m0_values(scales.device), scales)
-    grouped = values.view(*values.shape[:-1], -1, GROUP) * scale.unsqueeze(-1)
-    return grouped.view(values.shape).to(dtype)
+    values.view(*values.shape[:-1], -1, GROUP).mul_(scale.unsqueeze(-1))  # in place: one buffer, not two
+    return values.to(dtype)
 
 
 def check_fold(scales: torch.Tensor, dim: int = -1) -> torch.Tensor:

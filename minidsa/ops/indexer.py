@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import acc_dtype, check_tensor, on_host
-from .paging import gather_positions
+from .paging import gather_slots, paged_slots
 
 
 def index_scores_ref(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
@@ -92,10 +92,11 @@ def paged_index_scores_ref(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Te
     MB = check_tensor("block_table", block_table, shape=(B, None), integer=True)[1]
     check_tensor("context_lens", context_lens, shape=(B,), integer=True)
     positions = torch.arange(MB * bs, device=q.device).expand(B, MB * bs)
-    keys = gather_positions(key_plane, block_table, positions).to(acc_dtype(q, w))
+    slots = paged_slots(block_table, positions, bs)
+    keys = gather_slots(key_plane, slots).to(acc_dtype(q, w))
     if key_scale_plane is not None:
         check_tensor("key_scale_plane", key_scale_plane, shape=(key_plane.shape[0], bs, 1))
-        keys = keys * gather_positions(key_scale_plane, block_table, positions).to(keys.dtype)
+        keys = keys * gather_slots(key_scale_plane, slots).to(keys.dtype)
     scores = index_scores_ref(q, keys, w, scale)
     cached = positions < context_lens.long().unsqueeze(1)  # [B, S]
     return torch.where(cached.unsqueeze(1), scores, torch.full_like(scores, float("-inf")))

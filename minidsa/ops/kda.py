@@ -35,10 +35,12 @@ def _prepare(q, k, v, g, beta, scale, initial_state):
     acc = acc_dtype(q, k, v, g, beta, *([initial_state] if initial_state is not None else []))
     rep = HV // H
     scale = K ** -0.5 if scale is None else float(scale)
-    q = q.to(acc).repeat_interleave(rep, dim=2) * scale
-    k = k.to(acc).repeat_interleave(rep, dim=2)
-    state = (torch.zeros(B, HV, K, V, dtype=acc, device=q.device) if initial_state is None
-             else initial_state.to(acc).clone())
+    if rep > 1:  # grouped value heads: each q/k head serves HV/H value heads
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    q = q.to(acc) * scale
+    k = k.to(acc)
+    # Never updated in place below, so the caller's state is not modified even without a copy.
+    state = torch.zeros(B, HV, K, V, dtype=acc, device=q.device) if initial_state is None else initial_state.to(acc)
     return q, k, v.to(acc), g.to(acc), beta.to(acc), state
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ._checks import acc_dtype, check_tensor
 from .attention import attend, sparse_attention_ref
-from .paging import gather_positions
+from .paging import gather_positions, gather_slots, paged_slots
 
 PREFILL_TILE = 64  # queries whose selected blocks are gathered together in prefill
 
@@ -60,8 +60,9 @@ def sparse_mla_decode_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_
     K = check_tensor("indices", indices, shape=(B, T, None), integer=True)[2]
     acc = acc_dtype(q_latent, q_pe)
     flat = indices.reshape(B, T * K)
-    c_kv = gather_positions(kv_latent_plane, block_table, flat).to(acc).view(B, T, K, 1, r)
-    k_pe = gather_positions(k_pe_plane, block_table, flat).to(acc).view(B, T, K, 1, dr)
+    slots = paged_slots(block_table, flat, kv_latent_plane.shape[1])  # one address computation, two planes
+    c_kv = gather_slots(kv_latent_plane, slots).to(acc).view(B, T, K, 1, r)
+    k_pe = gather_slots(k_pe_plane, slots).to(acc).view(B, T, K, 1, dr)
     q = torch.cat([q_latent.to(acc), q_pe.to(acc)], dim=-1)
     return attend(q, torch.cat([c_kv, k_pe], dim=-1), c_kv, indices >= 0, scale)
 
