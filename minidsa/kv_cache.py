@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .ops import paged_slots
+
 
 class OutOfKVBlocksError(ValueError, RuntimeError):
     """The cache has too few free blocks (or KDA state slots) for a request. Nothing was allocated;
@@ -277,11 +279,11 @@ class PagedKVCache:
         self.reserve({sid: s + num_tokens for sid, s in zip(seq_ids, starts)})
         positions = torch.tensor(starts).unsqueeze(1) + torch.arange(num_tokens)  # [B, T], host
         table = self.block_table_tensor(seq_ids, device="cpu")
-        slots = table.long().gather(1, positions // self.block_size) * self.block_size + positions % self.block_size
+        slots = paged_slots(table, positions, self.block_size)
         lens = torch.tensor([s + num_tokens for s in starts])
         # One upload for all metadata (a host-to-device copy per tensor would be one wait each).
         packed = torch.cat([positions.reshape(-1), slots.reshape(-1), table.reshape(-1).long(), lens,
-                            self.state_slots(seq_ids).cpu()]).to(device)
+                            self.state_slots(seq_ids)]).to(device)
         B, T = positions.shape
         sizes = [B * T, B * T, table.numel(), B, B]
         pos, slot_mapping, tab, context_lens, state_slots = packed.split(sizes)

@@ -12,7 +12,6 @@ self_attn.*``, ``language_model.lm_head.weight`` and so on.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ from .vision import MultimodalProjector, PreparedImage, VisionTower, preprocess
 # Parameters the real model keeps in fp32 whatever the compute dtype (norms, gates, decay, indexer weights).
 _FP32_SUFFIXES = ("norm.weight", "k_norm.bias", "weights_proj.weight", "res_proj.weight", "A_log", "dt_bias",
                   "conv1d.weight", "gate.weight", "e_score_correction_bias")
-_EXPERT_BUFFER = re.compile(r"^(.*\.block_sparse_moe)\.experts_(packed|scale)$")
+_EXPERT_BUFFERS = (".experts_packed", ".experts_scale")  # stacked; the checkpoint names them per expert
 
 
 class MiniDSA(nn.Module):
@@ -220,7 +219,7 @@ class MiniDSA(nn.Module):
     # ---------------------------------------------------------------- checkpoint and counts
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the checkpoint by its real name (stacked expert buffers split per expert; views)."""
-        out = {name: t for name, t in self.state_dict().items() if not _EXPERT_BUFFER.match(name)}
+        out = {name: t for name, t in self.state_dict().items() if not name.endswith(_EXPERT_BUFFERS)}
         for i, layer in enumerate(self.language_model.model.layers):
             if layer.is_moe:
                 prefix = f"language_model.model.layers.{i}.block_sparse_moe."

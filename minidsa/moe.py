@@ -71,15 +71,13 @@ class ExpertWorkspace:
     def nbytes(self) -> int:
         return self.elements.numel() * self.elements.element_size() + self.scales.numel()
 
-    def load(self, layer: "LatentMoE", experts: torch.Tensor, num_routed: torch.Tensor) -> None:
-        """Convert the packed weights of ``experts`` (ids [n], n <= capacity) into slots 0..n-1;
-        ``num_routed`` (a device scalar) of them are routed experts, the rest placeholders."""
+    def load(self, layer: "LatentMoE", experts: torch.Tensor) -> None:
+        """Convert the packed weights of ``experts`` (ids [n], n <= capacity) into slots 0..n-1."""
         n = experts.numel()
         elements, scales = mxfp4.to_fp8(layer.experts_packed.index_select(0, experts),
                                         layer.experts_scale.index_select(0, experts))
         self.elements[:n] = elements
         self.scales[:n] = scales
-        self.routed += num_routed
 
 
 class LatentMoE(nn.Module):
@@ -173,13 +171,13 @@ class LatentMoE(nn.Module):
         order = torch.sort((~routed).to(torch.int8), stable=True).indices
         return order[: min(ids.numel(), self.num_experts)], routed.sum()
 
-    def _weights(self, experts: torch.Tensor, num_routed: torch.Tensor, acc: torch.dtype) -> dict[str, torch.Tensor]:
+    def _weights(self, experts: torch.Tensor, acc: torch.dtype) -> dict[str, torch.Tensor]:
         """FP8 matrices of ``experts`` [m] (through the shared workspace, or the offline copies) -> [m, rows, K]."""
         if self.offline is not None:
             elements, scales = self.offline[0][experts], self.offline[1][experts]
         else:
             ws, m = self._workspace(), experts.numel()
-            ws.load(self, experts, num_routed)
+            ws.load(self, experts)
             elements, scales = ws.elements[:m], ws.scales[:m]
         return split_matrices(mxfp4.fp8_dequantize(elements, scales, acc), self.shapes, 1)
 
@@ -192,11 +190,13 @@ class LatentMoE(nn.Module):
         if self.lazy_source:  # experts still on disk: the host must decide which to read (not graph-capturable)
             self.materialize(torch.unique(ids))
         experts, num_routed = self.conversion_plan(ids)
+        if self.offline is None:
+            self._workspace().routed += num_routed  # the placeholders are not counted
         step = experts.numel() if self.offline is not None else self._workspace().capacity
         parts = []  # [m, N, latent] per round; summed once, so rounds change no rounding
         for start in range(0, experts.numel(), step):  # rounds only if the batch exceeds the workspace
             batch = experts[start: start + step]
-            w = self._weights(batch, num_routed if start == 0 else torch.zeros_like(num_routed), acc)
+            w = self._weights(batch, acc)
             gates = ((ids.unsqueeze(0) == batch.view(-1, 1, 1)) * weights).sum(-1)  # [m, N], 0 = not routed
             h = situ_glu(z @ w["w1"].mT, z @ w["w3"].mT, self.beta_gate, self.beta_up)  # [m, N, I]
             parts.append((h * gates.unsqueeze(-1)) @ w["w2"].mT)  # [m, N, latent]

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ._checks import acc_dtype, check_tensor
 from .attention import attend, sparse_attention_ref
-from .paging import gather_positions, gather_slots, paged_slots
+from .paging import gather_slots, paged_slots
 
 PREFILL_TILE = 64  # queries whose selected blocks are gathered together in prefill
 
@@ -111,8 +111,9 @@ def _prefill_tile(q, kv_latent_plane, k_pe_plane, table, tile, kv_b_weight, scal
     if blocks.numel() == 0:
         return q.new_zeros(q.shape[:3] + (kv_b_weight.shape[0] // H - (q.shape[-1] - dr),), dtype=acc_dtype(q))
     positions = (blocks.view(-1, 1) * bs + torch.arange(bs, device=q.device)).view(1, -1)  # whole blocks
-    latent = gather_positions(kv_latent_plane, table, positions)
-    k_pe = gather_positions(k_pe_plane, table, positions)
+    slots = paged_slots(table, positions, bs)  # one address computation, two planes
+    latent = gather_slots(kv_latent_plane, slots)
+    k_pe = gather_slots(k_pe_plane, slots)
     k, v = decompress_kv(latent, k_pe, kv_b_weight, H, q.shape[-1] - dr)
     rank = torch.full((int(blocks.max()) + 1,), -1, dtype=torch.long, device=q.device)
     rank[blocks] = torch.arange(blocks.numel(), device=q.device)
