@@ -134,8 +134,9 @@ class GatedMLA(nn.Module):
         acc = acc_dtype(proj["q"])
         w_uk, w_uv = self.absorbed_weights()
         q = proj["q"].to(acc)
-        q_latent = torch.einsum("bthn,hnr->bthr", q[..., : self.dn], w_uk.to(acc))  # [B, T, H, r]
+        # Per head: q_latent[h] = q_nope[h] @ W_UK[h] and o[h] = o_latent[h] @ W_UV[h]^T (batched over heads).
+        q_latent = (q[..., : self.dn].unsqueeze(-2) @ w_uk.to(acc)).squeeze(-2)  # [B, T, H, r]
         o_latent = ops.sparse_mla_decode(q_latent, q[..., self.dn:], ctx.cache.plane(self.cache_layer, "kv_latent"),
                                          ctx.cache.plane(self.cache_layer, "k_pe"), ctx.block_table, idx,
                                          self.softmax_scale)
-        return torch.einsum("bthr,hvr->bthv", o_latent, w_uv.to(acc))
+        return (o_latent.unsqueeze(-2) @ w_uv.to(acc).mT).squeeze(-2)  # [B, T, H, dv]

@@ -8,6 +8,7 @@ sum. With w = 0 every score is 0 and the mixer averages its sources.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ._checks import acc_dtype, check_tensor
 
@@ -30,7 +31,7 @@ def attn_res_mix_ref(sources: torch.Tensor, query: torch.Tensor, norm_weight: to
     check_tensor("norm_weight", norm_weight, shape=(D,), floating=True)
     acc = acc_dtype(sources, query, norm_weight)
     v = sources.to(acc)
-    normed = v * torch.rsqrt(v.pow(2).mean(dim=-1, keepdim=True) + eps) * norm_weight.to(acc)
+    normed = F.rms_norm(v, (D,), norm_weight.to(acc), eps)  # v / sqrt(mean(v^2) + eps) * gamma
     scores = normed @ query.to(acc)  # [N, ...]
     alpha = torch.softmax(scores, dim=0)
     out = (alpha.unsqueeze(-1) * v).sum(dim=0)

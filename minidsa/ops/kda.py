@@ -53,11 +53,13 @@ def kda_recurrent_ref(q, k, v, g, beta, scale=None, initial_state=None):
     q, k, v, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state)
     T = q.shape[1]
     o = torch.empty_like(v)
+    # Row vectors [B, HV, 1, K] times the state [B, HV, K, V]: plain batched matmuls.
+    q, k, v = q.unsqueeze(-2), k.unsqueeze(-2), v.unsqueeze(-2)
     for t in range(T):
         S = S * g[:, t].exp().unsqueeze(-1)  # decay each key channel
-        pred = torch.einsum("bhk,bhkv->bhv", k[:, t], S)  # what the state already returns for k_t
-        S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t].unsqueeze(-1) * k[:, t], v[:, t] - pred)
-        o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], S)
+        pred = k[:, t] @ S  # [B, HV, 1, V]: what the state already returns for k_t
+        S = S + (beta[:, t, :, None, None] * k[:, t]).transpose(-1, -2) @ (v[:, t] - pred)  # rank-1 write
+        o[:, t] = (q[:, t] @ S).squeeze(-2)
     return o.to(out_dtype), S
 
 
@@ -72,7 +74,7 @@ def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=6
       S = Diag(exp(G_C)) S0 + (exp(G_C - G) * K)^T V_new
     Every exponent is a difference G_i - G_j with j <= i, or G itself, so it is <= 0: no overflow.
     T need not be a multiple of chunk_size: the tail is padded with g = 0, beta = 0, k = v = 0,
-    steps that leave the state unchanged.
+    steps that leave the state unchanged. T < chunk_size runs as one chunk of T (C changes no result).
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
@@ -80,7 +82,7 @@ def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=6
     q, k, v, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    C = chunk_size
+    C = max(1, min(chunk_size, T))
     pad = (-T) % C
     if pad:
         q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
