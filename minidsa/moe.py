@@ -57,6 +57,9 @@ class ExpertWorkspace:
     elements: float8_e4m3fn [capacity, 3, I*latent]; scales: uint8 [capacity, 3, I*latent/32] (w1, w3, w2).
     ``routed`` int64 [2] counts routed experts converted: since the last reset, and in the current
     forward. It stays on the device (no host sync per layer) and is read only by ``expert_stats``.
+    ``values`` is the torch reference's fp32 copy of the slots it computes from (a kernel reads the FP8
+    elements directly): allocated on first use and reused by every layer, so decoding does not
+    allocate and fault in 4 bytes per converted element in each layer.
     """
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str) -> None:
@@ -66,6 +69,7 @@ class ExpertWorkspace:
             self.elements = torch.empty(self.capacity, 3, n, dtype=torch.float8_e4m3fn, device=device)
             self.scales = torch.empty(self.capacity, 3, n // mxfp4.GROUP, dtype=torch.uint8, device=device)
             self.routed = torch.zeros(2, dtype=torch.long, device=device)
+        self.values: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -74,10 +78,18 @@ class ExpertWorkspace:
     def load(self, layer: "LatentMoE", experts: torch.Tensor) -> None:
         """Convert the packed weights of ``experts`` (ids [n], n <= capacity) into slots 0..n-1."""
         n = experts.numel()
-        elements, scales = mxfp4.to_fp8(layer.experts_packed.index_select(0, experts),
-                                        layer.experts_scale.index_select(0, experts))
-        self.elements[:n] = elements
-        self.scales[:n] = scales
+        mxfp4.to_fp8(layer.experts_packed.index_select(0, experts), layer.experts_scale.index_select(0, experts),
+                     out=self.elements[:n])
+        torch.index_select(layer.experts_scale, 0, experts, out=self.scales[:n])
+
+    def dequantized(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """Slots 0..n-1 as values [n, 3, I*latent] in ``dtype`` (fp32 ones live in the reused ``values``)."""
+        if dtype != torch.float32:
+            return mxfp4.fp8_dequantize(self.elements[:n], self.scales[:n], dtype)
+        if self.values is None or self.values.device != self.elements.device:
+            with torch.inference_mode(False):
+                self.values = torch.empty(self.elements.shape, dtype=torch.float32, device=self.elements.device)
+        return mxfp4.fp8_dequantize(self.elements[:n], self.scales[:n], dtype, out=self.values[:n])
 
 
 class LatentMoE(nn.Module):
@@ -174,12 +186,12 @@ class LatentMoE(nn.Module):
     def _weights(self, experts: torch.Tensor, acc: torch.dtype) -> dict[str, torch.Tensor]:
         """FP8 matrices of ``experts`` [m] (through the shared workspace, or the offline copies) -> [m, rows, K]."""
         if self.offline is not None:
-            elements, scales = self.offline[0][experts], self.offline[1][experts]
+            values = mxfp4.fp8_dequantize(self.offline[0][experts], self.offline[1][experts], acc)
         else:
-            ws, m = self._workspace(), experts.numel()
+            ws = self._workspace()
             ws.load(self, experts)
-            elements, scales = ws.elements[:m], ws.scales[:m]
-        return split_matrices(mxfp4.fp8_dequantize(elements, scales, acc), self.shapes, 1)
+            values = ws.dequantized(experts.numel(), acc)
+        return split_matrices(values, self.shapes, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
