@@ -1,7 +1,13 @@
 import dataclasses
+import os
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter (numpy, on the CPU). The switch must be
+# set before triton is first imported; a GPU machine compiles them for real unless told otherwise.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import minidsa
 
@@ -30,3 +36,8 @@ def tiny_model64() -> minidsa.MiniDSA:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def kernel_device() -> str:
+    """Where kernel parity tests run: the GPU when there is one, else the interpreter on the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
