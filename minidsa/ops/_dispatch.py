@@ -21,8 +21,10 @@ from typing import Callable, Iterator
 BACKENDS = ("torch", "triton", "auto")
 
 # op name -> (module, function) of the Triton kernel that implements it, with the reference's signature.
-# Empty until the kernel issues land; each entry is checked against its reference by a test.
-TRITON_KERNELS: dict[str, tuple[str, str]] = {}
+# Each entry is checked against its reference by a test (tests/test_paged_ops.py).
+TRITON_KERNELS: dict[str, tuple[str, str]] = {
+    "store_kv": ("minidsa.ops.kv_store_triton", "store_kv"),
+}
 
 _default = "auto"
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar("minidsa_backend", default=None)
