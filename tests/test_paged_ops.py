@@ -199,6 +199,21 @@ def test_bad_backend_names_are_rejected(monkeypatch):
         ops.store_kv(torch.zeros(1, 2, 3), torch.tensor([0]), torch.ones(1, 3), backend="triton")
 
 
+def test_model_wide_triton_falls_back_per_op_triton_is_strict(monkeypatch):
+    """'triton' in force (model.set_backend) runs the references of ops without a kernel; asked of one op
+    it is strict. The reference then really runs: its result equals the torch backend's."""
+    monkeypatch.delitem(_dispatch.TRITON_KERNELS, "kda_recurrent", raising=False)
+    monkeypatch.setattr(_dispatch, "triton_available", lambda: True)
+    q, k = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4)
+    v, g, beta = torch.randn(1, 2, 1, 3), -torch.rand(1, 2, 1, 4), torch.rand(1, 2, 1)
+    with ops.use_backend("triton"):
+        got = ops.kda_recurrent(q, k, v, g, beta)
+        with pytest.raises(ValueError, match="kda_recurrent has no Triton kernel"):
+            ops.kda_recurrent(q, k, v, g, beta, backend="triton")
+    want = ops.kda_recurrent(q, k, v, g, beta, backend="torch")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def _params_from_ast(args: ast.arguments):
     kinds = inspect.Parameter
     positional = [(a, kinds.POSITIONAL_ONLY) for a in args.posonlyargs] + \

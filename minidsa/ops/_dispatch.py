@@ -7,7 +7,9 @@ modules are imported the first time they are picked, so importing minidsa never 
 
 The backend in force comes from ``use_backend(...)`` (a context manager; ``model.set_backend``
 enters it around every forward) or ``set_backend(...)`` (process-wide default), unless an op call
-passes ``backend=`` itself. See docs/design.md §12.
+passes ``backend=`` itself. ``backend="triton"`` passed to one op is strict (an op without a kernel
+raises); "triton" in force for a whole model runs every registered kernel and the references of the
+ops that have none yet. See docs/design.md §12.
 """
 
 from __future__ import annotations
@@ -72,12 +74,15 @@ def load_kernel(op: str) -> Callable:
 
 def pick(op: str, backend: str | None, reference: Callable, *tensors) -> Callable:
     """The implementation of ``op`` for ``backend`` (None: the current one); ValueError names the fix."""
+    explicit = backend is not None
     backend = check_backend(current_backend() if backend is None else backend, f"backend for {op}")
     if backend == "torch":
         return reference
     registered = op in TRITON_KERNELS
     if backend == "triton":
         if not registered:
+            if not explicit:  # a model-wide "triton": every kernel there is, references for the rest
+                return reference
             raise ValueError(f"{op} has no Triton kernel yet; use backend='torch' or 'auto'")
         if not triton_available():
             raise ValueError(f"backend='triton' for {op} but triton is not installed; "
