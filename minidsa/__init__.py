@@ -9,7 +9,7 @@ The design document, mechanism by mechanism: docs/design.md in the repository.
 """
 
 from . import mxfp4, ops
-from .checkpoint import build_model, count_parameters, default_model, load
+from .checkpoint import build_model, checkpoint_manifest, count_parameters, default_model, load
 from .config import ModelConfig, load_config, preset_names
 from .generate import GenerationStream, generate
 from .kv_cache import CacheContext, CacheLayout, OutOfKVBlocksError, PagedKVCache, Plane
@@ -17,6 +17,7 @@ from .model import MiniDSA
 from .sampling import sample_next_token
 from .tokenizer import ByteTokenizer
 from .trace import ForwardTrace, GenerationTrace
+from .validator import CheckReport, Finding, check_checkpoint
 
 __version__ = "0.1.0"
 
@@ -24,4 +25,5 @@ __all__ = [
     "ops", "mxfp4", "ModelConfig", "load_config", "preset_names", "generate", "load", "default_model",
     "GenerationStream", "GenerationTrace", "CacheContext", "CacheLayout", "OutOfKVBlocksError", "PagedKVCache",
     "Plane", "MiniDSA", "ForwardTrace", "build_model", "count_parameters", "ByteTokenizer", "sample_next_token",
+    "checkpoint_manifest", "check_checkpoint", "CheckReport", "Finding",
 ]

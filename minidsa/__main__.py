@@ -1,4 +1,5 @@
-"""Command line: ``python -m minidsa generate "prompt" [--config laptop] ...`` and ``python -m minidsa params NAME``."""
+"""Command line: ``python -m minidsa generate "prompt" [--config laptop] ...``, ``python -m minidsa params NAME``
+and ``python -m minidsa check-checkpoint DIR [--config NAME]``."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import time
 
 from .checkpoint import count_parameters, load
 from .generate import generate
+from .validator import check_checkpoint
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minidsa", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="continue a prompt with the (seeded, untrained) model")
@@ -29,16 +31,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="always generate --max-new-tokens (the untrained model samples eos at random)")
     c = sub.add_parser("params", help="count total and active parameters of a config (meta device, no memory)")
     c.add_argument("config", help="preset name, config JSON path or checkpoint directory")
-    args = parser.parse_args(argv)
+    k = sub.add_parser("check-checkpoint", help="check a checkpoint's names, shapes and dtypes from its headers alone")
+    k.add_argument("directory", help="checkpoint directory (config.json, index JSON, shards)")
+    k.add_argument("--config", default=None, help="preset name or config JSON to check against "
+                                                   "(default: the directory's config.json)")
+    k.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.command == "params":
+        return _params(args.config)
+    if args.command == "check-checkpoint":
         try:
-            counts = count_parameters(args.config)
+            report = check_checkpoint(args.directory, args.config, progress=not args.no_progress)
         except (ValueError, TypeError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        print(f"{args.config}: {counts['total']:,} parameters in total, {counts['active']:,} active per token "
-              f"({counts['total'] / 1e9:.2f} B / {counts['active'] / 1e9:.2f} B)")
-        return 0
+        print(report)
+        return 0 if report.ok else 1
 
     try:
         model = load(args.config)
@@ -56,6 +68,18 @@ def main(argv: list[str] | None = None) -> int:
     print("".join(pieces))
     print(f"[{args.config}] {n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s "
           f"(time includes the prefill of {len(model.tokenizer.encode(args.prompt))} prompt tokens)", file=sys.stderr)
+    return 0
+
+
+def _params(config: str) -> int:
+    try:
+        counts = count_parameters(config)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{config}: {counts['total']:,} parameters in total, {counts['active']:,} active per token "
+          f"({counts['total'] / 1e9:.2f} B / {counts['active'] / 1e9:.2f} B; "
+          f"{counts['active_with_embedding_and_vision'] / 1e9:.2f} B counting the input embedding and vision path)")
     return 0
 
 

@@ -22,7 +22,9 @@ from tqdm.auto import tqdm
 
 from . import shards
 from .config import load_config
+from .dtypes import SAFETENSORS_NAMES, disk_dtype
 from .model import MiniDSA
+from .moe import expert_shapes
 
 _EXPERT_TENSOR = re.compile(r"^(.*\.block_sparse_moe)\.experts\.(\d+)\.(w[123])\.(weight_packed|weight_scale)$")
 _DEFAULT_MODELS: dict[str, MiniDSA] = {}
@@ -45,10 +47,32 @@ def build_model(name_or_config="tiny", *, device: torch.device | str = "cpu") ->
     return MiniDSA(load_config(name_or_config), device=device)
 
 
+def checkpoint_manifest(name_or_config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor ``save_pretrained`` writes for a config: {name: (shape, on-disk dtype)}, the dtype in
+    safetensors spelling ("BF16", "F32", "U8"). Built on the meta device, so it works for "k3.1-pro"."""
+    cfg = load_config(name_or_config)
+    model = MiniDSA(cfg, device="meta", init=False)
+    return {name: (tuple(t.shape), SAFETENSORS_NAMES[disk_dtype(name, t, cfg.torch_dtype)])
+            for name, t in model.checkpoint_tensors().items()}
+
+
 def count_parameters(name_or_config) -> dict[str, int]:
-    """Total and per-token active parameters of any config, built on the meta device (no memory)."""
-    model = MiniDSA(load_config(name_or_config), device="meta")
-    return {"total": model.num_parameters(), "active": model.num_active_parameters()}
+    """Parameters of any config, built on the meta device (no memory); docs/design.md §0.
+
+    total: every weight, a packed MXFP4 expert element counted once (its scales are not parameters).
+    active: what one token's decoder computation touches, i.e. all but the routed experts it is not
+    routed to, leaving out the input embedding (a row lookup) and the vision tower and projector (the
+    model card's definition). active_with_embedding_and_vision: the same plus those.
+    """
+    cfg = load_config(name_or_config)
+    model = MiniDSA(cfg, device="meta", init=False)
+    moe = model.moe_layers()
+    total = sum(p.numel() for p in model.parameters()) + sum(m.experts_packed.numel() * 2 for m in moe)
+    per_expert = sum(rows * k for rows, k in expert_shapes(cfg).values())
+    active_all = total - len(moe) * (cfg.moe.num_experts - cfg.moe.top_k) * per_expert
+    outside = [model.language_model.model.embed_tokens, model.vision_tower, model.mm_projector]
+    left_out = sum(p.numel() for module in outside for p in module.parameters())
+    return {"total": total, "active": active_all - left_out, "active_with_embedding_and_vision": active_all}
 
 
 def default_model() -> MiniDSA:
@@ -71,12 +95,14 @@ def load_pretrained(directory: str | os.PathLike, *, device: torch.device | str 
     weight_map = shards.read_index(directory)
     model = MiniDSA(cfg, device="meta", init=False).to_empty(device=device)
     expected = model.checkpoint_tensors()  # views into the model's own storage: copying fills the model
+    dtypes = {name: disk_dtype(name, t, cfg.torch_dtype) for name, t in expected.items()}
     by_shard = _check_names(directory, weight_map, expected)
     moe_of = {f"language_model.model.layers.{i}.block_sparse_moe": layer.block_sparse_moe
               for i, layer in enumerate(model.language_model.model.layers) if layer.is_moe}
     with tqdm(total=len(weight_map), unit="tensor", desc="loading", disable=not progress, leave=False) as bar:
         for fname in sorted(by_shard):
-            _load_shard(directory / fname, by_shard[fname], expected, moe_of if lazy_experts else None, bar)
+            _load_shard(directory / fname, by_shard[fname], expected, dtypes, moe_of if lazy_experts else None, bar)
+    _check_a_log_padding(expected, cfg.kda.num_heads)
     for moe in moe_of.values():
         moe.resident[:] = not moe.lazy_source
     if cfg.moe.offline_experts:
@@ -102,7 +128,16 @@ def _check_names(directory: Path, weight_map: dict[str, str], expected: dict) ->
     return by_shard
 
 
-def _load_shard(path: Path, names: list[str], expected: dict, lazy_moe: dict | None, bar) -> None:
+def _check_a_log_padding(expected: dict[str, torch.Tensor], num_heads: int) -> None:
+    """The model reads the first num_heads entries of each KDA ``A_log``; the rest must be the release's
+    zero padding. A non-zero tail means the checkpoint's layout is not the one assumed here."""
+    for name, t in expected.items():
+        if name.endswith(".A_log") and bool((t[num_heads:] != 0).any()):
+            raise ValueError(f"tensor {name} has non-zero entries after its first {num_heads} (kda.num_heads); "
+                             f"A_log is expected to be zero-padded to {t.shape[0]}")
+
+
+def _load_shard(path: Path, names: list[str], expected: dict, dtypes: dict, lazy_moe: dict | None, bar) -> None:
     """Copy (or, for lazy experts, check the header of and register a reader for) each tensor of one shard."""
     with shards.open_shard(path) as f:
         present = set(f.keys())
@@ -114,9 +149,10 @@ def _load_shard(path: Path, names: list[str], expected: dict, lazy_moe: dict | N
             expert = _EXPERT_TENSOR.match(name) if lazy_moe is not None else None
             if expert is not None:  # header now, data on first use
                 sl = f.get_slice(name)
-                shards.check_header(name, sl.get_shape(), sl.get_dtype(), target)
+                shards.check_header(name, sl.get_shape(), sl.get_dtype(), target.shape, dtypes[name])
                 prefix, e, w, kind = expert.groups()
-                lazy_moe[prefix].lazy_source[(int(e), w, kind)] = shards.tensor_reader(path, name, target)
+                lazy_moe[prefix].lazy_source[(int(e), w, kind)] = shards.tensor_reader(path, name, target,
+                                                                                         dtypes[name])
             else:
-                shards.store(name, path.name, lambda: f.get_tensor(name), target)
+                shards.store(name, path.name, lambda: f.get_tensor(name), target, dtypes[name])
             bar.update(1)

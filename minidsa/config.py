@@ -52,6 +52,7 @@ class KDAConfig:
     decay_lower_bound: float = -5.0  # log-decay floor: alpha in (e^lb, 1)
     decay_rank: int = 16  # low-rank width of the decay projection (W_fa d->rank, W_fb rank->H*K)
     chunk_size: int = 64  # prefill chunk length of the WY/UT chunked form
+    a_log_size: int = 128  # length of the A_log tensor: the release pads its num_heads entries with zeros to 128
 
 
 @dataclass
@@ -186,7 +187,10 @@ class ModelConfig:
         if self.indexer.hadamard and not self.indexer.fp8:
             raise ValueError("indexer.hadamard = true needs indexer.fp8 = true (the rotation exists to spread "
                              "outliers before fp8 quantisation)")
-        _positive(self.kda, "kda.", ["num_heads", "head_dim", "conv_size", "decay_rank", "chunk_size"])
+        _positive(self.kda, "kda.", ["num_heads", "head_dim", "conv_size", "decay_rank", "chunk_size", "a_log_size"])
+        if self.kda.a_log_size < self.kda.num_heads:
+            raise ValueError(f"kda.a_log_size = {self.kda.a_log_size} must be >= kda.num_heads = {self.kda.num_heads} "
+                             f"(A_log holds one entry per head, padded with zeros)")
         if not self.kda.decay_lower_bound < 0:
             raise ValueError(f"kda.decay_lower_bound = {self.kda.decay_lower_bound} must be < 0")
         _positive(self.moe, "moe.", ["num_experts", "top_k", "latent_size", "expert_intermediate_size",
@@ -207,8 +211,8 @@ class ModelConfig:
                                            "intermediate_size", "merge_size", "projector_hidden_size",
                                            "max_patches", "position_grid"])
         if self.vision.head_dim % 4:
-            raise ValueError(f"vision.head_dim = {self.vision.head_dim} must be a multiple of 4 (2-D RoPE rotates "
-                             f"pairs within a row half and a column half)")
+            raise ValueError(f"vision.head_dim = {self.vision.head_dim} must be a multiple of 4 (2-D RoPE turns "
+                             f"channel pairs alternately by patch column and row, at hd/4 frequencies)")
         if self.vision.max_patches < self.vision.merge_size ** 2:
             raise ValueError(f"vision.max_patches = {self.vision.max_patches} must hold at least one "
                              f"{self.vision.merge_size} x {self.vision.merge_size} group of patches")

@@ -89,8 +89,9 @@ class TextDecoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rank = {i: r for r, i in enumerate(cfg.mla_layers)} | {i: r for r, i in enumerate(cfg.kda_layers)}
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rank[i], workspace) for i in range(cfg.num_layers))
-        self.output_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # the output mixer
-        self.output_res_proj = nn.Linear(cfg.hidden_size, 1, bias=False)
+        # the output mixer, named as in the checkpoint
+        self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.output_attn_res_proj = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.compute_dtype = cfg.torch_dtype
 
@@ -114,7 +115,7 @@ class TextDecoder(nn.Module):
                 partial = partial + layer.attention(h, ctx, trace).to(acc)
             h = layer.mix_ffn(blocks + [partial], trace)
             partial = partial + layer.feed_forward(h).to(acc)
-        out = mix_sources(blocks + [partial], self.output_res_norm, self.output_res_proj, "out", trace)
+        out = mix_sources(blocks + [partial], self.output_attn_res_norm, self.output_attn_res_proj, "out", trace)
         return self.norm(out.to(self.compute_dtype))
 
 
@@ -149,7 +150,7 @@ class TextDecoder(nn.Module):
                 partial = partial + layer.attention(h, ctx, trace).to(acc)
             h = merge(2 * j + 1, partial, layer.mlp_res_norm, layer.mlp_res_proj, f"{l}.ffn")
             partial = partial + layer.feed_forward(h).to(acc)
-        out = mix_sources(blocks + [partial], self.output_res_norm, self.output_res_proj, "out", trace)
+        out = mix_sources(blocks + [partial], self.output_attn_res_norm, self.output_attn_res_proj, "out", trace)
         return self.norm(out.to(self.compute_dtype))
 
     def _block_scores(self, stacked: torch.Tensor, group) -> torch.Tensor:

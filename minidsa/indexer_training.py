@@ -1,11 +1,15 @@
 """Training signal of the DSA lightning indexer (docs/design.md §2).
 
 The indexer learns to predict where the main attention looks: the target p[t, :] is the main
-attention's probabilities summed over heads and L1-normalised; the loss is KL(p || softmax(I[t, :])).
+attention's probabilities (each head's softmax) summed over heads and L1-normalised; the loss is
+KL(p || softmax(I[t, :])).
 
 * Warm-up stage: attention is dense (all causal keys) and only the indexer learns.
 * Sparse stage: the KL is taken over the selected keys only, and the indexer's input is detached, so
-  the indexer learns from this loss alone while the rest of the model learns from the LM loss.
+  the indexer learns from this loss alone while the rest of the model learns from the LM loss. The
+  target is the main attention's own distribution over the selected keys: each head's softmax over
+  those keys alone, then summed and normalised (Megatron's compute_dsa_indexer_loss), not the dense
+  distribution cut down to them, which would weight the heads differently.
 
     loss = indexer_kl_loss(model, input_ids, stage="warmup")
     loss.backward()   # gradients reach only the indexer parameters
@@ -18,6 +22,7 @@ import torch
 from . import ops
 from .mla import GatedMLA
 from .model import MiniDSA
+from .ops import acc_dtype
 
 
 def _capture_mla_inputs(model: MiniDSA, input_ids: torch.Tensor, dense: bool) -> dict[GatedMLA, torch.Tensor]:
@@ -41,28 +46,38 @@ def _capture_mla_inputs(model: MiniDSA, input_ids: torch.Tensor, dense: bool) ->
     return seen
 
 
+def attention_target(mla: GatedMLA, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The KL target p [B, T, S]: the main attention's own distribution over the kept keys (``keep`` bool
+    [B, T, S]: causal, and in the sparse stage also selected), i.e. each head's softmax over those keys,
+    summed over heads and L1-normalised, as Megatron's compute_dsa_indexer_loss builds it."""
+    with torch.no_grad():
+        p = mla._project(x)
+        k, _ = mla.decompress(p["kv_latent"], p["k_pe"])
+        acc = acc_dtype(p["q"])  # fp32 math, fp64 kept
+        s = torch.einsum("bthd,bshd->bhts", p["q"].to(acc), k.to(acc)) * mla.softmax_scale
+        probs = torch.softmax(s.masked_fill(~keep.unsqueeze(1), float("-inf")), dim=-1).sum(1)
+        return probs / probs.sum(-1, keepdim=True)
+
+
 def layer_kl(mla: GatedMLA, x: torch.Tensor, stage: str = "warmup") -> torch.Tensor:
-    """KL(p || softmax(I)) of one MLA layer, averaged over queries. x [B, T, d] is the layer's input."""
+    """KL(p || softmax(I)) of one MLA layer, averaged over queries. x [B, T, d] is the layer's input.
+
+    Warm-up: over all causal keys. Sparse: over each query's selected keys only, the indexer's input
+    detached; the target is then the attention restricted to those keys (``attention_target``).
+    """
     if stage not in ("warmup", "sparse"):
         raise ValueError(f"stage={stage!r}; use 'warmup' or 'sparse'")
     B, T, _ = x.shape
-    causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-    with torch.no_grad():  # the target: the main attention over all causal keys, summed over heads
-        p = mla._project(x)
-        k, _ = mla.decompress(p["kv_latent"], p["k_pe"])
-        s = torch.einsum("bthd,bshd->bhts", p["q"].float(), k.float()) * mla.softmax_scale
-        probs = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1).sum(1)  # [B, T, S]
     xi = x.detach() if stage == "sparse" else x  # sparse stage: the indexer's input is detached
     c_q = mla.q_a_layernorm(mla.q_a_proj(xi)).detach()
     q_idx, w_idx = mla.indexer.queries(c_q, xi)
     k_idx = mla.indexer.dequant_keys(mla.indexer.keys(xi))
     scores = ops.index_scores(q_idx, k_idx, w_idx, mla.indexer.softmax_scale, backend="torch")  # [B, T, S]
-    keep = causal.expand(B, T, T)
+    keep = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(B, T, T)
     if stage == "sparse":
         sel = ops.topk_indices(scores.detach(), mla.indexer.topk, torch.arange(T, device=x.device).expand(B, T))
         keep = keep & ops.indices_to_mask(sel, T)
-    target = torch.where(keep, probs, torch.zeros_like(probs))
-    target = target / target.sum(-1, keepdim=True)  # L1-normalised over the kept keys
+    target = attention_target(mla, x, keep)
     log_q = torch.log_softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
     kl = torch.where(keep & (target > 0), target * (torch.log(target.clamp_min(1e-30)) - log_q), torch.zeros_like(log_q))
     return kl.sum(-1).mean()

@@ -1,7 +1,7 @@
 """The Kimi Delta Attention layer of K3 (docs/design.md §5).
 
     q, k, v = SiLU(causal depthwise conv4(W_{q,k,v} x))   q, k L2-normalised per head
-    g       = lb * sigmoid(exp(A_log[h]) * (W_fb W_fa x + dt_bias))   log-decay in (lb, 0), lb = -5
+    g       = lb * sigmoid(exp(A_log[h]) * (W_fb W_fa x + dt_bias))   log-decay in (lb, 0), lb = -5, h < H
     beta    = sigmoid(W_b x)                                           one per head
     o       = KDA(q, k, v, g, beta)    recurrent state [H, K, V] in fp32, no KV cache
     y       = W_o [ RMSNorm_per_head(o) * sigmoid(W_g x) ]
@@ -59,7 +59,9 @@ class KimiDeltaAttention(nn.Module):
         self.v_conv1d = nn.Conv1d(HK, HK, kc.conv_size, groups=HK, bias=False)
         self.f_a_proj = nn.Linear(d, kc.decay_rank, bias=False)
         self.f_b_proj = nn.Linear(kc.decay_rank, HK, bias=False)
-        self.A_log = nn.Parameter(torch.zeros(kc.num_heads))
+        # Stored as the release stores it, [a_log_size] with zeros after the first num_heads entries;
+        # only those first entries are read (docs/design.md §9).
+        self.A_log = nn.Parameter(torch.zeros(kc.a_log_size))
         self.dt_bias = nn.Parameter(torch.zeros(HK))
         self.b_proj = nn.Linear(d, kc.num_heads, bias=False)
         self.g_proj = nn.Linear(d, HK, bias=False)
@@ -92,7 +94,7 @@ class KimiDeltaAttention(nn.Module):
         q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + L2_EPS)
         k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + L2_EPS)
         z = self.f_b_proj(self.f_a_proj(x)).to(acc) + self.dt_bias.to(acc)
-        g = self.lower_bound * torch.sigmoid(self.A_log.to(acc).exp().repeat_interleave(K) * z)
+        g = self.lower_bound * torch.sigmoid(self.A_log[:H].to(acc).exp().repeat_interleave(K) * z)
         g = g.view(B, T, H, K)
         beta = torch.sigmoid(self.b_proj(x).to(acc))
         if T == 1:  # decode: the recurrence, one step (chosen at run time from the query count)

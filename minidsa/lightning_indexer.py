@@ -21,9 +21,6 @@ from .kv_cache import CacheContext, Plane
 from .ops import acc_dtype
 from .quant import dequantize_fp8, hadamard, quantize_fp8_pow2
 
-LAYERNORM_EPS = 1e-6  # the indexer's k_norm is a LayerNorm with bias (DeepSeek-V3.2 uses eps 1e-6)
-
-
 class LightningIndexer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -32,7 +29,8 @@ class LightningIndexer(nn.Module):
         self.fp8, self.use_hadamard = ic.fp8, ic.hadamard
         self.wq_b = nn.Linear(cfg.mla.q_lora_rank, ic.num_heads * ic.head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, ic.head_dim, bias=False)
-        self.k_norm = nn.LayerNorm(ic.head_dim, eps=LAYERNORM_EPS)
+        # LayerNorm with bias; its eps is the model's rms_norm_eps (1e-5 in K3.1), not DeepSeek-V3.2's 1e-6
+        self.k_norm = nn.LayerNorm(ic.head_dim, eps=cfg.rms_norm_eps)
         self.weights_proj = nn.Linear(cfg.hidden_size, ic.num_heads, bias=False)
         self.softmax_scale = ic.head_dim ** -0.5
 

@@ -1,5 +1,5 @@
 """The whole model: embeddings (text and images) -> decoder (decoder.py) -> lm_head, with or without a
-paged KV cache; also its initialisation, dtypes, expert workspace, backend and parameter counts.
+paged KV cache; also its initialisation, dtypes, expert workspace and backend.
 
 ``model(input_ids)`` with no cache is the plain reference: one full forward over fixed tokens.
 ``model(input_ids, cache=..., seq_ids=...)`` appends the tokens to cached sequences; it runs the
@@ -20,18 +20,16 @@ from torch import nn
 from . import ops, shards
 from .config import ModelConfig, load_config
 from .decoder import LanguageModel
+from .dtypes import disk_dtype, memory_dtype
 from .initialization import init_weights
 from .kv_cache import CacheContext, CacheLayout, PagedKVCache
-from .moe import ExpertWorkspace, LatentMoE, expert_shapes, expert_stats
+from .moe import ExpertWorkspace, LatentMoE, expert_stats
 from .ops import acc_dtype
 from .ops._checks import on_host
 from .tokenizer import ByteTokenizer
 from .trace import ForwardTrace
 from .vision import MultimodalProjector, PreparedImage, VisionTower, preprocess
 
-# Parameters the real model keeps in fp32 whatever the compute dtype (norms, gates, decay, indexer weights).
-_FP32_SUFFIXES = ("norm.weight", "k_norm.bias", "weights_proj.weight", "res_proj.weight", "A_log", "dt_bias",
-                  "conv1d.weight", "gate.weight", "e_score_correction_bias")
 _EXPERT_BUFFERS = (".experts_packed", ".experts_scale")  # stacked; the checkpoint names them per expert
 
 
@@ -56,9 +54,9 @@ class MiniDSA(nn.Module):
         self._workspace: ExpertWorkspace | None = None
         if str(device) != "meta" and init:
             init_weights(self, self.config)
-        for name, p in self.named_parameters():
-            keep = cfg.torch_dtype != torch.float64 and name.endswith(_FP32_SUFFIXES)
-            p.data = p.data.to(torch.float32 if keep else cfg.torch_dtype)
+        for name, p in self.named_parameters():  # an fp32 copy of a BF16-on-disk weight holds bf16 values, so
+            stored = disk_dtype(name, p, cfg.torch_dtype)  # save -> load is exact (docs/design.md §9)
+            p.data = p.data.to(stored).to(memory_dtype(name, cfg.torch_dtype))
         if cfg.moe.offline_experts and init and str(device) != "meta":
             self.set_expert_mode("offline")
 
@@ -216,7 +214,7 @@ class MiniDSA(nn.Module):
         h[slots] = feats.to(h.dtype)
         return h
 
-    # ---------------------------------------------------------------- checkpoint and counts
+    # ---------------------------------------------------------------- checkpoint
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the checkpoint by its real name (stacked expert buffers split per expert; views)."""
         out = {name: t for name, t in self.state_dict().items() if not name.endswith(_EXPERT_BUFFERS)}
@@ -231,18 +229,8 @@ class MiniDSA(nn.Module):
         self.materialize_experts()  # a lazily loaded model reads its remaining experts first
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        shards.write_shards(self.checkpoint_tensors(), directory, max_shard_size)
+        dtype = self.config.torch_dtype  # each tensor in its on-disk dtype (router and norms: the model's)
+        shards.write_shards({n: t.to(disk_dtype(n, t, dtype)) for n, t in self.checkpoint_tensors().items()},
+                            directory, max_shard_size)
         self.config.to_json(directory / "config.json")
         return directory
-
-    def num_parameters(self) -> int:
-        """Weights, counting each packed MXFP4 expert element once (scales are not parameters)."""
-        experts = sum(t.numel() * 2 for m in self.moe_layers() for t in m.packed.values())
-        return sum(p.numel() for p in self.parameters()) + experts
-
-    def num_active_parameters(self) -> int:
-        """Weights one token touches: all but the routed experts it was not routed to."""
-        m = self.config.moe
-        per_expert = sum(r * k for r, k in expert_shapes(self.config).values())
-        return self.num_parameters() - len(self.moe_layers()) * (m.num_experts - m.top_k) * per_expert
-

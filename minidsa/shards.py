@@ -18,9 +18,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .dtypes import SAFETENSORS_NAMES
+
 INDEX_NAME = "model.safetensors.index.json"
-SAFETENSORS_DTYPES = {torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.float32: "F32",
-                      torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16"}
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
+ITEM_BYTES = {"U8": 1, "I8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+              "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
 def parse_size(size) -> int:
@@ -78,32 +81,53 @@ def open_shard(path: Path):
         raise ValueError(f"cannot read shard {path.name}: {e} (truncated or corrupt file?)") from None
 
 
-def check_header(name: str, shape, dtype, target: torch.Tensor) -> None:
-    """The stored shape and dtype of tensor ``name`` must be those of ``target``."""
-    if tuple(shape) != tuple(target.shape):
-        raise ValueError(f"tensor {name} has shape {tuple(shape)}, expected {tuple(target.shape)}")
-    if dtype != target.dtype and dtype != SAFETENSORS_DTYPES.get(target.dtype):
-        raise ValueError(f"tensor {name} has dtype {dtype}, expected {target.dtype}")
+def read_header(path: Path) -> tuple[dict[str, dict], int]:
+    """The JSON header of a safetensors file and the byte length of its data section, reading only the
+    first 8 + n bytes (n: the little-endian u64 length prefix) -> ({name: {"dtype", "shape",
+    "data_offsets"}}, data bytes present). Raises ValueError naming the file if the header is unreadable."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"{path.name}: no valid safetensors header (length prefix {n}, file of {size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path.name}: the safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path.name}: the safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    return header, size - 8 - n
 
 
-def store(name: str, fname: str, read: Callable[[], torch.Tensor], target: torch.Tensor) -> None:
-    """t = read(); check its shape, dtype and (for E8M0 scales) NaN codes; copy it into ``target``."""
+def check_header(name: str, shape, dtype, expected_shape, expected_dtype: torch.dtype) -> None:
+    """The stored shape and dtype (torch or safetensors spelling) of tensor ``name`` must be the expected ones."""
+    if tuple(shape) != tuple(expected_shape):
+        raise ValueError(f"tensor {name} has shape {tuple(shape)}, expected {tuple(expected_shape)}")
+    if dtype != expected_dtype and dtype != SAFETENSORS_NAMES.get(expected_dtype):
+        raise ValueError(f"tensor {name} has dtype {dtype}, expected {expected_dtype}")
+
+
+def store(name: str, fname: str, read: Callable[[], torch.Tensor], target: torch.Tensor, dtype: torch.dtype) -> None:
+    """t = read(); check its shape, its dtype (the on-disk ``dtype``) and (for E8M0 scales) NaN codes;
+    copy it into ``target`` (exact: ``target`` is at least as wide as ``dtype``)."""
     try:
         t = read()
     except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
         raise ValueError(f"cannot read tensor {name} from {fname}: {e} (truncated or corrupt file?)") from None
-    check_header(name, t.shape, t.dtype, target)
+    check_header(name, t.shape, t.dtype, target.shape, dtype)
     if name.endswith(".weight_scale") and bool((t == 0xFF).any()):
         raise ValueError(f"tensor {name} holds the E8M0 NaN code 0xFF; the checkpoint is corrupt")
     with torch.no_grad():
         target.copy_(t)
 
 
-def tensor_reader(path: Path, name: str, target: torch.Tensor) -> Callable[[], None]:
+def tensor_reader(path: Path, name: str, target: torch.Tensor, dtype: torch.dtype) -> Callable[[], None]:
     """A zero-argument function that reads ``name`` from the shard at ``path`` into ``target``, checked
     as at load (the MoE layer calls it when an expert is first routed)."""
     def read() -> torch.Tensor:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             return f.get_tensor(name)
 
-    return lambda: store(name, path.name, read, target)
+    return lambda: store(name, path.name, read, target, dtype)

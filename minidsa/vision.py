@@ -3,12 +3,15 @@
     image -> RGB, (x / 255 - 0.5) / 0.5, resized to multiples of patch * merge (within a patch budget)
           -> patches [L, 3, P, P] in row-major order -> conv P x P stride P (no bias)
           -> + learned position grid, bilinearly resized to the image's (h, w) patch grid
-          -> blocks: x += Attn(RMSNorm(x)) with 2-D RoPE (rows on one half of each head, columns on
-             the other), full attention inside one image and never across images;
-             x += MLP_gelu_tanh(RMSNorm(x))
+          -> blocks: x += wo Attn(fused wqkv(RMSNorm(x))) with 2-D RoPE on interleaved channel pairs
+             (even pairs by the patch column, odd pairs by its row), full attention inside one image
+             and never across images; x += fc1(GELU_tanh(fc0(RMSNorm(x)))); no biases anywhere
           -> final RMSNorm -> concatenate each 2 x 2 patch neighbourhood (4d)
-          -> projector: Linear -> GELU -> Linear to the text width -> RMSNorm
+          -> projector: Linear -> GELU -> Linear to the text width (no biases) -> RMSNorm
 Each image gives (h/2) * (w/2) vectors that replace its ``<|media_pad|>`` placeholder in the text.
+Module names follow the released checkpoint: ``vision_tower.patch_embed.{proj,pos_emb}``,
+``vision_tower.encoder.blocks.{i}.{norm0,wqkv,wo,norm1,mlp.fc0,mlp.fc1}``,
+``vision_tower.encoder.final_layernorm``, ``mm_projector.{proj.0,proj.2,post_norm}``.
 """
 
 from __future__ import annotations
@@ -114,54 +117,105 @@ def preprocess(image, cfg: ModelConfig, name: str = "image") -> PreparedImage:
 
 
 def rope_2d(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """Rotate x [N, H, hd] (returned in fp32, fp64 kept): the first half of each head by the patch row, the
-    second by its column.
+    """Rotate x [N, H, hd] by each patch's grid position (returned in fp32; fp64 kept).
 
-    Within each half, rotate-half pairing (i, i + hd/4) with frequency theta^(-4i/hd).
+    Channels (2j, 2j+1) form complex pair j. Pair 2i turns by the patch column and pair 2i + 1 by its
+    row, both at frequency theta^(-4i/hd), i < hd/4. This is the released MoonViT layout; a
+    row-half/column-half layout is the same function only up to a channel permutation, so real
+    ``wqkv`` weights need this one (docs/design.md §8).
     """
     hd = x.shape[-1]
-    quarter = hd // 4
-    inv_freq = ROPE_THETA ** (-torch.arange(quarter, dtype=torch.float64, device=x.device) / quarter)
-
+    inv_freq = ROPE_THETA ** (-4 * torch.arange(hd // 4, dtype=torch.float64, device=x.device) / hd)
+    by_col, by_row = cols.double().unsqueeze(-1) * inv_freq, rows.double().unsqueeze(-1) * inv_freq  # [N, hd/4]
+    angle = torch.stack([by_col, by_row], dim=-1).flatten(-2)  # [N, hd/2]: column, row, column, row, ...
     acc = acc_dtype(x)
+    cos, sin = angle.cos().to(acc).unsqueeze(1), angle.sin().to(acc).unsqueeze(1)  # [N, 1, hd/2]
     x = x.to(acc)
+    re, im = x[..., 0::2], x[..., 1::2]
+    return torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).flatten(-2)  # (re + i im) e^{i angle}
 
-    def rotate(part, pos):
-        ang = (pos.double().unsqueeze(-1) * inv_freq).to(acc)
-        cos, sin = ang.cos().unsqueeze(1), ang.sin().unsqueeze(1)  # [N, 1, quarter]
-        a, b = part[..., :quarter], part[..., quarter:]
-        return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
-    return torch.cat([rotate(x[..., : hd // 2], rows), rotate(x[..., hd // 2:], cols)], dim=-1)
+class VisionMLP(nn.Module):
+    """``mlp``: fc1(GELU_tanh(fc0(x))), no biases (MoonViT-V2 has ``linear_bias: false``)."""
+
+    def __init__(self, d: int, intermediate: int) -> None:
+        super().__init__()
+        self.fc0 = nn.Linear(d, intermediate, bias=False)
+        self.fc1 = nn.Linear(intermediate, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc1(F.gelu(self.fc0(x), approximate="tanh"))
 
 
 class VisionBlock(nn.Module):
+    """``encoder.blocks.{i}``: pre-RMSNorm attention with a fused ``wqkv`` [3 * H * hd, d] (rows: the q
+    heads, then k, then v) and ``wo``, then the pre-RMSNorm MLP."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         v = cfg.vision
         self.num_heads, self.head_dim = v.num_heads, v.head_dim
         inner = v.num_heads * v.head_dim
+        self.norm0 = RMSNorm(v.hidden_size, cfg.rms_norm_eps)
+        self.wqkv = nn.Linear(v.hidden_size, 3 * inner, bias=False)
+        self.wo = nn.Linear(inner, v.hidden_size, bias=False)
         self.norm1 = RMSNorm(v.hidden_size, cfg.rms_norm_eps)
-        self.q_proj = nn.Linear(v.hidden_size, inner, bias=False)
-        self.k_proj = nn.Linear(v.hidden_size, inner, bias=False)
-        self.v_proj = nn.Linear(v.hidden_size, inner, bias=False)
-        self.o_proj = nn.Linear(inner, v.hidden_size, bias=False)
-        self.norm2 = RMSNorm(v.hidden_size, cfg.rms_norm_eps)
-        self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
-        self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
+        self.mlp = VisionMLP(v.hidden_size, v.intermediate_size)
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, same_image: torch.Tensor):
         """x [N, d] (all images packed), rows/cols [N] patch coordinates, same_image bool [N, N]."""
         N = x.shape[0]
-        h = self.norm1(x)
-        q = rope_2d(self.q_proj(h).view(N, self.num_heads, self.head_dim), rows, cols)
-        k = rope_2d(self.k_proj(h).view(N, self.num_heads, self.head_dim), rows, cols)
-        v = self.v_proj(h).view(N, self.num_heads, self.head_dim).to(q.dtype)  # attention math in fp32 (fp64 kept)
+        q, k, v = self.wqkv(self.norm0(x)).view(N, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k = rope_2d(q, rows, cols), rope_2d(k, rows, cols)
+        v = v.to(q.dtype)  # attention math in fp32 (fp64 kept)
         s = torch.einsum("nhd,mhd->hnm", q, k) * self.head_dim ** -0.5
         s = s.masked_fill(~same_image, float("-inf"))  # full attention inside an image, never across
         o = torch.einsum("hnm,mhd->nhd", torch.softmax(s, dim=-1), v).reshape(N, -1)
-        x = x + self.o_proj(o.to(x.dtype))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
+        x = x + self.wo(o.to(x.dtype))
+        return x + self.mlp(self.norm1(x))
+
+
+class PositionGrid(nn.Module):
+    """``pos_emb``: a learned grid ``weight`` [G, G, d], bilinearly resized to each image's patch grid."""
+
+    def __init__(self, grid: int, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(grid, grid, d))
+
+    def forward(self, h: int, w: int) -> torch.Tensor:
+        """-> [h*w, d] in row-major patch order."""
+        grid = self.weight.permute(2, 0, 1).unsqueeze(0).float()  # [1, d, G, G]
+        grid = F.interpolate(grid, size=(h, w), mode="bilinear", align_corners=False)
+        return grid[0].permute(1, 2, 0).reshape(h * w, -1)
+
+
+class PatchEmbed(nn.Module):
+    """``patch_embed``: conv P x P stride P (``proj``, no bias) plus the position grid (``pos_emb``)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        v = cfg.vision
+        self.proj = nn.Conv2d(3, v.hidden_size, v.patch_size, stride=v.patch_size, bias=False)
+        self.pos_emb = PositionGrid(v.position_grid, v.hidden_size)
+
+    def forward(self, image: PreparedImage) -> torch.Tensor:
+        """One image's patches [h*w, 3, P, P] -> [h*w, d]."""
+        dtype = self.proj.weight.dtype
+        return self.proj(image.patches.to(dtype)).flatten(1) + self.pos_emb(*image.grid).to(dtype)
+
+
+class VisionEncoder(nn.Module):
+    """``encoder``: the blocks and the final RMSNorm (``final_layernorm``, named as released)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.vision.num_layers))
+        self.final_layernorm = RMSNorm(cfg.vision.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, same_image: torch.Tensor):
+        for block in self.blocks:
+            x = block(x, rows, cols, same_image)
+        return self.final_layernorm(x)
 
 
 class VisionTower(nn.Module):
@@ -169,36 +223,22 @@ class VisionTower(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        v = cfg.vision
-        self.merge = v.merge_size
-        self.patch_embed = nn.Conv2d(3, v.hidden_size, v.patch_size, stride=v.patch_size, bias=False)
-        self.pos_emb = nn.Parameter(torch.zeros(v.position_grid, v.position_grid, v.hidden_size))
-        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(v.num_layers))
-        self.final_norm = RMSNorm(v.hidden_size, cfg.rms_norm_eps)
-
-    def positions(self, h: int, w: int) -> torch.Tensor:
-        """The learned grid bilinearly resized to h x w -> [h*w, d]."""
-        grid = self.pos_emb.permute(2, 0, 1).unsqueeze(0).float()  # [1, d, G, G]
-        grid = F.interpolate(grid, size=(h, w), mode="bilinear", align_corners=False)
-        return grid[0].permute(1, 2, 0).reshape(h * w, -1)
+        self.merge = cfg.vision.merge_size
+        self.patch_embed = PatchEmbed(cfg)
+        self.encoder = VisionEncoder(cfg)
 
     def forward(self, images: list[PreparedImage]) -> list[torch.Tensor]:
-        dtype = self.patch_embed.weight.dtype
         xs, rows, cols, owner = [], [], [], []
         for i, im in enumerate(images):
             h, w = im.grid
-            x = self.patch_embed(im.patches.to(dtype)).flatten(1)  # [h*w, d]
-            xs.append(x + self.positions(h, w).to(dtype))
-            r, c = torch.meshgrid(torch.arange(h, device=x.device), torch.arange(w, device=x.device), indexing="ij")
+            xs.append(self.patch_embed(im))
+            r, c = torch.meshgrid(torch.arange(h, device=xs[-1].device), torch.arange(w, device=xs[-1].device),
+                                  indexing="ij")
             rows.append(r.reshape(-1))
             cols.append(c.reshape(-1))
-            owner.append(torch.full((h * w,), i, device=x.device))
-        x = torch.cat(xs)
+            owner.append(torch.full((h * w,), i, device=xs[-1].device))
         rows, cols, owner = torch.cat(rows), torch.cat(cols), torch.cat(owner)
-        same_image = owner.unsqueeze(0) == owner.unsqueeze(1)
-        for block in self.blocks:
-            x = block(x, rows, cols, same_image)
-        x = self.final_norm(x)
+        x = self.encoder(torch.cat(xs), rows, cols, owner.unsqueeze(0) == owner.unsqueeze(1))
         out, start = [], 0
         m = self.merge
         for im in images:
@@ -210,14 +250,18 @@ class VisionTower(nn.Module):
 
 
 class MultimodalProjector(nn.Module):
-    """``mm_projector``: merged features [n, 4d_vision] -> text embeddings [n, d_text]."""
+    """``mm_projector``: merged features [n, 4d_vision] -> text embeddings [n, d_text].
+
+    ``proj`` = Linear -> GELU (exact erf) -> Linear, no biases (so the checkpoint names ``proj.0`` and
+    ``proj.2``), then the RMSNorm ``post_norm``.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         v = cfg.vision
-        self.linear_1 = nn.Linear(v.hidden_size * v.merge_size ** 2, v.projector_hidden_size)
-        self.linear_2 = nn.Linear(v.projector_hidden_size, cfg.hidden_size)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.proj = nn.Sequential(nn.Linear(v.hidden_size * v.merge_size ** 2, v.projector_hidden_size, bias=False),
+                                  nn.GELU(), nn.Linear(v.projector_hidden_size, cfg.hidden_size, bias=False))
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.linear_2(F.gelu(self.linear_1(x))))
+        return self.post_norm(self.proj(x))

@@ -67,7 +67,7 @@ def naive_decoder_logits(model, ids):
         h2 = naive_mix(B + [p], w_f, g_f)[0]  # 4.
         ffn = layer.block_sparse_moe if layer.is_moe else layer.mlp
         p_in = p + ffn(layer.post_attention_layernorm(h2))
-    out = naive_mix(B + [p_in], lm.model.output_res_proj.weight[0], lm.model.output_res_norm.weight)[0]
+    out = naive_mix(B + [p_in], lm.model.output_attn_res_proj.weight[0], lm.model.output_attn_res_norm.weight)[0]
     return lm.lm_head(lm.model.norm(out))
 
 

@@ -94,10 +94,10 @@ def test_bad_fields_are_named(patch, field):
         ModelConfig.from_dict(data)
 
 
-# Reference-scale tensor shapes of docs/design.md §5 (and section 9 names).
+# Reference-scale tensor shapes of docs/design.md §5 (and §9 names); A_log is stored padded to 128.
 KDA_SHAPES = {"q_proj.weight": (12288, 7168), "k_proj.weight": (12288, 7168), "v_proj.weight": (12288, 7168),
               "q_conv1d.weight": (12288, 1, 4), "f_a_proj.weight": (128, 7168), "f_b_proj.weight": (12288, 128),
-              "A_log": (96,), "dt_bias": (12288,), "b_proj.weight": (96, 7168), "g_proj.weight": (12288, 7168),
+              "A_log": (128,), "dt_bias": (12288,), "b_proj.weight": (96, 7168), "g_proj.weight": (12288, 7168),
               "o_norm.weight": (128,), "o_proj.weight": (7168, 12288)}
 MLA_SHAPES = {"q_a_proj.weight": (1536, 7168), "q_a_layernorm.weight": (1536,), "q_b_proj.weight": (18432, 1536),
               "kv_a_proj_with_mqa.weight": (576, 7168), "kv_a_layernorm.weight": (512,),

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import minidsa
-from minidsa.indexer_training import indexer_kl_loss
+from conftest import tiny_config
+from minidsa import ops
+from minidsa.indexer_training import _capture_mla_inputs, indexer_kl_loss, layer_kl
 
 
 def indexer_params(model):
@@ -42,3 +44,54 @@ def test_warmup_training_lowers_the_kl():
 def test_bad_stage():
     with pytest.raises(ValueError, match="stage"):
         indexer_kl_loss(minidsa.load("tiny"), torch.randint(0, 256, (1, 4)), "pretrain")
+
+
+def test_sparse_target_is_the_attention_over_the_selected_keys():
+    """Megatron's compute_dsa_indexer_loss: per query, each head's softmax over the selected keys only, summed
+    over heads and L1-normalised, against softmax(I) over the same keys. Written here row by row, head by head."""
+    model = minidsa.MiniDSA(tiny_config(dtype="float64"))
+    with torch.no_grad():  # sharpen the heads differently so the two possible targets are far apart
+        for i in model.config.mla_layers:
+            w = model.language_model.model.layers[i].self_attn.q_b_proj.weight
+            w.mul_(torch.linspace(5, 60, w.shape[0], dtype=w.dtype).unsqueeze(1))
+    ids = torch.randint(0, 256, (2, 20))
+    mla, x = next(iter(_capture_mla_inputs(model, ids, dense=False).items()))
+    B, T, _ = x.shape
+    with torch.no_grad():
+        p = mla._project(x)
+        k, _ = mla.decompress(p["kv_latent"], p["k_pe"])
+        ix = mla.indexer
+        scores = ops.index_scores(ix.queries(mla.q_a_layernorm(mla.q_a_proj(x)), x)[0], ix.keys(x)["index_key"],
+                                  ix.queries(mla.q_a_layernorm(mla.q_a_proj(x)), x)[1], ix.softmax_scale)
+        sel = ops.topk_indices(scores, ix.topk, torch.arange(T).expand(B, T))
+    kl, old_kl = 0.0, 0.0
+    for b in range(B):
+        for t in range(T):
+            keys = [int(s) for s in sel[b, t] if s >= 0]
+            logits = torch.einsum("hd,shd->hs", p["q"][b, t], k[b, keys]) * mla.softmax_scale  # [H, |keys|]
+            target = torch.softmax(logits, -1).sum(0)
+            target = target / target.sum()
+            causal = torch.einsum("hd,shd->hs", p["q"][b, t], k[b, : t + 1]) * mla.softmax_scale
+            old = torch.softmax(causal, -1).sum(0)[keys]  # the dense distribution cut down: not the target
+            old = old / old.sum()
+            log_q = torch.log_softmax(scores[b, t, keys], -1)
+            kl += float((target * (target.log() - log_q)).sum())
+            old_kl += float((old * (old.log() - log_q)).sum())
+    kl, old_kl = kl / (B * T), old_kl / (B * T)
+    got = layer_kl(mla, x, "sparse").item()
+    assert abs(got - kl) < 1e-10 * max(1.0, kl)  # fp64 throughout: the two differ only by summation order
+    assert abs(kl - old_kl) > 1e-6  # the old target (dense, then cut down) is 1e4 tolerances away: the test can fail
+
+
+def test_indexer_key_norm_uses_rms_norm_eps():
+    cfg = tiny_config(rms_norm_eps=1e-2)  # large enough to move the keys visibly
+    model = minidsa.MiniDSA(cfg)
+    ix = model.language_model.model.layers[cfg.mla_layers[0]].self_attn.indexer
+    assert ix.k_norm.eps == 1e-2
+    x = torch.randn(1, 5, cfg.hidden_size) * 0.01  # small keys: variance comparable to eps
+    with torch.no_grad():
+        k = ix.wk(x)
+        got = ix.keys(x)["index_key"]
+        for eps, same in ((1e-2, True), (1e-6, False)):
+            want = torch.nn.functional.layer_norm(k, (k.shape[-1],), ix.k_norm.weight, ix.k_norm.bias, eps)
+            assert torch.allclose(got, want, atol=1e-6) == same  # 1e-6: fp32 rounding of a unit-scale LayerNorm

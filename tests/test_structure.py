@@ -24,7 +24,7 @@ README = ROOT / "README.md"
 # only from strictly lower layers, except that the modules of minidsa.ops (all of which count as "ops")
 # may import each other, and nothing outside ops.
 LAYERS: dict[str, int] = {
-    "config": 0, "tokenizer": 0, "ops": 0,
+    "config": 0, "tokenizer": 0, "ops": 0, "dtypes": 0,
     "quant": 1, "mxfp4": 1, "norm": 1, "ffn": 1, "kv_cache": 1, "shards": 1, "trace": 1,
     "lightning_indexer": 2,
     "mla": 3, "kda": 3, "moe": 3, "vision": 3,
@@ -33,7 +33,7 @@ LAYERS: dict[str, int] = {
     "decoder": 4, "initialization": 4,
     "model": 5,
     "checkpoint": 6,
-    "sampling": 7, "prompts": 7,
+    "sampling": 7, "prompts": 7, "validator": 7,
     "generate": 8,
     "plot": 9, "indexer_training": 9, "__init__": 9,
     # The design table puts __main__ beside __init__; it is the CLI run after the package is imported

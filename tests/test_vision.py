@@ -1,5 +1,7 @@
 """Vision tower and multimodal generate (docs/design.md §8)."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -52,6 +54,24 @@ def test_rope_2d_is_relative():
         return (a * b).sum(-1)
     torch.testing.assert_close(score(3, 5, 1, 2), score(10, 9, 8, 6), atol=1e-12, rtol=0)
     assert not torch.allclose(score(3, 5, 1, 2), score(3, 5, 2, 1))  # rows and columns are distinct
+
+
+def test_rope_2d_interleaved_pairs_worked_by_hand():
+    # head_dim 8: complex pairs (0,1), (2,3), (4,5), (6,7); frequencies theta^(-4i/8) for i = 0, 1, i.e. 1 and
+    # 1e4^-0.5 = 0.01. Pair 0 turns by the column, pair 1 by the row (frequency 1); pairs 2 and 3 likewise at 0.01.
+    # A unit real part in every pair (x = 1 + 0i) therefore comes out as (cos a, sin a) with the angles below;
+    # a unit imaginary part (x = 0 + 1i) as (-sin a, cos a). Row 3, column 5.
+    angles = [5.0, 3.0, 0.05, 0.03]
+    real = torch.tensor([[[1.0, 0, 1, 0, 1, 0, 1, 0]]], dtype=torch.float64)
+    imag = torch.tensor([[[0.0, 1, 0, 1, 0, 1, 0, 1]]], dtype=torch.float64)
+    want_real = [v for a in angles for v in (math.cos(a), math.sin(a))]
+    want_imag = [v for a in angles for v in (-math.sin(a), math.cos(a))]
+    rows, cols = torch.tensor([3]), torch.tensor([5])
+    # 1e-15: fp64 evaluation of cos/sin of the same angles; only the last bits may differ
+    torch.testing.assert_close(rope_2d(real, rows, cols)[0, 0], torch.tensor(want_real, dtype=torch.float64),
+                               atol=1e-15, rtol=0)
+    torch.testing.assert_close(rope_2d(imag, rows, cols)[0, 0], torch.tensor(want_imag, dtype=torch.float64),
+                               atol=1e-15, rtol=0)
 
 
 def test_attention_never_crosses_images(tiny_model):
@@ -176,8 +196,14 @@ def test_checkpoint_carries_the_vision_tower(tmp_path):
     model = minidsa.load("tiny")
     model.save_pretrained(tmp_path)
     names = set(__import__("json").loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"])
-    assert {"vision_tower.patch_embed.weight", "vision_tower.pos_emb", "vision_tower.blocks.0.q_proj.weight",
-            "mm_projector.linear_1.weight", "mm_projector.norm.weight"} <= names
+    # the released MoonViT-V2 / projector names (docs/design.md §8); no biases anywhere
+    assert {"vision_tower.patch_embed.proj.weight", "vision_tower.patch_embed.pos_emb.weight",
+            "vision_tower.encoder.blocks.1.norm0.weight", "vision_tower.encoder.blocks.1.wqkv.weight",
+            "vision_tower.encoder.blocks.1.wo.weight", "vision_tower.encoder.blocks.1.norm1.weight",
+            "vision_tower.encoder.blocks.1.mlp.fc0.weight", "vision_tower.encoder.blocks.1.mlp.fc1.weight",
+            "vision_tower.encoder.final_layernorm.weight", "mm_projector.proj.0.weight", "mm_projector.proj.2.weight",
+            "mm_projector.post_norm.weight"} <= names
+    assert not [n for n in names if n.startswith(("vision_tower.", "mm_projector.")) and n.endswith(".bias")]
     loaded = minidsa.load(tmp_path)
     kw = dict(images=[rgb(56, 56, 8)], max_new_tokens=4, temperature=0, stop_at_eos=False)
     assert minidsa.generate("x", loaded, **kw) == minidsa.generate("x", model, **kw)
