@@ -180,8 +180,8 @@ def test_sparse_attention_rejects_bad_indices_and_backends():
         ops.sparse_attention(q, torch.randn(1, 3, 3, 4), torch.randn(1, 3, 3, 4), torch.tensor([[[0], [0]]]), 1.0)
     with pytest.raises(ValueError, match="backend"):
         ops.sparse_attention(q, k, v, torch.tensor([[[0], [0]]]), 1.0, backend="cuda")
-    with pytest.raises(ValueError, match="no Triton kernel"):
-        ops.index_scores(q, k[:, :, 0], q[..., 0], 1.0, backend="triton")
+    with pytest.raises(ValueError, match="no Triton kernel"):  # the dense sparse_attention has none
+        ops.sparse_attention(q, k, v, torch.tensor([[[0], [0]]]), 1.0, backend="triton")
 
 
 # ------------------------------------------------------------------ deployment numerics

@@ -26,6 +26,9 @@ BACKENDS = ("torch", "triton", "auto")
 # Each entry is checked against its reference by a test (tests/test_paged_ops.py).
 TRITON_KERNELS: dict[str, tuple[str, str]] = {
     "store_kv": ("minidsa.ops.kv_store_triton", "store_kv"),
+    "index_scores": ("minidsa.ops.indexer_triton", "index_scores"),
+    "paged_index_scores": ("minidsa.ops.indexer_triton", "paged_index_scores"),
+    "topk_indices": ("minidsa.ops.indexer_triton", "topk_indices"),
 }
 
 _default = "auto"
