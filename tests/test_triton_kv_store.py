@@ -44,3 +44,18 @@ def test_store_kv_rejects_bad_shapes():
         store_kv(plane, torch.tensor([0, 1]), torch.zeros(2, 7))
     with pytest.raises(TypeError, match="slot_mapping"):
         store_kv(plane, torch.tensor([0.0, 1.0]), torch.zeros(2, 8))
+
+
+def test_store_kv_many_row_tiles():
+    """More rows than one program's tile (W = 300 fp32 gives 8-row tiles): every tile, the ragged last one too."""
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(2)
+    plane = torch.randn(10, 8, 300, generator=g)
+    slots = torch.randperm(80, generator=g)[:70]
+    slots[::7] = -1
+    values = torch.randn(70, 300, generator=g)
+    want = plane.clone()
+    store_kv_ref(want, slots, values)
+    got = plane.to(dev)
+    store_kv(got, slots.to(dev), values.to(dev))
+    assert torch.equal(got.cpu(), want)
