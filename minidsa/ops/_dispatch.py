@@ -29,6 +29,8 @@ TRITON_KERNELS: dict[str, tuple[str, str]] = {
     "index_scores": ("minidsa.ops.indexer_triton", "index_scores"),
     "paged_index_scores": ("minidsa.ops.indexer_triton", "paged_index_scores"),
     "topk_indices": ("minidsa.ops.indexer_triton", "topk_indices"),
+    "sparse_mla_decode": ("minidsa.ops.mla_attention_triton", "sparse_mla_decode"),
+    "sparse_mla_prefill": ("minidsa.ops.mla_attention_triton", "sparse_mla_prefill"),
 }
 
 _default = "auto"

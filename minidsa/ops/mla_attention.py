@@ -64,7 +64,8 @@ def sparse_mla_decode_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_
     c_kv = gather_slots(kv_latent_plane, slots).to(acc).view(B, T, K, 1, r)
     k_pe = gather_slots(k_pe_plane, slots).to(acc).view(B, T, K, 1, dr)
     q = torch.cat([q_latent.to(acc), q_pe.to(acc)], dim=-1)
-    return attend(q, torch.cat([c_kv, k_pe], dim=-1), c_kv, indices >= 0, scale)
+    # A position with no block (table entry -1, or past the table) is padding too: not read, not counted.
+    return attend(q, torch.cat([c_kv, k_pe], dim=-1), c_kv, (slots >= 0).view(B, T, K), scale)
 
 
 def sparse_mla_prefill_ref(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plane: torch.Tensor,
@@ -119,4 +120,5 @@ def _prefill_tile(q, kv_latent_plane, k_pe_plane, table, tile, kv_b_weight, scal
     rank[blocks] = torch.arange(blocks.numel(), device=q.device)
     safe = tile.clamp_min(0)
     local = torch.where(tile >= 0, rank[safe // bs] * bs + safe % bs, torch.full_like(tile, -1))
-    return sparse_attention_ref(q, k, v, local, scale)
+    has_block = (slots[0] >= 0)[local.clamp_min(0)]  # a position whose block is -1 is padding too
+    return sparse_attention_ref(q, k, v, torch.where(has_block, local, torch.full_like(local, -1)), scale)

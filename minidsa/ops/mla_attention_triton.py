@@ -1,0 +1,366 @@
+"""Triton kernels for sparse MLA attention over the paged latent cache (decode and prefill).
+
+Same contracts and signatures as ``mla_attention.sparse_mla_decode_ref`` / ``sparse_mla_prefill_ref``
+(docs/design.md §4, §12). Both ops run ONE kernel, ``_latent_attn_fwd``: attention of each query's
+H heads over exactly its K selected latent rows, in the absorbed (MQA) form
+
+    score[h, s] = (q_latent[h] . c_kv[s] + q_pe[h] . k_pe[s]) * scale,    o_latent[h] = sum_s p[h, s] c_kv[s]
+
+where c_kv [r] is both key (with k_pe [dr] appended) and value.
+
+Grid and tiling. One program per (query (b, t), block of BLOCK_H heads, split of the K positions).
+All heads of a query share the same K rows (one top-k set per query, MQA), so the heads are the M
+dimension of both tl.dot calls: each gathered row is loaded once and used by BLOCK_H heads. Heads
+are padded to BLOCK_H >= 16 (tl.dot's minimum) with masks; padded heads load q = 0, and are never
+stored. The program walks its positions BLOCK_N at a time:
+
+    idx  = indices[b, t, n0:n0+BLOCK_N]                     (int32, -1 = padding)
+    phys = block_table[b, idx // bs]                        (masked load; -1 = no block)
+    row  = phys * plane.stride(0) + (idx % bs) * plane.stride(1)   (int64: big caches pass 2^31)
+    kv   = kv_latent[row, :r]  [BLOCK_N, BLOCK_R],  pe = k_pe[row, :dr]  [BLOCK_N, BLOCK_DR]
+    s    = q @ kv^T + q_pe @ pe^T                           [BLOCK_H, BLOCK_N]
+    online softmax (fp32, base 2), acc = acc * alpha + p @ kv   [BLOCK_H, BLOCK_R]
+
+Memory access. A gathered row is one contiguous vector per plane (r then dr values), so each load
+is BLOCK_N coalesced row reads; the address computation happens in the kernel from the int32 block
+table, with no torch gather beforehand. A position is valid only if idx >= 0, idx // bs is inside the
+table and the table entry is >= 0. Every load of a table entry or a plane row is masked by that
+validity, so padding, missing blocks and the tail of the last chunk never touch memory (a NaN in an
+unselected row cannot reach the output: docs/design.md §10 trap 4). Invalid columns get score -inf
+and probability 0; a query with no valid position keeps l = 0 and gets zeros, like the reference.
+
+Split (flash-decoding). Decode has only B*T queries: B = 32, H = 96 gives 64 programs for 132 SMs.
+The K positions are then cut into NUM_SPLITS fixed, equal ranges (a multiple of BLOCK_N) so that the
+grid fills about one wave (register use allows one program per SM); each program writes its
+unnormalised acc and its (m, l), and ``_combine_splits`` (one program per query and head) merges them
+in split order: o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s. Fixed ranges and no atomics make
+the result bitwise deterministic. Prefill has B*T >> SMs and never splits.
+
+Precision. Accumulation and softmax are fp32. With bf16/fp16 planes, q and p are cast to the plane
+dtype for tl.dot (tensor cores; the reference rounds the same rows to bf16 in the cache). With fp32
+planes the dots run with input_precision="ieee" (no TF32), so fp32 results agree with the reference
+to ~1e-6. fp64 inputs (exactness tests only) are passed to the reference.
+
+Prefill scheme: absorbed per-query attention, not block aggregation. The wrapper folds W_UK into q
+(q_latent[h] = q_nope[h] @ W_UK[h], one batched matmul over heads), runs the decode kernel over every
+query (M = the H heads of one query), and applies W_UV after (o[h] = o_latent[h] @ W_UV[h]^T). Per
+query this costs 2*H*K*(2r + dr) FLOPs and K*(r + dr) gathered cache values (L2 hits: a 32k-token
+layer's latent cache is 38 MB), however the selections of neighbouring queries overlap. The
+reference's block-aggregated MHA form gathers the union of the blocks a 64-query tile selected and
+decompresses them; for top-2048 selections spread over a long causal prefix a 64-position block is
+missed by one query with probability (1 - 2048/p)^64 (0.016 at p = 32k), so the union is nearly
+the whole prefix and that form costs about dense causal attention plus decompression. It can only
+win when selections are local. Measured on the H200 (benchmarks/bench_mla.py, bf16, random causal
+top-k), triton 3.6:
+
+  decode  B=32, 65,536 cached, top-k 2048, H=96:  0.159 ms = 12.5 % of the memory roofline (19.9 us);
+          plain-torch gather + bmm 0.418 ms, dense SDPA over all keys 6.06 ms, reference 37.5 ms
+          (on a freshly started machine 0.25 ms, and the plain-torch peer 0.67 ms: ratios hold)
+  prefill T=32,768, top-k 2048, H=16, dn=128, dr=64, dv=128:  18.6 ms (2.40 TFLOP absorbed, 129 TFLOP/s);
+          dense causal SDPA (decompressed) 9.12 ms (603 TFLOP/s), plain-torch sparse 183 ms,
+          reference about 6.7 s
+
+The prefill floor (2x faster than dense SDPA, i.e. <= 4.6 ms) is NOT met: it would need about 520
+TFLOP/s of absorbed work, while M = 16 heads per query limits each gathered row to 16 rows of an
+mma and the kernel is bound by its gathered loads (75 GB at 4 TB/s from L2). Decode is likewise far
+from the bandwidth roofline: registers hold a [BLOCK_H, 512] fp32 accumulator and the query, so one
+program runs per SM and the gathers' latency is poorly hidden (tile sweep in ``_config``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_tensor
+from .mla_attention import sparse_mla_decode_ref, sparse_mla_prefill_ref
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _chunk_rows(idx_row_ptr, table_row_ptr, n0, end, block_size, max_blocks, s_kv0, s_kv1, s_pe0, s_pe1,
+                BLOCK_N: tl.constexpr):
+    """Positions n0 .. n0+BLOCK_N of one query -> (valid [BLOCK_N], row offsets in both planes, int64).
+
+    Padding (-1), positions past the block table, table entries of -1 and positions >= end are all
+    invalid; neither the table entry nor the plane row of an invalid position is ever loaded."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    idx = tl.load(idx_row_ptr + n, mask=n < end, other=-1)
+    blk = tl.where(idx >= 0, idx, 0) // block_size
+    valid = (idx >= 0) & (blk < max_blocks)
+    phys = tl.load(table_row_ptr + blk, mask=valid, other=-1)
+    valid = valid & (phys >= 0)
+    phys = phys.to(tl.int64)  # int64: a large cache passes 2^31 elements
+    off = (idx % block_size).to(tl.int64)
+    return valid, phys * s_kv0 + off * s_kv1, phys * s_pe0 + off * s_pe1
+
+
+@triton.jit
+def _gather_rows(plane_ptr, rows, valid, W: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Rows [BLOCK_N, BLOCK_W] of a plane at int64 element offsets ``rows``; invalid rows are not read.
+
+    The column mask exists only for widths that are not a power of two: a mask that is constant along
+    a row lets the compiler issue 16-byte vector loads and asynchronous copies for the gathered rows."""
+    cols = tl.arange(0, BLOCK_W)
+    if W == BLOCK_W:
+        mask = valid[:, None]
+    else:
+        mask = valid[:, None] & (cols[None, :] < W)
+    return tl.load(plane_ptr + rows[:, None] + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i):
+    """One online-softmax update on log2-scaled scores s [BLOCK_H, BLOCK_N] (-inf = invalid column).
+
+    While a head has seen no valid key its max is -inf; the reference point m_safe = 0 then keeps every
+    exponent finite (2^-inf = 0) instead of producing -inf - -inf. Returns (p, alpha, m_new, l_new)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _latent_attn_fwd(
+    q_ptr, qpe_ptr, kv_ptr, pe_ptr, table_ptr, idx_ptr, o_ptr, m_ptr, l_ptr,
+    T, H, K, block_size, max_blocks, keys_per_split, qk_scale,
+    s_qb, s_qt, s_qh, s_pb, s_pt, s_ph,  # q_latent / q_pe strides (last dim contiguous)
+    s_kv0, s_kv1, s_pe0, s_pe1,  # plane strides: per block, per row in a block
+    s_tb, s_ib, s_it,  # block table row stride, indices strides (last dim contiguous)
+    s_ob, s_ot, s_os, s_oh,  # output (or partial acc) strides: b, t, split, head
+    s_mbt, s_ms,  # m / l partials [B*T, NUM_SPLITS, H] (only used when NUM_SPLITS > 1)
+    R: tl.constexpr, DR: tl.constexpr,  # compile-time widths: a full-width row needs no column mask
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    bt = tl.program_id(0).to(tl.int64)  # int64 offsets: a long prefill's [H, B*T, r] output passes 2^31
+    b, t, split = bt // T, bt % T, tl.program_id(2)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < H
+    hoff = heads.to(tl.int64)  # head offsets in the head-major prefill layout are large too
+    dot_dtype = kv_ptr.dtype.element_ty  # bf16 planes -> bf16 tensor-core dots; fp32 -> ieee fp32
+    # The query block stays in registers for the whole loop (padded heads: q = 0, never stored).
+    q = _gather_rows(q_ptr + b * s_qb + t * s_qt, hoff * s_qh, head_ok, R, BLOCK_R).to(dot_dtype)
+    qpe = _gather_rows(qpe_ptr + b * s_pb + t * s_pt, hoff * s_ph, head_ok, DR, BLOCK_DR).to(dot_dtype)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of log2-scaled scores
+    l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of 2^(s - m_i)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+
+    start = split * keys_per_split
+    end = tl.minimum(start + keys_per_split, K)
+    for n0 in range(start, end, BLOCK_N):
+        valid, row_kv, row_pe = _chunk_rows(idx_ptr + b * s_ib + t * s_it, table_ptr + b * s_tb, n0, end,
+                                            block_size, max_blocks, s_kv0, s_kv1, s_pe0, s_pe1, BLOCK_N)
+        # One load per row serves as key (transposed view) and as value: the tile is read once. (Loading
+        # it a second time as [BLOCK_R, BLOCK_N] for the key measured 1.3-4x slower on the H200.)
+        kv = _gather_rows(kv_ptr, row_kv, valid, R, BLOCK_R)  # [BLOCK_N, BLOCK_R]
+        pe = _gather_rows(pe_ptr, row_pe, valid, DR, BLOCK_DR).to(dot_dtype)  # [BLOCK_N, BLOCK_DR]
+        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
+        s = tl.dot(qpe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # qk_scale = scale * log2(e)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        acc = tl.dot(p.to(dot_dtype), kv, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+
+    cols_r = tl.arange(0, BLOCK_R)
+    out_mask = head_ok[:, None] & (cols_r[None, :] < R)
+    o_ptrs = o_ptr + b * s_ob + t * s_ot + split * s_os + hoff[:, None] * s_oh + cols_r[None, :]
+    if NUM_SPLITS == 1:  # empty rows (l = 0, acc = 0) divide by 1 and stay zero
+        tl.store(o_ptrs, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(o_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(o_ptrs, acc, mask=out_mask)
+        tl.store(m_ptr + bt * s_mbt + split * s_ms + heads, m_i, mask=head_ok)
+        tl.store(l_ptr + bt * s_mbt + split * s_ms + heads, l_i, mask=head_ok)
+
+
+@triton.jit
+def _combine_splits(acc_ptr, m_ptr, l_ptr, o_ptr, H, R,
+                    s_abt, s_as, s_ah, s_mbt, s_ms, s_obt, s_oh,
+                    BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """One (query, head): o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, splits in a fixed order."""
+    bt = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_R)
+    mask = cols < R
+    m_all = float("-inf")
+    for s in tl.static_range(NUM_SPLITS):
+        m_all = tl.maximum(m_all, tl.load(m_ptr + bt * s_mbt + s * s_ms + h))
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)  # empty row: every weight is 2^-inf = 0
+    num = tl.zeros([BLOCK_R], tl.float32)
+    den = 0.0
+    for s in tl.static_range(NUM_SPLITS):
+        w = tl.exp2(tl.load(m_ptr + bt * s_mbt + s * s_ms + h) - m_safe)
+        den += w * tl.load(l_ptr + bt * s_mbt + s * s_ms + h)
+        num += w * tl.load(acc_ptr + bt * s_abt + s * s_as + h * s_ah + cols, mask=mask, other=0.0)
+    o = num / tl.where(den > 0, den, 1.0)
+    tl.store(o_ptr + bt * s_obt + h * s_oh + cols, o.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: a tiny nominal machine, so tests exercise the split path on small inputs
+
+
+def _config(H: int, R: int, K: int, queries: int, device: torch.device, num_splits: int | None, elt: int):
+    """Tile sizes and split count for the kernel (``elt``: bytes per plane element).
+
+    Returns (BLOCK_H, BLOCK_N, NUM_SPLITS, num_warps, num_stages). Measured on the H200 with r=512,
+    dr=64, bf16 (benchmarks/bench_mla.py; registers are the limit: the [BLOCK_H, r] fp32 accumulator
+    and the [BLOCK_H, r] query live in them):
+      decode B=32, H=96, K=2048:  BLOCK_H=64, BLOCK_N=64, 2 splits, 8 warps   157 us
+                                  BLOCK_H=64, BLOCK_N=32, 2 splits, 8 warps   177 us
+                                  BLOCK_H=32, BLOCK_N=64, 4 splits, 8 warps   192 us
+                                  BLOCK_H=16, BLOCK_N=32, 4 splits, 4 warps   257 us
+      prefill T=32768, H=16:      BLOCK_H=16, BLOCK_N=128, 4 warps  18.2 ms;  BLOCK_N=32: 36.7 ms;
+                                  BLOCK_N=64 (4 or 8 warps): 41-43 ms;  BLOCK_N=128, 8 warps: 40 ms
+    """
+    BLOCK_H = min(64, max(16, triton.next_power_of_2(H)))
+    BLOCK_R = max(16, triton.next_power_of_2(R))
+    if BLOCK_H == 16:
+        BLOCK_N, num_warps = 128, 4  # one mma row block: long chunks keep enough bytes in flight
+    else:
+        BLOCK_N, num_warps = 64, 8
+    if elt >= 4:  # fp32 planes (tests, fp32 models): twice the bytes per row and per register
+        BLOCK_H, BLOCK_N = min(BLOCK_H, 32), min(BLOCK_N, 32)
+    # A gathered tile is staged in shared memory (two stages): keep it at most 128 KB.
+    while BLOCK_N > 16 and BLOCK_N * BLOCK_R * elt > 128 * 1024:
+        BLOCK_N //= 2
+    if num_splits is None:
+        # About one wave: one program per SM (register use allows no more), and never a split shorter
+        # than two chunks. Prefill (queries >> SMs) never splits.
+        programs = queries * triton.cdiv(H, BLOCK_H)
+        num_splits = max(1, min(_num_sms(device) // programs, K // (2 * BLOCK_N), 16))
+    # Short ranges (tiny K, or many splits) use a smaller chunk so that padding the last one wastes less.
+    BLOCK_N = min(BLOCK_N, max(16, triton.next_power_of_2(triton.cdiv(K, num_splits))))
+    return BLOCK_H, BLOCK_N, num_splits, num_warps, 2
+
+
+def _latent_attention(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices, scale, out,
+                      out_strides, num_splits=None):
+    """Launch the kernel. q_latent [B,T,H,r], q_pe [B,T,H,dr] (any strides, last dim contiguous),
+    ``out`` written through ``out_strides`` = (b, t, h) element strides -> out holds o_latent."""
+    B, T, H, R = q_latent.shape
+    DR = q_pe.shape[-1]
+    K = indices.shape[-1]
+    _, bs, _ = kv_latent_plane.shape
+    dev = q_latent.device
+    BLOCK_H, BLOCK_N, splits, num_warps, num_stages = _config(H, R, K, B * T, dev, num_splits,
+                                                               kv_latent_plane.element_size())
+    BLOCK_R = max(16, triton.next_power_of_2(R))
+    BLOCK_DR = max(16, triton.next_power_of_2(DR))
+    keys_per_split = triton.cdiv(triton.cdiv(K, splits), BLOCK_N) * BLOCK_N
+    precision = "ieee" if kv_latent_plane.dtype == torch.float32 else "tf32"  # "tf32" is ignored for bf16
+    grid = (B * T, triton.cdiv(H, BLOCK_H), splits)
+    common = (q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices)
+    sizes = (T, H, K, bs, block_table.shape[1], keys_per_split, float(scale) * _LOG2E,
+             q_latent.stride(0), q_latent.stride(1), q_latent.stride(2), q_pe.stride(0), q_pe.stride(1),
+             q_pe.stride(2), kv_latent_plane.stride(0), kv_latent_plane.stride(1), k_pe_plane.stride(0),
+             k_pe_plane.stride(1), block_table.stride(0), indices.stride(0), indices.stride(1))
+    meta = dict(R=R, DR=DR, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, BLOCK_DR=BLOCK_DR, NUM_SPLITS=splits,
+                DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
+    if splits == 1:
+        sb, st, sh = out_strides
+        return _latent_attn_fwd[grid](*common, out, out, out, *sizes, sb, st, 0, sh, 0, 0, **meta)
+    part = torch.empty(B * T, splits, H, R, dtype=torch.float32, device=dev)
+    m = torch.empty(B * T, splits, H, dtype=torch.float32, device=dev)
+    lse = torch.empty_like(m)
+    kernel = _latent_attn_fwd[grid](*common, part, m, lse, *sizes, T * part.stride(0), part.stride(0), part.stride(1),
+                           part.stride(2), m.stride(0), m.stride(1), **meta)
+    sb, st, sh = out_strides
+    if sb != T * st:
+        raise ValueError("split decode needs an output whose (b, t) dims merge")  # never with our callers
+    _combine_splits[(B * T, H)](
+        part, m, lse, out, H, R, part.stride(0), part.stride(1), part.stride(2), m.stride(0), m.stride(1), st, sh,
+        BLOCK_R=BLOCK_R, NUM_SPLITS=splits, num_warps=4)
+    return kernel
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def sparse_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_plane: torch.Tensor,
+                      k_pe_plane: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Absorbed sparse MLA attention over exactly the selected latent rows (kernel).
+
+    Args:
+        q_latent: [B, T, H, r] W_UK^T q_nope per head; q_pe: [B, T, H, dr].
+        kv_latent_plane: [num_blocks, block_size, r]; k_pe_plane: [num_blocks, block_size, dr].
+        block_table: int32 [B, max_blocks]; indices: int32 [B, T, K] logical positions, -1 = padding.
+        scale: softmax scale (dn + dr)^-0.5.
+    Returns:
+        o_latent [B, T, H, r] float32: sum_s p[s] c_kv[s], one launch (plus a combine when split).
+    """
+    B, T, H, r = check_tensor("q_latent", q_latent, ndim=4, floating=True)
+    dr = check_tensor("q_pe", q_pe, shape=(B, T, H, None), floating=True)[3]
+    check_tensor("kv_latent_plane", kv_latent_plane, shape=(None, None, r))
+    check_tensor("k_pe_plane", k_pe_plane, shape=(kv_latent_plane.shape[0], kv_latent_plane.shape[1], dr))
+    check_tensor("block_table", block_table, shape=(B, None), integer=True)
+    check_tensor("indices", indices, shape=(B, T, None), integer=True)
+    if torch.float64 in (q_latent.dtype, q_pe.dtype, kv_latent_plane.dtype, k_pe_plane.dtype):
+        # fp64 exists for exactness tests; tensor cores do not do it, the reference does.
+        return sparse_mla_decode_ref(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices, scale)
+    out = torch.zeros(B, T, H, r, dtype=torch.float32, device=q_latent.device)
+    if out.numel() == 0 or indices.shape[-1] == 0:
+        return out  # no query, or nothing selected: zeros like the reference
+    _latent_attention(_last_dim_contiguous(q_latent), _last_dim_contiguous(q_pe),
+                      _last_dim_contiguous(kv_latent_plane), _last_dim_contiguous(k_pe_plane),
+                      block_table.to(torch.int32), _last_dim_contiguous(indices.to(torch.int32)),
+                      scale, out, (out.stride(0), out.stride(1), out.stride(2)))
+    return out
+
+
+def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plane: torch.Tensor,
+                       block_table: torch.Tensor, indices: torch.Tensor, kv_b_weight: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """Sparse MLA prefill over the paged planes, in absorbed form (see the module docstring).
+
+    Args:
+        q: [B, T, H, dn + dr] queries [q_nope | q_pe].
+        kv_latent_plane: [num_blocks, block_size, r]; k_pe_plane: [num_blocks, block_size, dr].
+        block_table: int32 [B, max_blocks]; indices: int32 [B, T, K] logical positions, -1 = padding.
+        kv_b_weight: [H * (dn + dv), r] the W_kvb that decompresses c_kv into [k_nope | v] per head.
+        scale: softmax scale (dn + dr)^-0.5.
+    Returns:
+        [B, T, H, dv] float32, equal to the block-aggregated MHA reference.
+    """
+    B, T, H, Dq = check_tensor("q", q, ndim=4, floating=True)
+    _, bs, r = check_tensor("kv_latent_plane", kv_latent_plane, ndim=3)
+    dr = check_tensor("k_pe_plane", k_pe_plane, shape=(kv_latent_plane.shape[0], bs, None))[2]
+    check_tensor("block_table", block_table, shape=(B, None), integer=True)
+    check_tensor("indices", indices, shape=(B, T, None), integer=True)
+    dn = Dq - dr
+    check_tensor("kv_b_weight", kv_b_weight, shape=(None, r), floating=True)
+    if kv_b_weight.shape[0] % H or kv_b_weight.shape[0] // H <= dn:
+        raise ValueError(f"kv_b_weight {tuple(kv_b_weight.shape)} must be [H * (dn + dv), r] with H={H}, dn={dn}")
+    dv = kv_b_weight.shape[0] // H - dn
+    if torch.float64 in (q.dtype, kv_latent_plane.dtype, k_pe_plane.dtype, kv_b_weight.dtype):
+        return sparse_mla_prefill_ref(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
+    if B * T == 0 or indices.shape[-1] == 0:
+        return torch.zeros(B, T, H, dv, dtype=torch.float32, device=q.device)
+    # The matmuls run in the weight's dtype (the model's compute dtype), like the reference's
+    # decompression: bf16 tensor cores with fp32 accumulation in a bf16 model, fp32 in an fp32 one.
+    wdt = kv_b_weight.dtype
+    w = kv_b_weight.view(H, dn + dv, r)
+    w_uk, w_uv = w[:, :dn], w[:, dn:]  # [H, dn, r], [H, dv, r]
+    # Head-major layouts [H, B*T, .] make both absorptions plain batched matmuls over heads.
+    q_nope = q[..., :dn].to(wdt).reshape(B * T, H, dn).transpose(0, 1)  # [H, BT, dn]
+    q_latent = torch.bmm(q_nope, w_uk)  # [H, BT, r]
+    q_pe = q[..., dn:]  # [B, T, H, dr], read in place by the kernel
+    # o_latent is written straight in the weight dtype, head-major, ready for the W_UV matmul.
+    o_latent = torch.empty(H, B * T, r, dtype=wdt, device=q.device)
+    hs, ts = q_latent.stride(0), q_latent.stride(1)
+    q_lat_view = q_latent.as_strided((B, T, H, r), (T * ts, ts, hs, 1))
+    _latent_attention(q_lat_view, _last_dim_contiguous(q_pe), _last_dim_contiguous(kv_latent_plane),
+                      _last_dim_contiguous(k_pe_plane), block_table.to(torch.int32),
+                      _last_dim_contiguous(indices.to(torch.int32)), scale, o_latent,
+                      (T * o_latent.stride(1), o_latent.stride(1), o_latent.stride(0)), num_splits=1)
+    o = torch.bmm(o_latent, w_uv.transpose(1, 2))  # [H, BT, dv]
+    return o.transpose(0, 1).reshape(B, T, H, dv).float()
