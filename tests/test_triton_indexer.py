@@ -93,14 +93,17 @@ def test_paged_scores_several_query_tiles_and_key_chunks():
     check_scores(got, args, torch.float32)
 
 
-def test_paged_scores_position_without_block_inside_context_scores_zero():
-    # A -1 entry inside the context is never loaded; the reference reads it as a zero key: score 0.
+def test_paged_scores_position_without_block_inside_context_is_minus_inf():
+    # A -1 entry inside the context is never loaded and, like a position past the context, scores
+    # -inf (in the reference too), so top-k can never select a position that has no memory behind it.
     q, w, plane, _, table, ctx = paged_case(B=1, T=2, H=3, D=16, bs=4, MB=3, lens=[12], dtype=torch.float32,
                                             fp8=False)
     table[0, 1] = -1
     got = kern.paged_index_scores(q, w, plane, None, table, ctx, 0.25)
-    assert torch.equal(got[0, :, 4:8], torch.zeros(2, 4, device=DEV))
-    check_scores(got, (q, w, plane, None, table, ctx), torch.float32)
+    assert torch.equal(got[0, :, 4:8], torch.full((2, 4), float("-inf"), device=DEV))
+    assert torch.isfinite(got[0, :, :4]).all() and torch.isfinite(got[0, :, 8:12]).all()
+    want = ref_ops.paged_index_scores_ref(q, w, plane, None, table, ctx, 0.25)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -84,7 +84,8 @@ def paged_index_scores_ref(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Te
         scale: the D^-0.5 factor inside the ReLU.
     Returns:
         [B, T, S] float32 with S = max_blocks * block_size (a shape fixed by the table, not by the data):
-        ``index_scores`` over positions < context_lens[b], -inf at every later position.
+        ``index_scores`` over positions < context_lens[b], -inf at every later position and at any
+        position whose block is -1 (nothing there to select).
     """
     B, T, H, D = check_tensor("q", q, ndim=4, floating=True)
     check_tensor("w", w, shape=(B, T, H), floating=True)
@@ -98,5 +99,5 @@ def paged_index_scores_ref(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Te
         check_tensor("key_scale_plane", key_scale_plane, shape=(key_plane.shape[0], bs, 1))
         keys = keys * gather_slots(key_scale_plane, slots).to(keys.dtype)
     scores = index_scores_ref(q, keys, w, scale)
-    cached = positions < context_lens.long().unsqueeze(1)  # [B, S]
+    cached = (positions < context_lens.long().unsqueeze(1)) & (slots >= 0)  # [B, S]
     return torch.where(cached.unsqueeze(1), scores, torch.full_like(scores, float("-inf")))

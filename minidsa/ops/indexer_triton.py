@@ -26,8 +26,8 @@ per-head logits, the ReLU and the head-weighted sum all happen on a tile in regi
   Every key of a tile computes its own block index, so the table may be in any order and the tile
   need not align with blocks. A key is loaded only where ``s < context_lens[b]`` and its table entry
   is ``>= 0``: the block-table load itself is masked by the context length, and a -1 entry masks the
-  key load, so no memory outside the sequence's own blocks is ever touched (a masked-out key reads as
-  zero, which gives score 0 at a position inside the context without a block, as the reference does).
+  key load, so no memory outside the sequence's own blocks is ever touched; a position without a
+  block scores -inf like one past the context, so top-k can never select it (as in the reference).
 - *Context length.* Positions ``s >= context_lens[b]`` get -inf. Key tiles wholly past the context are
   not computed at all: a second loop only stores -inf for them.
 - *FP8 keys.* e4m3 keys are converted to the dot's input type in registers (exact for bf16 and fp32).
@@ -119,7 +119,7 @@ def _paged_scores_kernel(
             logits = logits * kscale[:, None]
         weighted = tl.where(col_ok[None, :], tl.maximum(logits, 0.0) * w[None, :], 0.0)
         scores = tl.sum(tl.reshape(weighted, (BLOCK_N, BLOCK_T, H_PAD)), axis=2)  # [BLOCK_N, BLOCK_T]
-        scores = tl.where(cached[:, None], scores, float("-inf"))
+        scores = tl.where(present[:, None], scores, float("-inf"))  # past the context or no block: never selected
         tl.store(out_cols + pos[:, None] * so_s, scores, mask=(pos < end)[:, None] & (t_out < T)[None, :])
 
     # From the first tile start at or after live_end (on the chunk's BLOCK_N grid), only -inf.
