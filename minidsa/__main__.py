@@ -1,21 +1,51 @@
 """Command line: ``python -m minidsa generate "prompt" [--config laptop] ...``, ``python -m minidsa params NAME``
-and ``python -m minidsa check-checkpoint DIR [--config NAME]``."""
+and ``python -m minidsa check-checkpoint DIR [--config NAME]``.
+
+Every command runs on ``--threads`` CPU threads (default 1, see DEFAULT_THREADS). A user error (a bad
+argument, an unreadable file, a damaged checkpoint) prints one line, ``error: ...``, and exits with
+status 2, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
+import torch
+
 from .checkpoint import count_parameters, load
 from .generate import generate
+from .kv_cache import OutOfKVBlocksError
 from .validator import check_checkpoint
+
+# Measured on the project's 2-core CPU (README, "Threads"): at these sizes one thread decodes about as
+# fast as two on a quiet machine, and two collapse 10-30x as soon as another process wants a core
+# (each op waits for the slower thread). The CLI owns its process, so it may set this; library calls
+# such as minidsa.generate() leave torch's setting to the caller.
+DEFAULT_THREADS = 1
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print the usage and exit; one line, like every other user error
+        raise ValueError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m minidsa", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="continue a prompt with the (seeded, untrained) model")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--threads", type=_positive_int, default=DEFAULT_THREADS,
+                        help=f"CPU threads for torch (default: {DEFAULT_THREADS}; more help only for large configs "
+                             f"on cores nothing else uses)")
+    parser = _Parser(prog="python -m minidsa", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    g = sub.add_parser("generate", parents=[common], help="continue a prompt with the (seeded, untrained) model")
     g.add_argument("prompt", help="text to continue ('' starts from bos alone)")
     g.add_argument("--config", default="tiny", help="preset name, config JSON path or checkpoint directory "
                                                     "(default: tiny)")
@@ -26,12 +56,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--image", action="append", default=None, metavar="PATH",
                    help="a PNG/JPEG image for the prompt (repeatable); placed before the text unless the prompt "
                         "marks its place with <|media_begin|>image<|media_content|><|media_pad|><|media_end|>")
-    g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    g.add_argument("--no-progress", action="store_true",
+                   help="hide the progress bars (loading; generation shows one only when stdout is not a terminal)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="always generate --max-new-tokens (the untrained model samples eos at random)")
-    c = sub.add_parser("params", help="count total and active parameters of a config (meta device, no memory)")
+    c = sub.add_parser("params", parents=[common],
+                       help="count total and active parameters of a config (meta device, no memory)")
     c.add_argument("config", help="preset name, config JSON path or checkpoint directory")
-    k = sub.add_parser("check-checkpoint", help="check a checkpoint's names, shapes and dtypes from its headers alone")
+    k = sub.add_parser("check-checkpoint", parents=[common],
+                       help="check a checkpoint's names, shapes and dtypes from its headers alone")
     k.add_argument("directory", help="checkpoint directory (config.json, index JSON, shards)")
     k.add_argument("--config", default=None, help="preset name or config JSON to check against "
                                                    "(default: the directory's config.json)")
@@ -40,47 +73,70 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "params":
-        return _params(args.config)
-    if args.command == "check-checkpoint":
-        try:
-            report = check_checkpoint(args.directory, args.config, progress=not args.no_progress)
-        except (ValueError, TypeError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        print(report)
-        return 0 if report.ok else 1
-
     try:
-        model = load(args.config)
-        start = time.perf_counter()
-        stream = generate(args.prompt, model, images=args.image, max_new_tokens=args.max_new_tokens,
-                                  temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                                  stream=True, progress=not args.no_progress,
-                                  stop_at_eos=not args.ignore_eos)
-        pieces = list(stream)
-    except (ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        args = _parser().parse_args(argv)
+        torch.set_num_threads(args.threads)
+        return {"generate": _generate, "params": _params, "check-checkpoint": _check}[args.command](args)
+    except (ValueError, TypeError, OutOfKVBlocksError) as e:
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, whatever the message holds
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `| head`: the reader left; stop quietly (and keep Python's exit flush quiet)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _generate(args) -> int:
+    """Stream the continuation to stdout as it is sampled; the speed line goes to stderr."""
+    model = load(args.config, progress=not args.no_progress)
+    terminal = sys.stdout.isatty()
+    start = time.perf_counter()
+    stream = generate(args.prompt, model, images=args.image, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_p=args.top_p, seed=args.seed, stream=True,
+                      progress=not args.no_progress and not terminal,  # on a terminal the text is the progress
+                      stop_at_eos=not args.ignore_eos)
+    try:
+        for piece in stream:
+            sys.stdout.write(printable(piece) if terminal else piece)
+            sys.stdout.flush()
+    finally:
+        print()
     elapsed = time.perf_counter() - start
     n = stream.num_generated
-    print("".join(pieces))
     print(f"[{args.config}] {n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s "
           f"(time includes the prefill of {len(model.tokenizer.encode(args.prompt))} prompt tokens)", file=sys.stderr)
     return 0
 
 
-def _params(config: str) -> int:
-    try:
-        counts = count_parameters(config)
-    except (ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"{config}: {counts['total']:,} parameters in total, {counts['active']:,} active per token "
-          f"({counts['total'] / 1e9:.2f} B / {counts['active'] / 1e9:.2f} B; "
-          f"{counts['active_with_embedding_and_vision'] / 1e9:.2f} B counting the input embedding and vision path)")
+def printable(text: str) -> str:
+    """Non-printable characters as Python escapes (BEL -> \\x07, CR -> \\r, U+200B -> \\u200b), newlines and
+    tabs kept: an untrained model's control bytes must not ring the bell or overwrite the line."""
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
+def _params(args) -> int:
+    counts = count_parameters(args.config)
+    print(f"{args.config}: {counts['total']:,} parameters in total, {counts['active']:,} active per token "
+          f"({human_count(counts['total'])} / {human_count(counts['active'])}; "
+          f"{human_count(counts['active_with_embedding_and_vision'])} counting the input embedding and vision path)")
     return 0
+
+
+def human_count(n: int) -> str:
+    """Three significant digits in the unit that fits: 2.78 T, 104 B, 31.2 M, 640 K, 12."""
+    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return str(n)
+
+
+def _check(args) -> int:
+    report = check_checkpoint(args.directory, args.config, progress=not args.no_progress)
+    print(report)
+    return 0 if report.ok else 1
 
 
 if __name__ == "__main__":

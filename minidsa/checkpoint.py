@@ -8,7 +8,9 @@ Tensor names are the real model's (``language_model.model.layers.{i}.self_attn.*
 ``...block_sparse_moe.experts.{e}.w1.weight_packed`` uint8 [rows, K/2] and ``.weight_scale`` uint8
 [rows, K/32]). Loading builds the model without initialising it, then streams shard by shard and
 tensor by tensor, checking every name, shape and dtype against the config before copying; anything
-missing, unexpected, malformed or truncated is an error that names the tensor or file.
+missing, unexpected, malformed or truncated is an error that names the tensor or file. Each shard's
+checksum (recorded in the index by save_pretrained) is verified before its data is used, and every
+value is checked: floats finite, E8M0 scales neither NaN nor absurd.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import shards
+from . import mxfp4, shards
 from .config import load_config
 from .dtypes import SAFETENSORS_NAMES, disk_dtype
 from .model import MiniDSA
@@ -39,6 +41,10 @@ def load(name_or_path="tiny", *, device: torch.device | str = "cpu", progress: b
     token is routed to them."""
     if isinstance(name_or_path, (str, os.PathLike)) and Path(name_or_path).is_dir():
         return load_pretrained(name_or_path, device=device, progress=progress, lazy_experts=lazy_experts)
+    if isinstance(name_or_path, (str, os.PathLike)) and (Path(name_or_path).name == shards.INDEX_NAME
+                                                          or Path(name_or_path).suffix == ".safetensors"):
+        raise ValueError(f"{str(name_or_path)!r} is one file of a checkpoint; pass its directory, "
+                         f"minidsa.load({str(Path(name_or_path).parent)!r})")
     return build_model(name_or_path, device=device)
 
 
@@ -92,16 +98,23 @@ def load_pretrained(directory: str | os.PathLike, *, device: torch.device | str 
     """
     directory = Path(directory)
     cfg = load_config(directory / "config.json")
-    weight_map = shards.read_index(directory)
+    weight_map, checksums = shards.read_index(directory)
     model = MiniDSA(cfg, device="meta", init=False).to_empty(device=device)
     expected = model.checkpoint_tensors()  # views into the model's own storage: copying fills the model
     dtypes = {name: disk_dtype(name, t, cfg.torch_dtype) for name, t in expected.items()}
     by_shard = _check_names(directory, weight_map, expected)
     moe_of = {f"language_model.model.layers.{i}.block_sparse_moe": layer.block_sparse_moe
               for i, layer in enumerate(model.language_model.model.layers) if layer.is_moe}
+    for moe in moe_of.values() if lazy_experts else ():
+        # Experts still on disk must not hold to_empty's garbage: a forward converts unrouted experts as
+        # fixed-shape placeholders (gate 0), and 0 * a garbage NaN scale is NaN. Zero codes are finite.
+        moe.experts_packed.zero_()
+        moe.experts_scale.zero_()
     with tqdm(total=len(weight_map), unit="tensor", desc="loading", disable=not progress, leave=False) as bar:
         for fname in sorted(by_shard):
-            _load_shard(directory / fname, by_shard[fname], expected, dtypes, moe_of if lazy_experts else None, bar)
+            verify = shards.checksum_verifier(directory / fname, checksums.get(fname))
+            _load_shard(directory / fname, by_shard[fname], expected, dtypes, moe_of if lazy_experts else None,
+                        verify, bar)
     _check_a_log_padding(expected, cfg.kda.num_heads)
     for moe in moe_of.values():
         moe.resident[:] = not moe.lazy_source
@@ -137,8 +150,27 @@ def _check_a_log_padding(expected: dict[str, torch.Tensor], num_heads: int) -> N
                              f"A_log is expected to be zero-padded to {t.shape[0]}")
 
 
-def _load_shard(path: Path, names: list[str], expected: dict, dtypes: dict, lazy_moe: dict | None, bar) -> None:
-    """Copy (or, for lazy experts, check the header of and register a reader for) each tensor of one shard."""
+def check_values(name: str, t: torch.Tensor) -> None:
+    """A tensor read from a checkpoint: floats must be finite (a NaN lm_head would make greedy decoding
+    emit byte 0, a NaN norm would surface layers later as "indexer scores contain NaN"); E8M0 scales
+    must be neither NaN nor absurd. Raises ValueError naming the tensor."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):  # one pass; counting only on failure
+        nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        raise ValueError(f"tensor {name} holds {nan} NaN and {inf} Inf value(s); the checkpoint is corrupt "
+                         f"or was saved from a diverged model (re-save it from healthy weights)")
+    if name.endswith(".weight_scale"):
+        mxfp4.check_scales(t, name)
+
+
+def _load_shard(path: Path, names: list[str], expected: dict, dtypes: dict, lazy_moe: dict | None,
+                verify, bar) -> None:
+    """Copy (or, for lazy experts, check the header of and register a reader for) each tensor of one shard.
+
+    The shard's checksum is verified before its first tensor is copied; a shard holding only lazy
+    experts is verified when its first expert is read (one pass over that shard)."""
+    lazy = {name: m for name in names if lazy_moe is not None and (m := _EXPERT_TENSOR.match(name))}
+    if len(lazy) < len(names):
+        verify()
     with shards.open_shard(path) as f:
         present = set(f.keys())
         for name in names:
@@ -146,13 +178,12 @@ def _load_shard(path: Path, names: list[str], expected: dict, dtypes: dict, lazy
                 raise ValueError(f"tensor {name} is listed in {shards.INDEX_NAME} under {path.name} "
                                  f"but the shard lacks it")
             target = expected[name]
-            expert = _EXPERT_TENSOR.match(name) if lazy_moe is not None else None
-            if expert is not None:  # header now, data on first use
+            if name in lazy:  # header now, data on first use
                 sl = f.get_slice(name)
                 shards.check_header(name, sl.get_shape(), sl.get_dtype(), target.shape, dtypes[name])
-                prefix, e, w, kind = expert.groups()
-                lazy_moe[prefix].lazy_source[(int(e), w, kind)] = shards.tensor_reader(path, name, target,
-                                                                                         dtypes[name])
+                prefix, e, w, kind = lazy[name].groups()
+                lazy_moe[prefix].lazy_source[(int(e), w, kind)] = shards.tensor_reader(
+                    path, name, target, dtypes[name], check_values, verify)
             else:
-                shards.store(name, path.name, lambda: f.get_tensor(name), target, dtypes[name])
+                shards.store(name, path.name, lambda: f.get_tensor(name), target, dtypes[name], check_values)
             bar.update(1)

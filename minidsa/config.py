@@ -304,7 +304,11 @@ def load_config(name_or_path: "str | Path | ModelConfig | dict") -> ModelConfig:
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        text = path.read_text()
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:  # e.g. a shard or an image: binary, so certainly no config
+            raise ValueError(f"config file {str(path)!r} is not text, so not a config JSON; pass a preset name, a "
+                             f"config JSON path or a checkpoint directory") from None
         source = str(path)
     else:
         s = str(name_or_path)

@@ -20,6 +20,10 @@ E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_EMAX = 2  # exponent of the largest E2M1 magnitude (6 = 1.5 * 2^2)
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
+# The largest E8M0 code a checkpoint may hold: scale 2^16, so a group's values reach 6 * 2^16 ~ 4e5, far
+# beyond any trained weight (quantize gives 2^(floor(log2 amax) - 2)). Codes up to 0xFE are legal, but
+# near the top the elements alone reach 6 * 2^127, past fp32's 3.4e38: the forward would overflow.
+E8M0_MAX_PLAUSIBLE = E8M0_BIAS + 16
 # Midpoints between neighbouring magnitudes. At an exact midpoint the even code wins
 # (round-half-to-even on the mantissa bit): below an even code '>' is needed to move up, below an odd
 # code '>=' is enough.
@@ -45,6 +49,20 @@ def e8m0_to_float(scales: torch.Tensor, dtype: torch.dtype = torch.float32, name
                          f"weights (re-export it)")
     # fp64 holds 2^-127 .. 2^127 exactly; the cast to fp32 keeps them (2^-127 is an fp32 subnormal).
     return torch.exp2(scales.to(torch.float64) - E8M0_BIAS).to(dtype)
+
+
+def check_scales(scales: torch.Tensor, name: str) -> None:
+    """Scales read from a checkpoint: raise ValueError naming the tensor for the NaN code 0xFF or a legal
+    but absurd code above ``E8M0_MAX_PLAUSIBLE`` (found at load, not as an overflow in some later layer)."""
+    if bool((scales == E8M0_NAN).any()):
+        raise ValueError(f"tensor {name} holds the E8M0 NaN code 0xFF; the checkpoint is corrupt or was written "
+                         f"with NaN weights (re-export it)")
+    top = int(scales.max()) if scales.numel() else 0
+    if top > E8M0_MAX_PLAUSIBLE:
+        raise ValueError(f"tensor {name} holds the E8M0 scale code {top:#04x} = 2^{top - E8M0_BIAS}, above the "
+                         f"2^{E8M0_MAX_PLAUSIBLE - E8M0_BIAS} any trained weight needs (its values reach 6 * "
+                         f"2^{top - E8M0_BIAS}; near 2^127 they overflow the forward); the checkpoint is corrupt "
+                         f"(re-export it)")
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

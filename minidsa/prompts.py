@@ -16,6 +16,8 @@ from .model import MiniDSA
 from .tokenizer import IMAGE_MARKER
 from .vision import preprocess
 
+SEED_END = 2**64  # torch.Generator.manual_seed takes seeds below this (negative ones wrap around)
+
 
 @dataclass
 class Request:
@@ -44,6 +46,9 @@ def build_request(model: MiniDSA, prompt, images, max_new_tokens, temperature, t
         raise ValueError(f"top_p = {top_p!r} must be in (0, 1] (1 disables nucleus sampling)")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise TypeError(f"seed must be an int or None, got {seed!r}")
+    if seed is not None and not (0 <= seed and seed + len(texts) <= SEED_END):  # row i samples with seed + i
+        raise ValueError(f"seed = {seed} is outside [0, 2**64 - {len(texts)}]: torch seeds are unsigned 64-bit "
+                         f"and row i of the batch uses seed + i; pass a smaller non-negative seed")
     ids, features = encode_prompts(model, texts, images, batched)
     ctx = model.config.max_seq_len
     for i, p in enumerate(ids):

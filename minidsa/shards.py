@@ -4,15 +4,21 @@ Nothing here knows the model: ``checkpoint.py`` (above the model) maps the model
 and calls these; the MoE layer receives readers made by ``tensor_reader`` for its lazy experts.
 
     directory/model-0000N-of-0000M.safetensors   tensors, at most ~max_shard_size bytes per shard
-    directory/model.safetensors.index.json      {"metadata": {"total_size": bytes}, "weight_map": {name: shard}}
+    directory/model.safetensors.index.json      {"metadata": {"total_size": bytes, "checksums": {shard: "sha256:hex"}},
+                                                 "weight_map": {name: shard}}
+
+The checksum covers a shard file's bytes, header and data: it catches flipped bits that every
+structural check misses (a flipped mantissa bit is still a valid number). Checkpoints without
+checksums (older minidsa, other tools) load unverified.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -21,6 +27,8 @@ from safetensors.torch import save_file
 from .dtypes import SAFETENSORS_NAMES
 
 INDEX_NAME = "model.safetensors.index.json"
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # what write_shards names its shards
+CHECKSUM = "sha256"  # hashlib's sha256 uses the CPU's SHA extensions: about 1 s per GB here, the fastest stdlib hash
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
 ITEM_BYTES = {"U8": 1, "I8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
               "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -35,42 +43,108 @@ def parse_size(size) -> int:
         if m:
             unit = (m.group(2) or "B").upper()
             mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[unit]
-            return max(1, int(float(m.group(1)) * mult))
+            if (n := int(float(m.group(1)) * mult)) > 0:
+                return n
     raise ValueError(f"max_shard_size = {size!r}; use a positive int of bytes or a string like '50MB' or '5GB'")
 
 
+class Index(NamedTuple):
+    """A checkpoint's index JSON: which shard holds each tensor, and each shard's checksum (may be empty)."""
+
+    weight_map: dict[str, str]
+    checksums: dict[str, str]
+
+
 def write_shards(tensors: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str) -> None:
-    """Write ``tensors`` (name -> tensor, in order) as numbered shards plus the index JSON."""
-    limit = parse_size(max_shard_size)
+    """Write ``tensors`` (name -> tensor, in order) as numbered shards plus the index JSON (with each
+    shard's checksum), then remove the shards of an earlier save that the new index no longer lists."""
+    limit = check_shard_size(tensors, max_shard_size)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, t in tensors.items():  # a tensor larger than the limit gets a shard of its own
+    for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > limit:
             shards.append({})
             size = 0
         shards[-1][name] = t.detach().cpu().contiguous()
         size += nbytes
-    weight_map = {}
+    weight_map, checksums = {}, {}
     for i, shard in enumerate(shards, start=1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(directory / fname), metadata={"format": "pt"})
+        checksums[fname] = file_checksum(directory / fname)  # re-read from the page cache: about 1 s per GB
         weight_map.update({name: fname for name in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (directory / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                   indent=2) + "\n")
+    (directory / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total, "checksums": checksums},
+                                                    "weight_map": weight_map}, indent=2) + "\n")
+    # Only after the new index is in place: a re-save with fewer shards must not leave old ones that a
+    # reader globbing *.safetensors (or a person) would take for part of this checkpoint.
+    for path in directory.iterdir():
+        if SHARD_NAME.fullmatch(path.name) and path.name not in checksums:
+            path.unlink()
 
 
-def read_index(directory: Path) -> dict[str, str]:
-    """weight_map of ``directory``'s index, with an error naming what is wrong."""
+def check_shard_size(tensors: dict[str, torch.Tensor], max_shard_size: int | str) -> int:
+    """max_shard_size in bytes; it must hold the largest tensor (else every large tensor would get a
+    shard of its own without a word, e.g. max_shard_size="1KB" writing one file per tensor)."""
+    limit = parse_size(max_shard_size)
+    name, t = max(tensors.items(), key=lambda kv: kv[1].numel() * kv[1].element_size())
+    nbytes = t.numel() * t.element_size()
+    if limit < nbytes:
+        raise ValueError(f"max_shard_size = {max_shard_size!r} ({limit:,} bytes) is smaller than the largest "
+                         f"tensor, {name} ({nbytes:,} bytes); use at least {-(-nbytes // 10**6)}MB")
+    return limit
+
+
+def file_checksum(path: Path) -> str:
+    """"sha256:<hex digest>" of a file's bytes, read in 16 MiB chunks (hashlib releases the GIL on them)."""
+    h = hashlib.new(CHECKSUM)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return f"{CHECKSUM}:{h.hexdigest()}"
+
+
+def verify_checksum(path: Path, expected: str | None) -> None:
+    """Raise ValueError naming the shard if its bytes do not hash to ``expected`` (None: nothing recorded)."""
+    if expected is None:
+        return
+    if not expected.startswith(f"{CHECKSUM}:"):
+        raise ValueError(f"{INDEX_NAME} records checksum {expected!r} for {path.name}; only {CHECKSUM!r} "
+                         f"checksums are known (re-save the checkpoint with this minidsa)")
+    if (actual := file_checksum(path)) != expected:
+        raise ValueError(f"shard {path.name} does not match its checksum in {INDEX_NAME} ({expected} recorded, "
+                         f"{actual} found): the file was damaged or changed after saving; re-save or copy it again")
+
+
+def checksum_verifier(path: Path, expected: str | None) -> Callable[[], None]:
+    """A function that verifies the shard's checksum the first time it is called; later calls do nothing
+    once it has passed (a failure stays a failure: it is checked again on the next call)."""
+    passed = False
+
+    def verify() -> None:
+        nonlocal passed
+        if not passed:
+            verify_checksum(path, expected)
+            passed = True
+    return verify
+
+
+def read_index(directory: Path) -> Index:
+    """The weight_map and shard checksums of ``directory``'s index, with an error naming what is wrong."""
     index_path = directory / INDEX_NAME
     if not index_path.is_file():
         raise ValueError(f"{directory} has no {INDEX_NAME}, so it is not a minidsa checkpoint; save one with "
                          f"model.save_pretrained(dir) or pass a preset name / config JSON path")
     try:
-        return json.loads(index_path.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        index = json.loads(index_path.read_text())
+        weight_map, checksums = index["weight_map"], index.get("metadata", {}).get("checksums", {})
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"malformed {index_path}: {e}") from None
+    for what, table in (("weight_map", weight_map), ("metadata.checksums", checksums)):
+        if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
+            raise ValueError(f"malformed {index_path}: {what} must map names to strings")
+    return Index(weight_map, checksums)
 
 
 def open_shard(path: Path):
@@ -109,25 +183,31 @@ def check_header(name: str, shape, dtype, expected_shape, expected_dtype: torch.
         raise ValueError(f"tensor {name} has dtype {dtype}, expected {expected_dtype}")
 
 
-def store(name: str, fname: str, read: Callable[[], torch.Tensor], target: torch.Tensor, dtype: torch.dtype) -> None:
-    """t = read(); check its shape, its dtype (the on-disk ``dtype``) and (for E8M0 scales) NaN codes;
-    copy it into ``target`` (exact: ``target`` is at least as wide as ``dtype``)."""
+def store(name: str, fname: str, read: Callable[[], torch.Tensor], target: torch.Tensor, dtype: torch.dtype,
+          check: Callable[[str, torch.Tensor], None]) -> None:
+    """t = read(); check its shape, its dtype (the on-disk ``dtype``) and its values (``check(name, t)``
+    raises ValueError naming the tensor); copy it into ``target`` (exact: ``target`` is at least as wide
+    as ``dtype``)."""
     try:
         t = read()
     except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
         raise ValueError(f"cannot read tensor {name} from {fname}: {e} (truncated or corrupt file?)") from None
     check_header(name, t.shape, t.dtype, target.shape, dtype)
-    if name.endswith(".weight_scale") and bool((t == 0xFF).any()):
-        raise ValueError(f"tensor {name} holds the E8M0 NaN code 0xFF; the checkpoint is corrupt")
+    check(name, t)
     with torch.no_grad():
         target.copy_(t)
 
 
-def tensor_reader(path: Path, name: str, target: torch.Tensor, dtype: torch.dtype) -> Callable[[], None]:
+def tensor_reader(path: Path, name: str, target: torch.Tensor, dtype: torch.dtype,
+                  check: Callable[[str, torch.Tensor], None], verify: Callable[[], None]) -> Callable[[], None]:
     """A zero-argument function that reads ``name`` from the shard at ``path`` into ``target``, checked
-    as at load (the MoE layer calls it when an expert is first routed)."""
+    as at load: ``verify()`` (the shard's checksum) first, then header and values (the MoE layer calls
+    it when an expert is first routed)."""
     def read() -> torch.Tensor:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             return f.get_tensor(name)
 
-    return lambda: store(name, path.name, read, target, dtype)
+    def read_checked() -> None:
+        verify()
+        store(name, path.name, read, target, dtype, check)
+    return read_checked

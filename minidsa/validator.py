@@ -72,7 +72,7 @@ def check_checkpoint(directory: str | os.PathLike, config=None, *, progress: boo
         raise ValueError(f"checkpoint directory {str(directory)!r} does not exist")
     cfg = load_config(config if config is not None else directory / "config.json")
     manifest = checkpoint_manifest(cfg)
-    weight_map = shards.read_index(directory)
+    weight_map = shards.read_index(directory).weight_map
     findings = [Finding("missing", INDEX_SHARD, name, f"not listed in {shards.INDEX_NAME}")
                 for name in manifest if name not in weight_map]
     by_shard: dict[str, list[str]] = {}

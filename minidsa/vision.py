@@ -49,17 +49,7 @@ class PreparedImage:
 def load_image(image, name: str = "image") -> torch.Tensor:
     """numpy / torch HxWx3 (uint8 0..255 or float 0..1), torch 3xHxW, or a PNG/JPEG path -> float [3, H, W] in 0..1."""
     if isinstance(image, (str, os.PathLike)):
-        from PIL import Image, UnidentifiedImageError
-
-        path = Path(image)
-        if not path.is_file():
-            raise ValueError(f"{name}: file {str(path)!r} does not exist")
-        try:
-            with Image.open(path) as im:
-                arr = np.asarray(im.convert("RGB"))
-        except (UnidentifiedImageError, OSError) as e:
-            raise ValueError(f"{name}: {str(path)!r} is not a readable PNG/JPEG image ({e})") from None
-        return torch.from_numpy(arr.copy()).permute(2, 0, 1).float() / 255.0
+        return _read_image_file(Path(image), name)
     if isinstance(image, np.ndarray):
         image = torch.from_numpy(np.ascontiguousarray(image))
     if not isinstance(image, torch.Tensor):
@@ -78,6 +68,25 @@ def load_image(image, name: str = "image") -> torch.Tensor:
         raise ValueError(f"{name} is a float image with values in [{float(image.min()):.3g}, {float(image.max()):.3g}]; "
                          f"float images must lie in [0, 1] (or pass uint8 0..255)")
     return chw.float()
+
+
+def _read_image_file(path: Path, name: str) -> torch.Tensor:
+    """A PNG/JPEG file -> float [3, H, W] in 0..1; every way it can fail is a ValueError naming the file."""
+    from PIL import Image, UnidentifiedImageError
+
+    if path.is_dir():
+        raise ValueError(f"{name}: {str(path)!r} is a directory; pass the path of a PNG/JPEG file in it")
+    if not path.is_file():
+        raise ValueError(f"{name}: file {str(path)!r} does not exist")
+    try:
+        with Image.open(path) as im:
+            arr = np.asarray(im.convert("RGB"))
+    except Image.DecompressionBombError as e:  # Pillow refuses > 2 x MAX_IMAGE_PIXELS before decoding
+        raise ValueError(f"{name}: {str(path)!r} is too large to decode safely ({e}); downscale the file, or raise "
+                         f"PIL.Image.MAX_IMAGE_PIXELS if you trust it") from None
+    except (UnidentifiedImageError, OSError) as e:
+        raise ValueError(f"{name}: {str(path)!r} is not a readable PNG/JPEG image ({e})") from None
+    return torch.from_numpy(arr.copy()).permute(2, 0, 1).float() / 255.0
 
 
 def target_size(height: int, width: int, patch: int, merge: int, max_patches: int) -> tuple[int, int]:

@@ -1,8 +1,23 @@
 import dataclasses
 import os
+import shutil
+import tempfile
 
-import pytest
-import torch
+# One CPU thread unless the caller chose otherwise: at these sizes two threads are no faster on a quiet
+# 2-core machine and 10-30x slower as soon as another process shares the CPU (README, "Threads"). Set
+# before torch is imported; subprocesses (the CLI, pip) inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Everything the run puts in the temp folder (pytest keeps its tmp_path folders for three runs, torch
+# creates a compile-cache folder, subprocesses write their own) goes into one folder, removed when
+# the run ends: a test run leaves nothing behind.
+RUN_TMP = tempfile.mkdtemp(prefix="minidsa-tests-")
+os.environ["TMPDIR"] = tempfile.tempdir = RUN_TMP
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Without a GPU the Triton kernels run in Triton's interpreter (numpy, on the CPU). The switch must be
 # set before triton is first imported; a GPU machine compiles them for real unless told otherwise.
@@ -41,3 +56,7 @@ def _seed():
 def kernel_device() -> str:
     """Where kernel parity tests run: the GPU when there is one, else the interpreter on the CPU."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(RUN_TMP, ignore_errors=True)

@@ -3,6 +3,7 @@ reported by name."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import minidsa
+from minidsa.shards import file_checksum
 
 INDEX = "model.safetensors.index.json"
 
@@ -77,11 +79,14 @@ def test_missing_shard(saved, tmp_path):
 
 
 def rewrite_shard_of(path, name, change):
+    """Apply ``change(tensors, index)`` to the shard holding ``name`` and re-record its checksum, as a tool
+    that writes valid safetensors would: what is then caught is the damage itself, not the checksum."""
     index = json.loads((path / INDEX).read_text())
     fname = index["weight_map"][name]
     tensors = load_file(str(path / fname))
     change(tensors, index)
     save_file(tensors, str(path / fname))
+    index["metadata"]["checksums"][fname] = file_checksum(path / fname)
     (path / INDEX).write_text(json.dumps(index))
 
 
@@ -153,9 +158,10 @@ def test_unexpected_tensor_and_bad_index(saved, tmp_path):
         minidsa.load(path)
 
 
-def test_bad_shard_size():
+def test_bad_shard_size(tmp_path):
     with pytest.raises(ValueError, match="max_shard_size"):
-        minidsa.load("tiny").save_pretrained("/nonexistent-unused", max_shard_size="lots")
+        minidsa.load("tiny").save_pretrained(tmp_path / "unused", max_shard_size="lots")
+    assert not (tmp_path / "unused").exists()  # checked before anything is written
 
 
 def test_reference_scale_parameter_counts():
@@ -171,6 +177,9 @@ def test_reference_scale_parameter_counts():
     tower = 1024 * 3 * 14 * 14 + 64 * 64 * 1024 + 27 * block + 1024  # patch conv, position grid, blocks, final norm
     projector = 4096 * 4096 + 4096 * 7168 + 7168
     assert counts["active_with_embedding_and_vision"] - counts["active"] == embedding + tower + projector
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for key in counts:  # the README quotes the figures `python -m minidsa params k3.1-pro` prints
+        assert f"{counts[key]:,}" in readme, key
 
 
 def test_params_cli(capsys):

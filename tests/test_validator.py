@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 import minidsa
 from conftest import tiny_config
 from minidsa.__main__ import main
-from minidsa.shards import ITEM_BYTES, read_header
+from minidsa.shards import ITEM_BYTES, file_checksum, read_header
 
 INDEX = "model.safetensors.index.json"
 P = "language_model.model.layers."
@@ -115,12 +115,14 @@ def test_clean_checkpoint_has_no_findings(saved):
 
 
 def rewrite(path, name, change):
-    """Load the shard holding ``name``, let change(tensors, weight_map) edit it, write shard and index back."""
+    """Load the shard holding ``name``, let change(tensors, weight_map) edit it, write shard and index back
+    (with the shard's new checksum, so that what a load catches is the damage itself)."""
     index = json.loads((path / INDEX).read_text())
     fname = index["weight_map"][name]
     tensors = load_file(str(path / fname))
     change(tensors, index["weight_map"])
     save_file(tensors, str(path / fname), metadata={"format": "pt"})
+    index["metadata"]["checksums"][fname] = file_checksum(path / fname)
     (path / INDEX).write_text(json.dumps(index))
     return fname
 
