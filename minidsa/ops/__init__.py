@@ -19,13 +19,15 @@ from .indexer import index_scores_ref, paged_index_scores_ref, topk_indices_ref
 from .kda import kda_chunk_ref, kda_recurrent_ref
 from .kv_store import store_kv_ref
 from .mla_attention import PREFILL_TILE, decompress_kv, sparse_mla_decode_ref, sparse_mla_prefill_ref
+from .moe_experts import expert_mlp_fp8_ref, expert_mlp_mxfp4_ref, mxfp4_to_fp8_ref
 from .paging import gather_positions, paged_slots
 
 __all__ = ["BACKENDS", "TRITON_KERNELS", "REFERENCES", "acc_dtype", "current_backend", "set_backend",
            "use_backend", "index_scores", "paged_index_scores", "topk_indices", "sparse_attention",
            "masked_dense_attention", "indices_to_mask", "gather_rows", "store_kv", "sparse_mla_decode",
            "sparse_mla_prefill", "decompress_kv", "paged_slots", "gather_positions", "PREFILL_TILE",
-           "kda_recurrent", "kda_chunk", "attn_res_mix", "attn_res_block_scores", "attn_res_merge"]
+           "kda_recurrent", "kda_chunk", "attn_res_mix", "attn_res_block_scores", "attn_res_merge",
+           "mxfp4_to_fp8", "expert_mlp_fp8", "expert_mlp_mxfp4"]
 
 # op name -> its PyTorch reference; a Triton kernel registered under the same name must share its signature.
 REFERENCES = {
@@ -33,6 +35,7 @@ REFERENCES = {
     "topk_indices": topk_indices_ref, "sparse_attention": sparse_attention_ref, "store_kv": store_kv_ref,
     "sparse_mla_decode": sparse_mla_decode_ref, "sparse_mla_prefill": sparse_mla_prefill_ref,
     "kda_recurrent": kda_recurrent_ref, "kda_chunk": kda_chunk_ref, "attn_res_mix": attn_res_mix_ref,
+    "mxfp4_to_fp8": mxfp4_to_fp8_ref, "expert_mlp_fp8": expert_mlp_fp8_ref, "expert_mlp_mxfp4": expert_mlp_mxfp4_ref,
 }
 
 
@@ -119,3 +122,25 @@ def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.
     """Attention Residual mixer. sources [N,...,D], query [D], norm_weight [D] -> [...,D]
     (and the depth weights [N,...] with ``return_weights``)."""
     return pick("attn_res_mix", backend, attn_res_mix_ref, sources)(sources, query, norm_weight, eps, return_weights)
+
+
+def mxfp4_to_fp8(packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor, out_elements: torch.Tensor,
+                 out_scales: torch.Tensor, *, backend: str | None = None) -> None:
+    """In place: experts [n] of packed [E,M,P] / scales [E,M,P/16] (MXFP4) into workspace slots 0..n-1 of
+    out_elements float8_e4m3fn [cap,M,2P] / out_scales [cap,M,P/16]; bit-exact."""
+    return pick("mxfp4_to_fp8", backend, mxfp4_to_fp8_ref, packed)(packed, scales, experts, out_elements, out_scales)
+
+
+def expert_mlp_fp8(z: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor, gates: torch.Tensor,
+                   beta_gate: float, beta_up: float, *, backend: str | None = None) -> torch.Tensor:
+    """Routed-expert MLPs over FP8 workspace slots. z [N,L], elements [cap,3,I*L], scales [cap,3,I*L/32],
+    gates [m,N] (0 = not routed) -> y_lat [N,L] fp32."""
+    return pick("expert_mlp_fp8", backend, expert_mlp_fp8_ref, z)(z, elements, scales, gates, beta_gate, beta_up)
+
+
+def expert_mlp_mxfp4(z: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,
+                     gates: torch.Tensor, beta_gate: float, beta_up: float, *,
+                     backend: str | None = None) -> torch.Tensor:
+    """``expert_mlp_fp8`` reading experts [m] straight from MXFP4 packed [E,3,I*L/2] / scales [E,3,I*L/32]."""
+    return pick("expert_mlp_mxfp4", backend, expert_mlp_mxfp4_ref, z)(
+        z, packed, scales, experts, gates, beta_gate, beta_up)

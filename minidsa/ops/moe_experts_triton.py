@@ -1,0 +1,383 @@
+"""Triton kernels of the routed latent experts (docs/design.md §6, §7, §12): MXFP4 -> FP8 conversion into
+the shared workspace, and the routed-expert MLPs over the FP8 workspace or straight from MXFP4.
+Same signatures and results as ``minidsa/ops/moe_experts.py``.
+
+**Conversion** (``mxfp4_to_fp8``). Grid ``(chunk of BLOCK packed bytes, slot)``; slot j reads expert
+``experts[j]``. An expert's w1, w3, w2 codes are one contiguous block, so a program reads BLOCK bytes,
+turns each nibble into its e4m3 byte with integer arithmetic (magnitude code 0 -> 0x00, 1 (0.5) ->
+0x30, c >= 2 -> 0x30 + 4c; the sign bit moves from bit 3 to bit 7) and writes the two bytes of a
+packed byte as one 16-bit word, even element in the low byte (little-endian, as on every GPU and
+x86 CPU). Its BLOCK/16 E8M0 scales are copied alongside. Bytes moved per expert, with I*L elements
+per matrix: read 3*I*L/2 + 3*I*L/32, write 3*I*L + 3*I*L/32 (51.6 MB at K3's L = 3584, I = 3072).
+
+**Expert MLPs** (``expert_mlp_fp8``, ``expert_mlp_mxfp4``). Three launches, grouped over all slots,
+no Python loop over experts and no atomics:
+
+1. *up*: grid ``(token tile, block of BLOCK_R rows of I, slot)``. A program walks L in BLOCK_K steps,
+   dequantises a [BLOCK_R, BLOCK_K] tile of w1 and of w3 in registers, and accumulates
+   ``g, u [BLOCK_R, BLOCK_T] += W @ z^T`` in fp32 (weights are the dot's M: 64-128 rows, while a decode
+   step has only 1-16 tokens, padded to BLOCK_T = 16 >= tl.dot's minimum by masked lanes). It then
+   applies SiTU-GLU and the gate and writes ``h = gate * SiTU-GLU(g, u)`` [BLOCK_T, BLOCK_R] rows.
+2. *down*: grid ``(token tile, block of BLOCK_R rows of L, slot)``: ``part = h @ W2^T`` per
+   (slot, token) pair, written to a per-pair buffer [pairs, L].
+3. *combine*: one program per (token, BLOCK_L columns) sums its pairs' rows over the slots in a
+   fixed order (a masked [BLOCK_S, BLOCK_L] gather per step, then a tree sum). The split of the
+   expert sum into per-pair rows and a separate ordered reduction is what makes the result bitwise
+   reproducible without atomics.
+
+*Skipping unrouted pairs.* A token lane is live only where ``gates[slot, token] != 0``: dead lanes
+load nothing and store nothing, and a program with no live lane reads no weight at all, so
+placeholder slots (docs/design.md §14) cost a few gate loads. Two pair layouts, chosen by shape:
+- dense (N <= BLOCK_T, every decode step): pair (slot, token) is row ``slot * N + token``; the whole
+  step is one token tile, so nothing is to be gained from compaction, and no host sync is needed.
+- compact (prefill): each slot's routed tokens are listed in ascending order (rank = cumsum of the
+  routed mask, offsets = cumsum of the counts, a scatter of token ids), and token tiles walk those
+  lists, so compute scales with the routed pairs, not with slots x tokens. The buffers are sized by
+  the number of routed pairs and the grid by the longest list: both are read back together (one
+  host sync per prefill call; a decode step never takes this path).
+
+*Dequantisation in registers.* FP8: the e4m3 byte converts to fp32 (hardware cvt on the GPU) and is
+multiplied by its group scale 2^(s-127), built from the E8M0 byte as fp32 exponent bits. MXFP4: the
+packed byte splits into the even (low) and odd (high) nibble, ``tl.join`` + reshape interleaves them
+into element order, and the E2M1 code's 3 magnitude bits are placed in fp16's exponent/mantissa
+(``(c & 7) << 9``, sign at bit 15): that fp16 is the E2M1 value times 2^-14 (0.5 lands on an fp16
+subnormal, which every conversion keeps exact), so one multiply by 2^(s-127+14) gives the weight.
+Every weight value is the reference's value exactly.
+
+*Precision.* Accumulation is fp32. On the GPU each weight tile is cast to bf16 (exact: e4m3 has
+3 mantissa bits) and the fp32 activations are split into ``hi = bf16(x)``, ``lo = bf16(x - hi)``;
+two bf16 tensor-core dots then carry about 16 mantissa bits of x (relative error <= 2^-17 per
+product, against 2^-24 for fp32) instead of the 8 of a single bf16 dot. The interpreter computes
+fp32 dots with ``input_precision="ieee"`` (its bf16 tl.dot is wrong: docs/design.md §12).
+
+*Bytes moved* per routed expert with I*L elements per matrix (K3: I*L = 11.0 M):
+- fused MXFP4 MLP: 3 * I*L * (1/2 + 1/32) = 17.6 MB of weights, read once per launch at decode;
+- workspace path: conversion (51.6 MB, above) + MLP over FP8, 3 * I*L * (1 + 1/32) = 34.1 MB;
+- bf16 weights (the plain-torch peer): 3 * I*L * 2 = 66.1 MB.
+At decode (one token tile) every weight byte of a routed slot is read exactly once; the h and
+per-pair buffers (N*(I+L)*4 bytes per slot) are small beside them. At prefill each token tile of a
+slot re-reads that slot's tile rows; consecutive programs share them (token tile is the fastest grid
+axis), so most repeats hit L2.
+
+fp64 inputs (exactness tests only) go to the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .moe_experts import (check_conversion, check_fp8_mlp, check_mxfp4_mlp, expert_mlp_fp8_ref,
+                          expert_mlp_mxfp4_ref)
+
+CONVERT_BLOCK = {"cuda": 8192, "cpu": 4096}  # packed bytes per conversion program
+
+
+# ------------------------------------------------------------------------------------------ conversion
+@triton.jit
+def _e2m1_to_e4m3(code):
+    """int32 E2M1 codes 0..15 -> the e4m3 bytes of the same values (int32)."""
+    mag = code & 7
+    byte = tl.where(mag >= 2, 0x30 + 4 * mag, tl.where(mag == 1, 0x30, 0))
+    return byte | ((code & 8) << 4)
+
+
+@triton.jit
+def _convert_kernel(packed_ptr, scales_ptr, experts_ptr, out_ptr, out_scales_ptr, nbytes,
+                    sp_e, ss_e, so_e, sos_e, BLOCK: tl.constexpr):
+    slot = tl.program_id(1).to(tl.int64)
+    expert = tl.load(experts_ptr + slot).to(tl.int64)  # 64-bit: a layer's experts pass 2^31 bytes
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < nbytes
+    b = tl.load(packed_ptr + expert * sp_e + offs, mask=ok, other=0).to(tl.int32)
+    word = _e2m1_to_e4m3(b & 0x0F) | (_e2m1_to_e4m3(b >> 4) << 8)  # even element in the low byte
+    tl.store(out_ptr + slot * so_e + offs, word.to(tl.int16), mask=ok)
+    g = tl.program_id(0) * (BLOCK // 16) + tl.arange(0, BLOCK // 16)  # 16 packed bytes share a scale
+    g_ok = g < nbytes // 16
+    s = tl.load(scales_ptr + expert * ss_e + g, mask=g_ok)
+    tl.store(out_scales_ptr + slot * sos_e + g, s, mask=g_ok)
+
+
+def _require_rows_contiguous(name: str, t: torch.Tensor) -> None:
+    """Each expert's [M, n] block must be contiguous (the kernels address it flat); the expert dim may stride."""
+    if t.shape[-1] > 1 and t.stride(-1) != 1 or t.shape[-2] > 1 and t.stride(-2) != t.shape[-1]:
+        raise ValueError(f"{name} must be contiguous within each expert (strides {t.stride()}); "
+                         f"pass a view of the stored [E, 3, n] buffer")
+
+
+def mxfp4_to_fp8(packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,
+                 out_elements: torch.Tensor, out_scales: torch.Tensor) -> None:
+    """In place: the experts listed in ``experts`` converted into workspace slots 0..n-1 (bit-exact).
+
+    Args:
+        packed: uint8 [E, M, P]; scales: uint8 [E, M, P/16]; experts: integer [n];
+        out_elements: float8_e4m3fn [cap, M, 2P]; out_scales: uint8 [cap, M, P/16] (n <= cap).
+    """
+    n, M, P = check_conversion(packed, scales, experts, out_elements, out_scales)
+    for name, t in (("packed", packed), ("scales", scales), ("out_elements", out_elements),
+                    ("out_scales", out_scales)):
+        _require_rows_contiguous(name, t)
+    if n == 0 or P == 0:
+        return
+    words = out_elements.view(torch.int16)  # [cap, M, P]: one 16-bit word per packed byte
+    block = CONVERT_BLOCK["cuda" if packed.is_cuda else "cpu"]
+    grid = (triton.cdiv(M * P, block), n)
+    _convert_kernel[grid](packed, scales, experts.contiguous(), words, out_scales, M * P,
+                          packed.stride(0), scales.stride(0), words.stride(0), out_scales.stride(0),
+                          BLOCK=block, num_warps=8)
+
+
+# ------------------------------------------------------------------------------------ dequantisation
+@triton.jit
+def _e8m0(s, SHIFT: tl.constexpr):
+    """uint8 E8M0 codes -> fp32 2^(s - 127 + SHIFT), built as exponent bits (exact, no exp2 call)."""
+    s = s.to(tl.int32)
+    e = s + SHIFT
+    bits = tl.where(e > 0, e << 23, 0x00400000)  # e == 0 only for SHIFT 0, s 0: 2^-127 (an fp32 subnormal)
+    bits = tl.where(e > 254, 0x7F800000, bits)  # past fp32 (codes a checkpoint load rejects): inf
+    bits = tl.where(s == 255, 0x7FC00000, bits)  # the E8M0 NaN code stays NaN, as in the reference
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scaled(v, s_ptr, rows, row_ok, KG, k0, SHIFT: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
+    """v [ROWS, BK] element values times their group scales (groups of 32 along K, rows x KG scales)."""
+    g = k0 // 32 + tl.arange(0, BK // 32)
+    s = tl.load(s_ptr + rows[:, None] * KG + g[None, :], mask=row_ok[:, None] & (g < KG)[None, :], other=127)
+    return tl.reshape(tl.reshape(v, (ROWS, BK // 32, 32)) * _e8m0(s, SHIFT)[:, :, None], (ROWS, BK))
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, rows, row_ok, K, k0, MXFP4: tl.constexpr, ROWS: tl.constexpr,
+                 BK: tl.constexpr):
+    """fp32 [ROWS, BK] tile (rows ``rows``, columns k0..k0+BK) of one row-major [*, K] expert matrix."""
+    if MXFP4:
+        c = k0 // 2 + tl.arange(0, BK // 2)
+        ok = row_ok[:, None] & (c < K // 2)[None, :]
+        b = tl.load(w_ptr + rows[:, None] * (K // 2) + c[None, :], mask=ok, other=0).to(tl.int32)
+        codes = tl.reshape(tl.join(b & 0x0F, b >> 4), (ROWS, BK))  # low nibble = even element
+        bits = ((codes & 7) << 9) | ((codes & 8) << 12)  # fp16 holding the E2M1 value * 2^-14
+        v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return _scaled(v, s_ptr, rows, row_ok, K // 32, k0, 14, ROWS, BK)
+    else:
+        k = k0 + tl.arange(0, BK)
+        ok = row_ok[:, None] & (k < K)[None, :]
+        v = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=ok, other=0.0).to(tl.float32)
+        return _scaled(v, s_ptr, rows, row_ok, K // 32, k0, 0, ROWS, BK)
+
+
+@triton.jit
+def _dot(w, x_t, acc, SPLIT: tl.constexpr):
+    """acc + w @ x_t for fp32 w [R, K] (bf16-exact weights) and fp32 x_t [K, T], accumulated in fp32."""
+    if SPLIT:  # GPU: two bf16 tensor-core dots carry ~16 mantissa bits of x
+        wb = w.to(tl.bfloat16)
+        hi = x_t.to(tl.bfloat16)
+        lo = (x_t - hi.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(wb, hi, acc)
+        acc = tl.dot(wb, lo, acc)
+    else:  # interpreter: plain fp32
+        acc = tl.dot(w, x_t, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp (no libdevice in the interpreter): odd Taylor series below |x| = 0.1, where
+    (1 - e^-2|x|) / (1 + e^-2|x|) would cancel, that quotient above it (relative error ~1e-7)."""
+    a = tl.abs(x)
+    a2 = a * a
+    series = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0))))
+    e = tl.exp(-2.0 * a)
+    t = tl.where(a < 0.1, series, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _situ_glu(g, u, beta_gate, beta_up):
+    """beta_gate * tanh(g / beta_gate) * sigmoid(g) * beta_up * tanh(u / beta_up) (minidsa.ffn.situ_glu)."""
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    return (beta_gate * _tanh(g / beta_gate) * sig) * (beta_up * _tanh(u / beta_up))
+
+
+# ---------------------------------------------------------------------------------------- MLP passes
+@triton.jit
+def _pairs(slot, tile, gates_ptr, count_ptr, offset_ptr, token_ptr, N, DENSE: tl.constexpr,
+           BLOCK_T: tl.constexpr):
+    """The token lanes of a program: (pair row int64, token, gate fp32, live) [BLOCK_T] each."""
+    j = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    if DENSE:  # pair (slot, token) is row slot * N + token
+        inside = j < N
+        token = j
+        pair = slot.to(tl.int64) * N + j
+    else:  # the slot's routed tokens, listed from its offset
+        inside = j < tl.load(count_ptr + slot)
+        pair = tl.load(offset_ptr + slot).to(tl.int64) + j
+        token = tl.load(token_ptr + pair, mask=inside, other=0)
+    gate = tl.load(gates_ptr + slot.to(tl.int64) * N + token, mask=inside, other=0.0).to(tl.float32)
+    return pair, token, gate, inside & (gate != 0.0)
+
+
+@triton.jit
+def _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP: tl.constexpr):
+    """Base pointers of the slot's expert block (slot j -> experts[j] for MXFP4 storage)."""
+    if HAS_MAP:
+        e = tl.load(experts_ptr + slot).to(tl.int64)
+    else:
+        e = slot.to(tl.int64)
+    return w_ptr + e * sw_e, s_ptr + e * ss_e
+
+
+@triton.jit
+def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_ptr, token_ptr, h_ptr,
+               N, L, I, sw_e, sw_m, ss_e, ss_m, beta_gate, beta_up,
+               MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, SPLIT: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """h[pair, rows] = gate * SiTU-GLU(W1 z, W3 z) for one slot, BLOCK_R rows of I and one token tile."""
+    slot = tl.program_id(2)
+    pair, token, gate, live = _pairs(slot, tl.program_id(0), gates_ptr, count_ptr, offset_ptr, token_ptr, N,
+                                     DENSE, BLOCK_T)
+    if tl.max(live.to(tl.int32), axis=0) > 0:  # no routed token here: read no weight at all
+        rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < I
+        w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
+        acc_g = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
+        acc_u = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
+        for k0 in range(0, L, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            z_t = tl.load(z_ptr + token[None, :] * L + k[:, None], mask=live[None, :] & (k < L)[:, None], other=0.0)
+            acc_g = _dot(_weight_tile(w1, s1, rows, row_ok, L, k0, MXFP4, BLOCK_R, BLOCK_K), z_t, acc_g, SPLIT)
+            acc_u = _dot(_weight_tile(w1 + sw_m, s1 + ss_m, rows, row_ok, L, k0, MXFP4, BLOCK_R, BLOCK_K), z_t,
+                         acc_u, SPLIT)
+        h = _situ_glu(acc_g, acc_u, beta_gate, beta_up) * gate[None, :]
+        tl.store(h_ptr + pair[None, :] * I + rows[:, None], h, mask=row_ok[:, None] & live[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_ptr, token_ptr, part_ptr,
+                 N, L, I, sw_e, sw_m, ss_e, ss_m,
+                 MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """part[pair, rows] = W2[rows] @ h[pair] for one slot, BLOCK_R latent rows and one token tile."""
+    slot = tl.program_id(2)
+    pair, token, gate, live = _pairs(slot, tl.program_id(0), gates_ptr, count_ptr, offset_ptr, token_ptr, N,
+                                     DENSE, BLOCK_T)
+    if tl.max(live.to(tl.int32), axis=0) > 0:
+        rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < L
+        w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
+        acc = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            h_t = tl.load(h_ptr + pair[None, :] * I + k[:, None], mask=live[None, :] & (k < I)[:, None], other=0.0)
+            w2 = _weight_tile(w1 + 2 * sw_m, s1 + 2 * ss_m, rows, row_ok, I, k0, MXFP4, BLOCK_R, BLOCK_K)
+            acc = _dot(w2, h_t, acc, SPLIT)
+        tl.store(part_ptr + pair[None, :] * L + rows[:, None], acc, mask=row_ok[:, None] & live[None, :])
+
+
+@triton.jit
+def _combine_kernel(part_ptr, gates_ptr, rank_ptr, offset_ptr, out_ptr, m, N, L, DENSE: tl.constexpr,
+                    BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr):
+    """y[token, cols] = sum over slots (fixed order) of the token's per-pair rows; unrouted slots skipped."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    col_ok = cols < L
+    acc = tl.zeros((BLOCK_L,), tl.float32)
+    for s0 in range(0, m, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        routed = (s < m) & (tl.load(gates_ptr + s.to(tl.int64) * N + token, mask=s < m, other=0.0) != 0.0)
+        if DENSE:
+            pair = s.to(tl.int64) * N + token
+        else:  # rank is the inclusive count of routed tokens up to this one in the slot's list
+            rank = tl.load(rank_ptr + s.to(tl.int64) * N + token, mask=routed, other=1)
+            pair = tl.load(offset_ptr + s, mask=routed, other=0).to(tl.int64) + rank - 1
+        rows = tl.load(part_ptr + pair[:, None] * L + cols[None, :], mask=routed[:, None] & col_ok[None, :],
+                       other=0.0)
+        acc += tl.sum(rows, axis=0)
+    tl.store(out_ptr + token.to(tl.int64) * L + cols, acc, mask=col_ok)
+
+
+# -------------------------------------------------------------------------------------------- launch
+def _config(on_gpu: bool, dense: bool) -> dict:
+    """Tile sizes: decode (dense) favours many small weight-streaming programs; prefill (compact) a
+    tensor-core-sized tile of 128 weight rows x 64 tokens. The interpreter gets the smallest legal
+    tiles (it pays per program and per element). BLOCK_K is a multiple of the 32-element scale group."""
+    if not on_gpu:
+        return dict(BLOCK_T=16, BLOCK_R=32, BLOCK_K=32, num_warps=4, BLOCK_S=16, BLOCK_L=32)
+    if dense:
+        return dict(BLOCK_T=16, BLOCK_R=64, BLOCK_K=128, num_warps=4, num_stages=3, BLOCK_S=16, BLOCK_L=256)
+    return dict(BLOCK_T=64, BLOCK_R=128, BLOCK_K=64, num_warps=8, num_stages=3, BLOCK_S=16, BLOCK_L=256)
+
+
+def _compact(gates: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-slot lists of routed tokens: (rank int32 [m, N] inclusive, count int32 [m], offset int32 [m],
+    token int32 [pairs + 1], pairs, the longest list). Reads those two numbers back to the host (one
+    sync): the buffers are sized by the pairs and the grid by the longest list, not by N."""
+    m, N = gates.shape
+    routed = gates != 0
+    rank = torch.cumsum(routed, 1, dtype=torch.int32)
+    count = rank[:, -1].contiguous()
+    offset = torch.cumsum(count, 0, dtype=torch.int32) - count
+    pairs, longest = torch.stack([count.sum(), count.max()]).tolist()
+    dest = torch.where(routed, offset[:, None] + rank - 1, pairs).view(-1).long()  # unrouted -> a spare row
+    tokens = torch.arange(N, dtype=torch.int32, device=gates.device).expand(m, N).reshape(-1)
+    token = torch.empty(pairs + 1, dtype=torch.int32, device=gates.device).scatter_(0, dest, tokens)
+    return rank, count, offset, token, pairs, longest
+
+
+def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool | None = None) -> torch.Tensor:
+    """The three passes; ``experts`` None means slot j is storage row j (the FP8 workspace)."""
+    N, m = z.shape[0], gates.shape[0]
+    out = torch.zeros(N, L, dtype=torch.float32, device=z.device)
+    if N == 0 or m == 0:
+        return out
+    on_gpu = z.is_cuda
+    dense = N <= _config(on_gpu, True)["BLOCK_T"] if dense is None else dense
+    cfg = _config(on_gpu, dense)
+    z, gates = z.float().contiguous(), gates.float().contiguous()
+    if dense:
+        rank = count = offset = token = gates  # unused pointers
+        pairs, longest = m * N, N
+    else:
+        rank, count, offset, token, pairs, longest = _compact(gates)
+        if pairs == 0:  # no token routed anywhere
+            return out
+    h = torch.empty(pairs, I, dtype=torch.float32, device=z.device)
+    part = torch.empty(pairs, L, dtype=torch.float32, device=z.device)
+    shared = (w, s, gates if experts is None else experts.contiguous(), gates, count, offset, token)
+    strides = (N, L, I, w.stride(0), w.stride(1), s.stride(0), s.stride(1))
+    meta = dict(MXFP4=w.dtype == torch.uint8, HAS_MAP=experts is not None, DENSE=dense, SPLIT=on_gpu,
+                BLOCK_T=cfg["BLOCK_T"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+    if on_gpu:
+        meta["num_stages"] = cfg["num_stages"]
+    tiles = max(1, triton.cdiv(longest, cfg["BLOCK_T"]))  # token tiles per slot
+    _up_kernel[(tiles, triton.cdiv(I, cfg["BLOCK_R"]), m)](z, *shared, h, *strides, float(beta_gate),
+                                                           float(beta_up), **meta)
+    _down_kernel[(tiles, triton.cdiv(L, cfg["BLOCK_R"]), m)](h, *shared, part, *strides, **meta)
+    _combine_kernel[(N, triton.cdiv(L, cfg["BLOCK_L"]))](part, gates, rank, offset, out, m, N, L, DENSE=dense,
+                                                         BLOCK_S=cfg["BLOCK_S"], BLOCK_L=cfg["BLOCK_L"])
+    return out
+
+
+def expert_mlp_fp8(z: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor, gates: torch.Tensor,
+                   beta_gate: float, beta_up: float) -> torch.Tensor:
+    """Routed-expert MLPs over the FP8 workspace slots: z [N, L], elements float8_e4m3fn [cap, 3, I*L],
+    scales uint8 [cap, 3, I*L/32], gates [m, N] (0 = not routed) -> y_lat [N, L] fp32."""
+    N, L, I, m = check_fp8_mlp(z, elements, scales, gates)
+    if torch.float64 in (z.dtype, gates.dtype):
+        return expert_mlp_fp8_ref(z, elements, scales, gates, beta_gate, beta_up)
+    _require_rows_contiguous("elements", elements)
+    _require_rows_contiguous("scales", scales)
+    return _launch_mlp(z, elements, scales, None, gates, beta_gate, beta_up, L, I)
+
+
+def expert_mlp_mxfp4(z: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,
+                     gates: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
+    """Routed-expert MLPs straight from MXFP4 storage: z [N, L], packed uint8 [E, 3, I*L/2], scales uint8
+    [E, 3, I*L/32], experts integer [m] (slot j = expert experts[j]), gates [m, N] -> y_lat [N, L] fp32."""
+    N, L, I, m = check_mxfp4_mlp(z, packed, scales, experts, gates)
+    if torch.float64 in (z.dtype, gates.dtype):
+        return expert_mlp_mxfp4_ref(z, packed, scales, experts, gates, beta_gate, beta_up)
+    _require_rows_contiguous("packed", packed)
+    _require_rows_contiguous("scales", scales)
+    return _launch_mlp(z, packed, scales, experts, gates, beta_gate, beta_up, L, I)

@@ -1,0 +1,175 @@
+"""Triton kernels of the routed experts (minidsa/ops/moe_experts_triton.py) against their references, on
+tiny odd shapes (L = 96, I = 160: neither a power of two nor a multiple of the tiles).
+
+Without a GPU the kernels run in Triton's interpreter with fp32 dots. The conversion must be bit-exact.
+
+MLP tolerance: kernel and reference multiply the same fp32 weight values (both dequantise exactly)
+by the same fp32 activations, but add the products in other orders (K tiles of 32, then a tree sum
+over slots, against one BLAS call and a sum), and the kernel's tanh/sigmoid are built from exp
+(relative error ~1e-7 against torch's). Outputs are O(1) sums of ~100-term dot products, so those
+differences are a few fp32 ulps of the terms: 2e-5 absolute and relative covers them, while any
+indexing, nibble-order or scale mistake is off by O(0.1). On a GPU the activations enter the tensor
+cores as two bf16 halves (~2^-17 relative per product), so 2e-4 there.
+"""
+
+import inspect
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from conftest import kernel_device  # noqa: E402
+
+import minidsa  # noqa: E402
+from minidsa import mxfp4  # noqa: E402
+from minidsa.ops import moe_experts as ref  # noqa: E402
+from minidsa.ops import moe_experts_triton as kern  # noqa: E402
+
+DEV = kernel_device()
+TOL = dict(atol=2e-5, rtol=2e-5) if DEV == "cpu" else dict(atol=2e-4, rtol=2e-4)
+E, L, I = 5, 96, 160
+
+
+@pytest.mark.parametrize("name", ["mxfp4_to_fp8", "expert_mlp_fp8", "expert_mlp_mxfp4"])
+def test_signatures_match_the_references(name):
+    assert inspect.signature(getattr(kern, name)) == inspect.signature(getattr(ref, name + "_ref"))
+
+
+@pytest.fixture(scope="module")
+def experts_store():
+    """MXFP4 storage [E, 3, I*L/2] of random experts; expert 1 is poisoned (0xFF = NaN scales)."""
+    g = torch.Generator().manual_seed(0)
+    packed, scales = mxfp4.quantize(torch.randn(E, 3, I * L, generator=g) * 0.1)
+    scales[1] = 0xFF
+    return packed.to(DEV), scales.to(DEV)
+
+
+def case(store, N, seed=0):
+    """z [N, L]; slots -> experts [3, 0, 1, 4] with expert 1 (NaN) an unrouted placeholder; random
+    sparse gates with at least one routed token per live slot (slot 3: all); the converted FP8 workspace."""
+    packed, scales = store
+    g = torch.Generator().manual_seed(seed)
+    experts = torch.tensor([3, 0, 1, 4], device=DEV)
+    gates = torch.rand(4, N, generator=g) * (torch.rand(4, N, generator=g) < 0.5)
+    gates[:, 0] = torch.rand(4, generator=g) + 0.1
+    gates[3] = torch.rand(N, generator=g) + 0.1  # every token: at N = 19 its compact list spans two tiles
+    gates[2] = 0.0  # the placeholder slot
+    z = torch.randn(N, L, generator=g).to(DEV)
+    els = torch.empty(5, 3, I * L, dtype=torch.float8_e4m3fn, device=DEV)
+    scs = torch.empty(5, 3, I * L // 32, dtype=torch.uint8, device=DEV)
+    ref.mxfp4_to_fp8_ref(packed, scales, experts, els, scs)
+    return z, experts, gates.to(DEV), els, scs
+
+
+def live_reference(z, store, experts, gates):
+    """The reference over the routed slots only (the placeholder's NaN would poison a dense sum)."""
+    keep = torch.tensor([0, 1, 3], device=DEV)
+    return ref.expert_mlp_mxfp4_ref(z, *store, experts[keep], gates[keep], 4.0, 25.0)
+
+
+def test_conversion_is_bit_exact(experts_store):
+    packed, scales = experts_store
+    experts = torch.tensor([4, 1, 0, 4], device=DEV)  # any order, repeats allowed
+    outs = []
+    for fn in (kern.mxfp4_to_fp8, ref.mxfp4_to_fp8_ref):
+        els = torch.full((6, 3, I * L), 0x5A, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn)
+        scs = torch.full((6, 3, I * L // 32), 0x33, dtype=torch.uint8, device=DEV)
+        fn(packed, scales, experts, els, scs)
+        outs.append((els.view(torch.uint8), scs))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert (outs[0][0][4:] == 0x5A).all() and (outs[0][1][4:] == 0x33).all()  # slots past n untouched
+    # and against mxfp4.to_fp8, the conversion ExpertWorkspace.load uses today
+    want, _ = mxfp4.to_fp8(packed[experts].cpu(), scales[experts].cpu())
+    assert torch.equal(outs[0][0][:4].cpu(), want.view(torch.uint8))
+
+
+def test_conversion_of_every_byte_value():
+    packed = torch.arange(256, dtype=torch.uint8, device=DEV).view(1, 1, 256)
+    scales = torch.arange(16, dtype=torch.uint8, device=DEV).view(1, 1, 16)
+    els = torch.empty(1, 1, 512, dtype=torch.float8_e4m3fn, device=DEV)
+    scs = torch.empty(1, 1, 16, dtype=torch.uint8, device=DEV)
+    kern.mxfp4_to_fp8(packed, scales, torch.tensor([0], device=DEV), els, scs)
+    want, _ = mxfp4.to_fp8(packed.cpu(), scales.cpu())
+    assert torch.equal(els.view(torch.uint8).cpu(), want.view(torch.uint8)) and torch.equal(scs, scales)
+
+
+@pytest.mark.parametrize("N,dense", [(5, None), (19, None), (5, False)], ids=["decode", "prefill", "compact5"])
+def test_fp8_and_mxfp4_mlps_match_the_reference(experts_store, N, dense):
+    # N = 5 fits one token tile (the dense pair layout); N = 19 takes two tiles of the compact layout.
+    z, experts, gates, els, scs = case(experts_store, N)
+    want = live_reference(z, experts_store, experts, gates)
+    got_fp8 = kern._launch_mlp(z, els, scs, None, gates, 4.0, 25.0, L, I, dense=dense)
+    got_mx = kern._launch_mlp(z, *experts_store, experts, gates, 4.0, 25.0, L, I, dense=dense)
+    assert got_fp8.dtype == torch.float32 and torch.isfinite(got_fp8).all(), "the unrouted NaN slot was read"
+    torch.testing.assert_close(got_fp8, want, **TOL)
+    torch.testing.assert_close(got_mx, want, **TOL)
+    # The two kernels see bitwise-identical weights through the same passes: identical results.
+    assert torch.equal(got_fp8, got_mx)
+
+
+def test_public_kernels_and_unrouted_tokens(experts_store):
+    # A token routed nowhere gets exactly 0; the public entry points pick the layout themselves.
+    z, experts, gates, els, scs = case(experts_store, 4, seed=1)
+    gates[:, 2] = 0.0
+    got = kern.expert_mlp_mxfp4(z, *experts_store, experts, gates, 4.0, 25.0)
+    assert torch.equal(got[2], torch.zeros(L, device=DEV))
+    torch.testing.assert_close(got, live_reference(z, experts_store, experts, gates), **TOL)
+    assert torch.equal(kern.expert_mlp_fp8(z, els, scs, gates, 4.0, 25.0), got)
+
+
+def test_kernels_are_deterministic(experts_store):
+    z, experts, gates, els, scs = case(experts_store, 19, seed=2)
+    a = kern.expert_mlp_mxfp4(z, *experts_store, experts, gates, 4.0, 25.0)
+    b = kern.expert_mlp_mxfp4(z, *experts_store, experts, gates, 4.0, 25.0)
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_kernel_reproduces_the_tiny_layer():
+    model = minidsa.load("tiny")
+    moe = model.moe_layers()[2]
+    x = torch.randn(3, model.config.hidden_size)
+    seen = []
+    hook = moe.routed_expert_norm.register_forward_hook(lambda mod, inp, out: seen.append(inp[0]))
+    with torch.no_grad():
+        moe(x)
+        hook.remove()
+        ids, weights = moe.route(x)
+        z = moe.routed_expert_down_proj(x)
+        experts, _ = moe.conversion_plan(ids)
+        gates = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * weights).sum(-1)
+    on = lambda t: t.to(DEV)  # noqa: E731
+    got = kern.expert_mlp_mxfp4(on(z), on(moe.experts_packed), on(moe.experts_scale), on(experts), on(gates),
+                                moe.beta_gate, moe.beta_up)
+    torch.testing.assert_close(got.cpu(), seen[0], **TOL)
+
+
+def test_bad_inputs_raise_like_the_reference(experts_store):
+    z, experts, gates, els, scs = case(experts_store, 3)
+    packed, scales = experts_store
+    calls = [
+        ("expert_mlp_fp8", (z[:, :40], els, scs, gates, 4.0, 25.0)),
+        ("expert_mlp_fp8", (z, els.view(torch.uint8), scs, gates, 4.0, 25.0)),
+        ("expert_mlp_fp8", (z, els, scs, torch.zeros(6, 3, device=DEV), 4.0, 25.0)),
+        ("expert_mlp_mxfp4", (z, packed, scales, experts[:3], gates, 4.0, 25.0)),
+        ("expert_mlp_mxfp4", (z, packed, scales[:, :2], experts, gates, 4.0, 25.0)),
+        ("mxfp4_to_fp8", (packed, scales, experts.float(), els, scs)),
+        ("mxfp4_to_fp8", (packed, scales, torch.arange(5, device=DEV).repeat(2), els, scs)),
+    ]
+    for name, args in calls:
+        with pytest.raises((TypeError, ValueError)) as want:
+            getattr(ref, name + "_ref")(*args)
+        with pytest.raises(want.type, match=str(want.value).replace("(", r"\(").replace(")", r"\)")):
+            getattr(kern, name)(*args)
+    with pytest.raises(ValueError, match="contiguous"):
+        kern.expert_mlp_mxfp4(z, packed.transpose(0, 1).contiguous().transpose(0, 1), scales, experts, gates,
+                              4.0, 25.0)  # matrices of one expert not adjacent
+
+
+def test_fp64_goes_to_the_reference(experts_store):
+    z, experts, gates, els, scs = case(experts_store, 2)
+    z64, g64 = z.double(), gates.double()
+    keep = torch.tensor([0, 1, 3], device=DEV)
+    got = kern.expert_mlp_fp8(z64, els[keep], scs[keep], g64[keep], 4.0, 25.0)
+    assert got.dtype == torch.float64
+    assert torch.equal(got, ref.expert_mlp_fp8_ref(z64, els[keep], scs[keep], g64[keep], 4.0, 25.0))
