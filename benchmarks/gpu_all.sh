@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Every GPU check of the kernels in one device call (the device tool cuts a command at 10 minutes,
+# and each call pays the machine's start):
+#
+#   bash benchmarks/gpu_all.sh            # from the repository root, on the GPU machine
+#
+# 1. the kernel parity tests compiled for the GPU (the same files CI runs in the interpreter; bf16
+#    cases are added on a GPU), 2. one benchmark per kernel, 3. the whole model on both backends.
+# Each step's output goes to $OUT (when set) as well as to the terminal; a failing step does not stop
+# the others, and the exit status says whether any failed.
+set -u
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}."
+out="${OUT:-/tmp}"
+status=0
+step() {
+    local name="$1"; shift
+    echo "=== $name: $*"
+    "$@" 2>&1 | tee "$out/$name.log" | tail -40
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || { echo "=== $name failed (exit $rc)"; status=1; }
+}
+step tests python -m pytest -q tests/test_triton_kv_store.py tests/test_triton_indexer.py tests/test_triton_mla.py \
+    tests/test_triton_kda.py tests/test_triton_moe.py tests/test_paged_ops.py
+step bench_kv_store python benchmarks/bench_kv_store.py
+step bench_indexer python benchmarks/bench_indexer.py
+step bench_mla python benchmarks/bench_mla.py
+step bench_kda python benchmarks/bench_kda.py
+step bench_moe python benchmarks/bench_moe.py
+step model python benchmarks/model_triton_gpu.py --config small --batches 1 32 --steps 16
+exit "$status"
