@@ -3,13 +3,16 @@
 # and each call pays the machine's start):
 #
 #   bash benchmarks/gpu_all.sh            # from the repository root, on the GPU machine
+#   (device tool: command "bash benchmarks/gpu_all.sh", carry ["build/fla"])
 #
 # 1. the kernel parity tests compiled for the GPU (the same files CI runs in the interpreter; bf16
 #    cases are added on a GPU), 2. one benchmark per kernel, 3. the whole model on both backends.
 # Each step's output goes to $OUT (when set) as well as to the terminal; a failing step does not stop
 # the others, and the exit status says whether any failed.
 set -u
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}."
+# fla-core (a pure-Python wheel, benchmark peer only) unpacked under build/fla/x: name "build/fla" in
+# the device call's carry so it travels with the tree.
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}.:build/fla/x"
 out="${OUT:-/tmp}"
 status=0
 step() {

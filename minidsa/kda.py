@@ -78,12 +78,27 @@ class KimiDeltaAttention(nn.Module):
         """x [B, T, d] (already normalised) -> [B, T, d]. ``ctx`` (a CacheContext) supplies and
         receives the per-sequence state; without it the sequence starts from a zero state."""
         B, T, _ = x.shape
-        H, K = self.num_heads, self.head_dim
         acc = acc_dtype(x)
         if ctx is None:
             state = {n: torch.zeros((B,) + s, dtype=acc, device=x.device) for n, s in self.state_shapes().items()}
         else:
             state = {n: ctx.cache.read_state(self.cache_layer, n, ctx.state_slots) for n in self.STATE_NAMES}
+        (q, k, v, g, beta), new_state = self.recurrence_inputs(x, state)
+        if T == 1:  # decode: the recurrence, one step (chosen at run time from the query count)
+            o, new_state["recurrent"] = ops.kda_recurrent(q, k, v, g, beta, None, state["recurrent"])
+        else:
+            o, new_state["recurrent"] = ops.kda_chunk(q, k, v, g, beta, None, state["recurrent"], self.chunk_size)
+        if ctx is not None:
+            for n, value in new_state.items():
+                ctx.stage_state(self.cache_layer, n, value)
+        return self.output(o, x)
+
+    def recurrence_inputs(self, x: torch.Tensor, state: dict[str, torch.Tensor]):
+        """x [B, T, d] and the conv states -> ((q, k [B, T, H, K], v [B, T, H, K], g [B, T, H, K], beta [B, T, H]),
+        {"conv_q", "conv_k", "conv_v": the new conv states}). The training path reuses it (training_forward.py)."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        acc = acc_dtype(x)
         new_state = {}
         qkv = []
         for name, proj, conv in (("q", self.q_proj, self.q_conv1d), ("k", self.k_proj, self.k_conv1d),
@@ -95,15 +110,12 @@ class KimiDeltaAttention(nn.Module):
         k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + L2_EPS)
         z = self.f_b_proj(self.f_a_proj(x)).to(acc) + self.dt_bias.to(acc)
         g = self.lower_bound * torch.sigmoid(self.A_log[:H].to(acc).exp().repeat_interleave(K) * z)
-        g = g.view(B, T, H, K)
         beta = torch.sigmoid(self.b_proj(x).to(acc))
-        if T == 1:  # decode: the recurrence, one step (chosen at run time from the query count)
-            o, new_state["recurrent"] = ops.kda_recurrent(q, k, v, g, beta, None, state["recurrent"])
-        else:
-            o, new_state["recurrent"] = ops.kda_chunk(q, k, v, g, beta, None, state["recurrent"], self.chunk_size)
-        if ctx is not None:
-            for n, value in new_state.items():
-                ctx.stage_state(self.cache_layer, n, value)
-        gate = torch.sigmoid(self.g_proj(x).to(acc))
-        o = self.o_norm(o).reshape(B, T, H * K) * gate
+        return (q, k, v, g.view(B, T, H, K), beta), new_state
+
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o [B, T, H, K] from the recurrence, x [B, T, d] the layer input -> W_o[RMSNorm_head(o) * sigmoid(W_g x)]."""
+        B, T, _ = x.shape
+        gate = torch.sigmoid(self.g_proj(x).to(acc_dtype(x)))
+        o = self.o_norm(o).reshape(B, T, self.num_heads * self.head_dim) * gate
         return self.o_proj(o.to(self.o_proj.weight.dtype))
