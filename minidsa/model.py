@@ -24,7 +24,6 @@ from .dtypes import disk_dtype, memory_dtype
 from .initialization import init_weights
 from .kv_cache import CacheContext, CacheLayout, PagedKVCache
 from .moe import ExpertWorkspace, LatentMoE, expert_stats
-from .ops import acc_dtype
 from .ops._checks import on_host
 from .tokenizer import ByteTokenizer
 from .trace import ForwardTrace

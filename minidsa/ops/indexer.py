@@ -70,6 +70,18 @@ def topk_indices_ref(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> to
     return idx
 
 
+def check_paged_scores_args(q, w, key_plane, key_scale_plane, block_table, context_lens) -> tuple[int, int, int]:
+    """Argument checks of ``paged_index_scores`` (reference and kernel alike) -> (B, block_size, max_blocks)."""
+    B, T, H, D = check_tensor("q", q, ndim=4, floating=True)
+    check_tensor("w", w, shape=(B, T, H), floating=True)
+    _, bs, _ = check_tensor("key_plane", key_plane, shape=(None, None, D))
+    MB = check_tensor("block_table", block_table, shape=(B, None), integer=True)[1]
+    check_tensor("context_lens", context_lens, shape=(B,), integer=True)
+    if key_scale_plane is not None:
+        check_tensor("key_scale_plane", key_scale_plane, shape=(key_plane.shape[0], bs, 1))
+    return B, bs, MB
+
+
 def paged_index_scores_ref(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Tensor,
                            key_scale_plane: torch.Tensor | None, block_table: torch.Tensor,
                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -87,16 +99,11 @@ def paged_index_scores_ref(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Te
         ``index_scores`` over positions < context_lens[b], -inf at every later position and at any
         position whose block is -1 (nothing there to select).
     """
-    B, T, H, D = check_tensor("q", q, ndim=4, floating=True)
-    check_tensor("w", w, shape=(B, T, H), floating=True)
-    _, bs, _ = check_tensor("key_plane", key_plane, shape=(None, None, D))
-    MB = check_tensor("block_table", block_table, shape=(B, None), integer=True)[1]
-    check_tensor("context_lens", context_lens, shape=(B,), integer=True)
+    B, bs, MB = check_paged_scores_args(q, w, key_plane, key_scale_plane, block_table, context_lens)
     positions = torch.arange(MB * bs, device=q.device).expand(B, MB * bs)
     slots = paged_slots(block_table, positions, bs)
     keys = gather_slots(key_plane, slots).to(acc_dtype(q, w))
     if key_scale_plane is not None:
-        check_tensor("key_scale_plane", key_scale_plane, shape=(key_plane.shape[0], bs, 1))
         keys = keys * gather_slots(key_scale_plane, slots).to(keys.dtype)
     scores = index_scores_ref(q, keys, w, scale)
     cached = (positions < context_lens.long().unsqueeze(1)) & (slots >= 0)  # [B, S]

@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_tensor, on_host
-from .indexer import index_scores_ref, paged_index_scores_ref, topk_indices_ref
+from .indexer import check_paged_scores_args, index_scores_ref, paged_index_scores_ref, topk_indices_ref
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -216,13 +216,7 @@ def paged_index_scores(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Tensor
     Returns:
         [B, T, max_blocks * block_size] float32, -inf at positions >= context_lens[b].
     """
-    B, T, H, D = check_tensor("q", q, ndim=4, floating=True)
-    check_tensor("w", w, shape=(B, T, H), floating=True)
-    _, bs, _ = check_tensor("key_plane", key_plane, shape=(None, None, D))
-    check_tensor("block_table", block_table, shape=(B, None), integer=True)
-    check_tensor("context_lens", context_lens, shape=(B,), integer=True)
-    if key_scale_plane is not None:
-        check_tensor("key_scale_plane", key_scale_plane, shape=(key_plane.shape[0], bs, 1))
+    check_paged_scores_args(q, w, key_plane, key_scale_plane, block_table, context_lens)
     if torch.float64 in (q.dtype, w.dtype, key_plane.dtype):
         return paged_index_scores_ref(q, w, key_plane, key_scale_plane, block_table, context_lens, scale)
     return _launch_scores(q, w, key_plane, key_scale_plane, block_table, context_lens, scale)

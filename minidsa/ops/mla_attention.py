@@ -38,6 +38,31 @@ def decompress_kv(kv_latent: torch.Tensor, k_pe: torch.Tensor, kv_b_weight: torc
     return k, v
 
 
+def check_decode_args(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices) -> tuple[int, ...]:
+    """Argument checks of ``sparse_mla_decode`` (reference and kernel alike) -> (B, T, H, r, dr, K)."""
+    B, T, H, r = check_tensor("q_latent", q_latent, ndim=4, floating=True)
+    dr = check_tensor("q_pe", q_pe, shape=(B, T, H, None), floating=True)[3]
+    check_tensor("kv_latent_plane", kv_latent_plane, shape=(None, None, r))
+    check_tensor("k_pe_plane", k_pe_plane, shape=(kv_latent_plane.shape[0], kv_latent_plane.shape[1], dr))
+    check_tensor("block_table", block_table, shape=(B, None), integer=True)
+    K = check_tensor("indices", indices, shape=(B, T, None), integer=True)[2]
+    return B, T, H, r, dr, K
+
+
+def check_prefill_args(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight) -> tuple[int, ...]:
+    """Argument checks of ``sparse_mla_prefill`` (reference and kernel alike) -> (B, T, H, dn, dv)."""
+    B, T, H, Dq = check_tensor("q", q, ndim=4, floating=True)
+    _, bs, r = check_tensor("kv_latent_plane", kv_latent_plane, ndim=3)
+    dr = check_tensor("k_pe_plane", k_pe_plane, shape=(kv_latent_plane.shape[0], bs, None))[2]
+    check_tensor("block_table", block_table, shape=(B, None), integer=True)
+    check_tensor("indices", indices, shape=(B, T, None), integer=True)
+    dn = Dq - dr
+    check_tensor("kv_b_weight", kv_b_weight, shape=(None, r), floating=True)
+    if kv_b_weight.shape[0] % H or kv_b_weight.shape[0] // H <= dn:
+        raise ValueError(f"kv_b_weight {tuple(kv_b_weight.shape)} must be [H * (dn + dv), r] with H={H}, dn={dn}")
+    return B, T, H, dn, kv_b_weight.shape[0] // H - dn
+
+
 def sparse_mla_decode_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_plane: torch.Tensor,
                           k_pe_plane: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor,
                           scale: float) -> torch.Tensor:
@@ -52,12 +77,7 @@ def sparse_mla_decode_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_
         o_latent [B, T, H, r] float32 (float64 kept): sum_s p[s] c_kv[s]; W_UV is applied by the caller.
         score[s] = (q_latent . c_kv[s] + q_pe . k_pe[s]) * scale over the selected s only.
     """
-    B, T, H, r = check_tensor("q_latent", q_latent, ndim=4, floating=True)
-    dr = check_tensor("q_pe", q_pe, shape=(B, T, H, None), floating=True)[3]
-    check_tensor("kv_latent_plane", kv_latent_plane, shape=(None, None, r))
-    check_tensor("k_pe_plane", k_pe_plane, shape=(kv_latent_plane.shape[0], kv_latent_plane.shape[1], dr))
-    check_tensor("block_table", block_table, shape=(B, None), integer=True)
-    K = check_tensor("indices", indices, shape=(B, T, None), integer=True)[2]
+    B, T, H, r, dr, K = check_decode_args(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices)
     acc = acc_dtype(q_latent, q_pe)
     flat = indices.reshape(B, T * K)
     slots = paged_slots(block_table, flat, kv_latent_plane.shape[1])  # one address computation, two planes
@@ -85,16 +105,8 @@ def sparse_mla_prefill_ref(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_
     gathered once (sorted by logical block), decompressed, and attended with indices remapped into
     them. The loops and ``unique`` are fine here: prefill may synchronise, decode never does.
     """
-    B, T, H, Dq = check_tensor("q", q, ndim=4, floating=True)
-    _, bs, r = check_tensor("kv_latent_plane", kv_latent_plane, ndim=3)
-    dr = check_tensor("k_pe_plane", k_pe_plane, shape=(kv_latent_plane.shape[0], bs, None))[2]
-    check_tensor("block_table", block_table, shape=(B, None), integer=True)
-    check_tensor("indices", indices, shape=(B, T, None), integer=True)
-    dn = Dq - dr
-    check_tensor("kv_b_weight", kv_b_weight, shape=(None, r), floating=True)
-    if kv_b_weight.shape[0] % H or kv_b_weight.shape[0] // H <= dn:
-        raise ValueError(f"kv_b_weight {tuple(kv_b_weight.shape)} must be [H * (dn + dv), r] with H={H}, dn={dn}")
-    out = torch.empty(B, T, H, kv_b_weight.shape[0] // H - dn, dtype=acc_dtype(q), device=q.device)
+    B, T, H, dn, dv = check_prefill_args(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight)
+    out = torch.empty(B, T, H, dv, dtype=acc_dtype(q), device=q.device)
     for b in range(B):
         for t0 in range(0, T, PREFILL_TILE):
             tile = indices[b: b + 1, t0: t0 + PREFILL_TILE].long()  # [1, t, K]

@@ -69,14 +69,12 @@ program runs per SM and the gathers' latency is poorly hidden (tile sweep in ``_
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_tensor
-from .mla_attention import sparse_mla_decode_ref, sparse_mla_prefill_ref
+from .mla_attention import check_decode_args, check_prefill_args, sparse_mla_decode_ref, sparse_mla_prefill_ref
 
 _LOG2E = 1.4426950408889634
 
@@ -298,12 +296,7 @@ def sparse_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_plan
     Returns:
         o_latent [B, T, H, r] float32: sum_s p[s] c_kv[s], one launch (plus a combine when split).
     """
-    B, T, H, r = check_tensor("q_latent", q_latent, ndim=4, floating=True)
-    dr = check_tensor("q_pe", q_pe, shape=(B, T, H, None), floating=True)[3]
-    check_tensor("kv_latent_plane", kv_latent_plane, shape=(None, None, r))
-    check_tensor("k_pe_plane", k_pe_plane, shape=(kv_latent_plane.shape[0], kv_latent_plane.shape[1], dr))
-    check_tensor("block_table", block_table, shape=(B, None), integer=True)
-    check_tensor("indices", indices, shape=(B, T, None), integer=True)
+    B, T, H, r, _, _ = check_decode_args(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices)
     if torch.float64 in (q_latent.dtype, q_pe.dtype, kv_latent_plane.dtype, k_pe_plane.dtype):
         # fp64 exists for exactness tests; tensor cores do not do it, the reference does.
         return sparse_mla_decode_ref(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices, scale)
@@ -331,16 +324,8 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     Returns:
         [B, T, H, dv] float32, equal to the block-aggregated MHA reference.
     """
-    B, T, H, Dq = check_tensor("q", q, ndim=4, floating=True)
-    _, bs, r = check_tensor("kv_latent_plane", kv_latent_plane, ndim=3)
-    dr = check_tensor("k_pe_plane", k_pe_plane, shape=(kv_latent_plane.shape[0], bs, None))[2]
-    check_tensor("block_table", block_table, shape=(B, None), integer=True)
-    check_tensor("indices", indices, shape=(B, T, None), integer=True)
-    dn = Dq - dr
-    check_tensor("kv_b_weight", kv_b_weight, shape=(None, r), floating=True)
-    if kv_b_weight.shape[0] % H or kv_b_weight.shape[0] // H <= dn:
-        raise ValueError(f"kv_b_weight {tuple(kv_b_weight.shape)} must be [H * (dn + dv), r] with H={H}, dn={dn}")
-    dv = kv_b_weight.shape[0] // H - dn
+    B, T, H, dn, dv = check_prefill_args(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight)
+    r = kv_latent_plane.shape[-1]
     if torch.float64 in (q.dtype, kv_latent_plane.dtype, k_pe_plane.dtype, kv_b_weight.dtype):
         return sparse_mla_prefill_ref(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
     if B * T == 0 or indices.shape[-1] == 0:
