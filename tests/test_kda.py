@@ -6,6 +6,7 @@ import torch
 
 import minidsa
 from minidsa import ops
+from minidsa.ops.kda import kda_chunk_ref, kda_recurrent_ref
 from minidsa.kda import causal_conv
 
 from conftest import tiny_config
@@ -181,3 +182,12 @@ def test_failed_forward_leaves_kda_state_untouched(monkeypatch):
         resumed = torch.cat([model(ids[:, 10:11], cache=cache, seq_ids=[sid]),
                              model(ids[:, 11:12], cache=cache, seq_ids=[sid])], 1)
         torch.testing.assert_close(resumed, model(ids)[:, 10:], atol=1e-11, rtol=0)
+
+
+@pytest.mark.parametrize("fn", [kda_recurrent_ref, kda_chunk_ref], ids=["recurrent", "chunk"])
+def test_empty_sequence_returns_a_copy_of_the_state(fn):
+    """T = 0: no output rows, and the state passes through as a new tensor (never the caller's own)."""
+    s0 = torch.randn(1, 2, 4, 3)
+    z = torch.zeros(1, 0, 2, 4)
+    o, s = fn(z, z, torch.zeros(1, 0, 2, 3), z, torch.zeros(1, 0, 2), None, s0)
+    assert o.shape == (1, 0, 2, 3) and torch.equal(s, s0) and s.data_ptr() != s0.data_ptr()

@@ -39,8 +39,10 @@ def _prepare(q, k, v, g, beta, scale, initial_state):
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
     q = q.to(acc) * scale
     k = k.to(acc)
-    # Never updated in place below, so the caller's state is not modified even without a copy.
-    state = torch.zeros(B, HV, K, V, dtype=acc, device=q.device) if initial_state is None else initial_state.to(acc)
+    # Never updated in place below, so the caller's state is not modified even without a copy; with
+    # T = 0 it would come back as the caller's own tensor, so that case gets one.
+    state = torch.zeros(B, HV, K, V, dtype=acc, device=q.device) if initial_state is None else \
+        initial_state.to(acc, copy=T == 0)
     return q, k, v.to(acc), g.to(acc), beta.to(acc), state
 
 
@@ -73,27 +75,27 @@ def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=6
       O = (exp(G) * Q) S0 + A_qk V_new,  A_qk[i,j] = sum_d q_id k_jd exp(G_id - G_jd), j <= i
       S = Diag(exp(G_C)) S0 + (exp(G_C - G) * K)^T V_new
     Every exponent is a difference G_i - G_j with j <= i, or G itself, so it is <= 0: no overflow.
-    T need not be a multiple of chunk_size: the tail is padded with g = 0, beta = 0, k = v = 0,
-    steps that leave the state unchanged. T < chunk_size runs as one chunk of T (C changes no result).
+    Any T: the tail is padded with g = beta = k = v = 0 (steps that leave the state unchanged); T < chunk_size is one chunk.
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     out_dtype = v.dtype
     q, k, v, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state)
     B, T, H, K = q.shape
-    V = v.shape[-1]
-    C = max(1, min(chunk_size, T))
+    if T == 0:  # no step: the state passes through (a copy, see _prepare)
+        return v.to(out_dtype), S
+    C = min(chunk_size, T)
     pad = (-T) % C
     if pad:
         q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
         beta = torch.nn.functional.pad(beta, (0, 0, 0, pad))
-    n = (T + pad) // C
+    n, V = (T + pad) // C, v.shape[-1]
     # [B, H, n, C, ...]: heads first so each chunk is a batch of small matrices
     q, k, v, g = (x.view(B, n, C, H, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v, g))
     beta = beta.view(B, n, C, H).permute(0, 3, 1, 2)
     G = g.cumsum(dim=3)
-    strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    strict = causal.tril(-1)
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
 
     def pair_decay(mask):  # exp(G_i - G_j) [..., C(i), C(j), K], zero where mask is False
