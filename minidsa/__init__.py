@@ -4,6 +4,7 @@
     print(minidsa.generate("hello", max_new_tokens=16, temperature=0))
     model = minidsa.load("laptop")
     logits = model(torch.tensor([[256, 104, 105]]))   # one full forward, no cache
+    minidsa.train(minidsa.TrainConfig(model="tiny", out_dir="runs/tiny"))   # the synthetic tasks, DSA recipe
 
 The design document, mechanism by mechanism: docs/design.md in the repository.
 """
@@ -11,12 +12,14 @@ The design document, mechanism by mechanism: docs/design.md in the repository.
 from . import mxfp4, ops
 from .checkpoint import build_model, checkpoint_manifest, count_parameters, default_model, load
 from .config import ModelConfig, load_config, preset_names
+from .evaluation import evaluate
 from .generate import GenerationStream, generate
 from .kv_cache import CacheContext, CacheLayout, OutOfKVBlocksError, PagedKVCache, Plane
 from .model import MiniDSA
 from .sampling import sample_next_token
 from .tokenizer import ByteTokenizer
 from .trace import ForwardTrace, GenerationTrace
+from .training import TrainConfig, train
 from .validator import CheckReport, Finding, check_checkpoint
 
 __version__ = "0.1.0"
@@ -25,5 +28,5 @@ __all__ = [
     "ops", "mxfp4", "ModelConfig", "load_config", "preset_names", "generate", "load", "default_model",
     "GenerationStream", "GenerationTrace", "CacheContext", "CacheLayout", "OutOfKVBlocksError", "PagedKVCache",
     "Plane", "MiniDSA", "ForwardTrace", "build_model", "count_parameters", "ByteTokenizer", "sample_next_token",
-    "checkpoint_manifest", "check_checkpoint", "CheckReport", "Finding",
+    "checkpoint_manifest", "check_checkpoint", "CheckReport", "Finding", "train", "TrainConfig", "evaluate",
 ]

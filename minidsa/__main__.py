@@ -1,5 +1,6 @@
-"""Command line: ``python -m minidsa generate "prompt" [--config laptop] ...``, ``python -m minidsa params NAME``
-and ``python -m minidsa check-checkpoint DIR [--config NAME]``.
+"""Command line: ``python -m minidsa generate "prompt" [--config laptop] ...``, ``python -m minidsa params NAME``,
+``python -m minidsa check-checkpoint DIR [--config NAME]``, ``python -m minidsa train [--config tiny] --out DIR``
+(``--resume`` continues a run in legs) and ``python -m minidsa eval [--checkpoint DIR] [--seed N] [--n N]``.
 
 Every command runs on ``--threads`` CPU threads (default 1, see DEFAULT_THREADS). A user error (a bad
 argument, an unreadable file, a damaged checkpoint) prints one line, ``error: ...``, and exits with
@@ -9,13 +10,16 @@ status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
 
 import torch
 
-from .checkpoint import count_parameters, load
+from . import training
+from .checkpoint import DEFAULT_MODEL, count_parameters, load
+from .evaluation import evaluate, format_metrics
 from .generate import generate
 from .kv_cache import OutOfKVBlocksError
 from .validator import check_checkpoint
@@ -69,14 +73,43 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--config", default=None, help="preset name or config JSON to check against "
                                                    "(default: the directory's config.json)")
     k.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    _train_parser(sub, common)
+    e = sub.add_parser("eval", parents=[common], help="accuracy, random-selection baseline and indexer recall on "
+                                                      "held-out seeds of the synthetic tasks (one 'name: value' a line)")
+    e.add_argument("--checkpoint", default=DEFAULT_MODEL, help=f"checkpoint directory or preset (default: "
+                                                                f"{DEFAULT_MODEL})")
+    e.add_argument("--seed", type=int, default=0, help="seed of the held-out evaluation split (default: 0)")
+    e.add_argument("--n", type=_positive_int, default=64, help="samples per task (default: 64)")
+    e.add_argument("--context", type=_positive_int, default=None, help="retrieval context in tokens "
+                                                                        "(default: 16 x top-k, capped by max_seq_len)")
+    e.add_argument("--distractors", type=int, default=0, help="extra pass-key passages per prompt (default: 0)")
+    e.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     return parser
+
+
+def _train_parser(sub, common) -> None:
+    """``train``: every TrainConfig field as an option (defaults from TrainConfig)."""
+    d = training.TrainConfig()
+    t = sub.add_parser("train", parents=[common], help="train on the synthetic tasks (dense, indexer warm-up, "
+                                                       "sparse), saving a checkpoint; --resume continues a run")
+    t.add_argument("--config", default=d.model, help=f"model preset or config JSON (default: {d.model})")
+    t.add_argument("--out", default=d.out_dir, help=f"checkpoint directory of the run (default: {d.out_dir})")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out; only leg options apply")
+    for name in ("seed", "dense_steps", "warmup_steps", "sparse_steps", "batch_size", "mm_batch_size", "context",
+                 "num_distractors", "lr_warmup", "eval_every", "eval_n", "save_every", "leg_steps"):
+        t.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), metavar="N")
+    for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "max_minutes"):
+        t.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name), metavar="X")
+    t.add_argument("--device", default=d.device, help=f"torch device (default: {d.device})")
+    t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         torch.set_num_threads(args.threads)
-        return {"generate": _generate, "params": _params, "check-checkpoint": _check}[args.command](args)
+        return {"generate": _generate, "params": _params, "check-checkpoint": _check, "train": _train,
+                "eval": _eval}[args.command](args)
     except (ValueError, TypeError, OutOfKVBlocksError) as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, whatever the message holds
         return 2
@@ -137,6 +170,26 @@ def _check(args) -> int:
     report = check_checkpoint(args.directory, args.config, progress=not args.no_progress)
     print(report)
     return 0 if report.ok else 1
+
+
+
+def _train(args) -> int:
+    fields = {f.name for f in dataclasses.fields(training.TrainConfig)}
+    cfg = training.TrainConfig(**{k: v for k, v in vars(args).items() if k in fields},
+                               model=args.config, out_dir=args.out, progress=not args.no_progress)
+    result = training.train(cfg, resume=args.resume)
+    state = "finished" if result["done"] else "stopped (resume with --resume)"
+    print(f"{state} at step {result['step']}; checkpoint in {result['out_dir']}")
+    if result["evals"]:
+        print(format_metrics(result["evals"][-1]))
+    return 0
+
+
+def _eval(args) -> int:
+    model = load(args.checkpoint, progress=False, device=args.device)
+    print(format_metrics(evaluate(model, seed=args.seed, n=args.n, context=args.context,
+                                  num_distractors=args.distractors)))
+    return 0
 
 
 if __name__ == "__main__":

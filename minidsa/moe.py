@@ -83,8 +83,9 @@ class ExpertWorkspace:
         torch.index_select(layer.experts_scale, 0, experts, out=self.scales[:n])
 
     def dequantized(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """Slots 0..n-1 as values [n, 3, I*latent] in ``dtype`` (fp32 ones live in the reused ``values``)."""
-        if dtype != torch.float32:
+        """Slots 0..n-1 as values [n, 3, I*latent] in ``dtype`` (fp32 ones live in the reused ``values``
+        unless autograd is recording: a backward pass needs each layer's values kept, not overwritten)."""
+        if dtype != torch.float32 or torch.is_grad_enabled():
             return mxfp4.fp8_dequantize(self.elements[:n], self.scales[:n], dtype)
         if self.values is None or self.values.device != self.elements.device:
             with torch.inference_mode(False):

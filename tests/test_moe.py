@@ -140,3 +140,14 @@ def test_expert_storage_is_mxfp4():
     stats = minidsa.load("tiny").expert_stats()
     # 4.25 bits per weight (4-bit codes + one 8-bit scale per 32) vs 16 for bf16
     assert stats["expert_bytes_mxfp4"] * 16 == pytest.approx(stats["expert_bytes_bf16"] * 4.25)
+
+
+def test_backward_through_online_experts():
+    """The reference forward with online experts can be differentiated: while autograd records, each
+    layer's dequantised experts are its own tensor, not the reused inference buffer (which the next
+    layer would overwrite under the saved values)."""
+    model = minidsa.MiniDSA(tiny_config())
+    emb = model.language_model.model.embed_tokens.weight
+    loss = model(torch.tensor([[256, 104, 105, 106]])).logsumexp(-1).sum()
+    loss.backward()
+    assert emb.grad is not None and torch.isfinite(emb.grad).all() and emb.grad.abs().sum() > 0
