@@ -23,16 +23,15 @@ results also go to $OUT/bench_kda.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 DRY = "--dry-run" in sys.argv
 if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
 import torch  # noqa: E402
+from _bench import pick_device, timer, warm_up, write_results  # noqa: E402
 
 HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (docs/design.md §11)
 PEAK = 790e12  # FLOP/s, measured H200 bf16 dense matmul
@@ -40,16 +39,6 @@ RMS_TOL = 5e-3  # flash-linear-attention's bar for its kernels against its naive
 REF_MAX_T = 8192  # longest sequence the chunk reference is run on (its pair decays are [C, C, K] per chunk)
 
 
-def timer(device: str):
-    """Median seconds of fn(): triton's do_bench on the GPU, one wall-clock call on the CPU."""
-    def run(fn, rep_ms: int = 200) -> float:
-        if device != "cuda":
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
-        import triton
-        return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") / 1e3
-    return run
 
 
 def load_fla(dev: str):
@@ -114,7 +103,7 @@ def bench_chunk(T: int, dev: str, dry: bool, fla, results: dict) -> bool:
     B, H, K, V = (1, 16, 128, 128) if not dry else (1, 2, 32, 32)
     dt = torch.bfloat16 if dev == "cuda" else torch.float32  # the interpreter's bf16 tl.dot is wrong
     q, k, v, g, beta, s0 = kda_inputs(B, T, H, K, V, dev, dt)
-    bench = timer(dev)
+    bench = timer(dev, warmup=10)
     print(f"chunk (prefill): B={B} T={T} H={H} K={K} V={V} {str(dt)[6:]} chunk 64")
     o, s = kt.kda_chunk(q, k, v, g, beta, None, s0, 64)
     t_kernel = bench(lambda: kt.kda_chunk(q, k, v, g, beta, None, s0, 64), rep_ms=300)
@@ -158,7 +147,7 @@ def bench_decode(dev: str, dry: bool, fla, results: dict) -> bool:
     B, H, K, V = (64, 96, 128, 128) if not dry else (2, 3, 32, 32)
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     q, k, v, g, beta, s0 = kda_inputs(B, 1, H, K, V, dev, dt, seed=1)
-    bench = timer(dev)
+    bench = timer(dev, warmup=10)
     print(f"recurrent (decode): batch {B} x {H} heads, K={K} V={V}, {str(dt)[6:]} inputs, fp32 states")
     o, s = kt.kda_recurrent(q, k, v, g, beta, None, s0)
     t_kernel = bench(lambda: kt.kda_recurrent(q, k, v, g, beta, None, s0))
@@ -191,19 +180,10 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
     ap.add_argument("--only", choices=["chunk", "decode"], help="run one of the two")
     args = ap.parse_args()
-    if not torch.cuda.is_available() and not args.dry_run:
-        print("bench_kda.py needs a CUDA GPU (H200); use --dry-run to check the script on the CPU")
+    dev = pick_device("bench_kda.py", args.dry_run)
+    if dev is None:
         return 0
-    dev = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
-    if dev == "cuda":
-        import triton
-        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-        a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)  # leave the idle clock first
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < 1.0:
-            a @ a
-        torch.cuda.synchronize()
-        del a
+    warm_up(dev)
     fla = load_fla(dev)
     results: dict = {"fla_available": fla is not None}
     ok = True
@@ -215,9 +195,7 @@ def main() -> int:
     if args.only in (None, "decode"):
         ok &= bench_decode(dev, args.dry_run, fla, results)
     print("PASS" if ok else "FAIL")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_kda.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    write_results("bench_kda", results)
     return 0 if ok else 1
 
 

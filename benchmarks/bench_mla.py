@@ -21,7 +21,6 @@ printed as PASS/FAIL. With $OUT set, results also go to $OUT/bench_mla.json.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -32,22 +31,13 @@ if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
 import torch  # noqa: E402
+from _bench import pick_device, timer, warm_up, write_results  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (SPEC §11)
 PEAK = 790e12  # FLOP/s, measured H200 bf16 dense matmul
 
 
-def timer(device: str, quick: bool = False):
-    """Median time in seconds of fn(): triton's do_bench on the GPU, one wall-clock call on the CPU."""
-    def run(fn, rep_ms: int = 200) -> float:
-        if device != "cuda":
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
-        import triton
-        return triton.testing.do_bench(fn, warmup=25 if not quick else 5, rep=rep_ms, return_mode="median") / 1e3
-    return run
 
 
 def causal_topk(T: int, ctx: int, K: int, device: str, chunk: int = 2048) -> torch.Tensor:
@@ -259,22 +249,11 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
     ap.add_argument("--only", choices=["decode", "prefill"], help="run one of the two")
     args = ap.parse_args()
-    if not torch.cuda.is_available() and not args.dry_run:
-        print("bench_mla.py needs a CUDA GPU (H200); use --dry-run to check the script on the CPU")
+    dev = pick_device("bench_mla.py", args.dry_run)
+    if dev is None:
         return 0
-    dev = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
     torch.manual_seed(0)
-    if dev == "cuda":
-        import triton
-        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-        # An idle H200 sits at a low clock; a second of matmuls first keeps the first timings honest
-        # (seen here: 263 us for decode on a cold first call vs 159 us warm).
-        a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < 1.0:
-            a @ a
-        torch.cuda.synchronize()
-        del a
+    warm_up(dev)
     results: dict = {}
     ok = True
     if args.only in (None, "decode"):
@@ -284,9 +263,7 @@ def main() -> int:
             torch.cuda.empty_cache()
         ok &= bench_prefill(dev, args.dry_run, results)
     print("PASS" if ok else "FAIL")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_mla.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    write_results("bench_mla", results)
     return 0 if ok else 1
 
 

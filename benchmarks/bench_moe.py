@@ -31,17 +31,16 @@ FAIL). With $OUT set, results also go to $OUT/bench_moe.json.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
-import time
 
 DRY = "--dry-run" in sys.argv
 if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
 import torch  # noqa: E402
+from _bench import pick_device, timer, warm_up, write_results  # noqa: E402
 
 from minidsa import mxfp4  # noqa: E402
 from minidsa.ops import moe_experts as ref  # noqa: E402
@@ -50,16 +49,6 @@ HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (docs/design.md §11)
 BETA_G, BETA_U = 4.0, 25.0
 
 
-def timer(device: str):
-    """Median seconds of fn(): triton's do_bench on the GPU (L2 flushed between calls), one call on the CPU."""
-    def run(fn, rep_ms: int = 200) -> float:
-        if device != "cuda":
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
-        import triton
-        return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") / 1e3
-    return run
 
 
 def make_experts(E: int, L: int, I: int, dev: str, gen: torch.Generator):
@@ -278,20 +267,11 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=256, help="scaled expert count (K3 has 896)")
     ap.add_argument("--only", choices=["conversion", "decode", "prefill"])
     args = ap.parse_args()
-    if not torch.cuda.is_available() and not args.dry_run:
-        print("bench_moe.py needs a CUDA GPU (H200); use --dry-run to check the script on the CPU")
+    dev = pick_device("bench_moe.py", args.dry_run)
+    if dev is None:
         return 0
-    dev = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
     from minidsa.ops import moe_experts_triton as kern
-    if dev == "cuda":
-        import triton
-        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-        a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)  # lift the idle clocks first
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < 1.0:
-            a @ a
-        torch.cuda.synchronize()
-        del a
+    warm_up(dev)
     s = Setup(dev, args.dry_run, args.experts)
     print(f"experts L={s.L} -> I={s.I} -> L, top-{s.k} of {s.E} (scaled from K3's 896 to fit memory); "
           f"per expert MXFP4 {s.b_mx / 1e6:.1f} MB, FP8 {s.b_fp8 / 1e6:.1f} MB, bf16 {s.b_bf16 / 1e6:.1f} MB")
@@ -305,9 +285,7 @@ def main() -> int:
     if args.only in (None, "prefill"):
         ok &= bench_prefill(s, kern, 20 if args.dry_run else 4096, results)
     print("PASS" if ok else "FAIL")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_moe.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    write_results("bench_moe", results)
     return 0 if ok else 1
 
 
