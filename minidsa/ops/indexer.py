@@ -34,6 +34,18 @@ def index_scores_ref(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: f
     return torch.einsum("bths,bth->bts", torch.relu(logits), w.to(acc))
 
 
+def check_topk_args(scores, topk, q_pos) -> tuple[int, int, int]:
+    """Argument checks of ``topk_indices`` (reference and kernel alike) -> (B, T, S); NaN scores are
+    rejected when they are in CPU memory (elsewhere the check would cost a device sync per call)."""
+    B, T, S = check_tensor("scores", scores, ndim=3, floating=True)
+    check_tensor("q_pos", q_pos, shape=(B, T), integer=True)
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk must be a positive int, got {topk!r}")
+    if on_host(scores) and bool(torch.isnan(scores).any()):
+        raise ValueError("scores contain NaN; top-k of NaN is undefined (check the indexer inputs)")
+    return B, T, S
+
+
 def topk_indices_ref(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> torch.Tensor:
     """Top-k key positions per query among the causal candidates 0..q_pos (itself included).
 
@@ -48,12 +60,7 @@ def topk_indices_ref(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> to
     A NaN score is rejected when ``scores`` is in CPU memory (elsewhere the check would cost a device
     sync per call; NaN then sorts first).
     """
-    B, T, S = check_tensor("scores", scores, ndim=3, floating=True)
-    check_tensor("q_pos", q_pos, shape=(B, T), integer=True)
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
-        raise ValueError(f"topk must be a positive int, got {topk!r}")
-    if on_host(scores) and bool(torch.isnan(scores).any()):
-        raise ValueError("scores contain NaN; top-k of NaN is undefined (check the indexer inputs)")
+    B, T, S = check_topk_args(scores, topk, q_pos)
     pos = torch.arange(S, device=scores.device)
     candidate = pos.view(1, 1, S) <= q_pos.to(torch.long).unsqueeze(-1)  # [B, T, S]
     # Non-candidates sort after every candidate: -inf ties with a candidate scored -inf, and a

@@ -68,8 +68,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_tensor, on_host
-from .indexer import check_paged_scores_args, index_scores_ref, paged_index_scores_ref, topk_indices_ref
+from ._checks import check_tensor
+from .indexer import check_paged_scores_args, check_topk_args, index_scores_ref, paged_index_scores_ref, topk_indices_ref
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -204,18 +204,8 @@ def _launch_scores(q, w, key_plane, key_scale_plane, block_table, context_lens, 
 def paged_index_scores(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Tensor,
                        key_scale_plane: torch.Tensor | None, block_table: torch.Tensor,
                        context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Index scores of each query against every cached key of its own sequence.
-
-    Args:
-        q: [B, T, H, D] indexer queries; w: [B, T, H] signed head weights.
-        key_plane: [num_blocks, block_size, D] cached keys (bf16/fp16/fp32, or float8_e4m3fn).
-        key_scale_plane: [num_blocks, block_size, 1] fp32 per-key scales, or None for unquantised keys.
-        block_table: int32 [B, max_blocks] physical block of each logical block (-1 = none).
-        context_lens: int32 [B] keys each sequence holds.
-        scale: the D^-0.5 factor inside the ReLU.
-    Returns:
-        [B, T, max_blocks * block_size] float32, -inf at positions >= context_lens[b].
-    """
+    """Index scores over each sequence's paged keys: the contract, shapes and dtypes of
+    ``paged_index_scores_ref``, in one fused kernel (see the module docstring)."""
     check_paged_scores_args(q, w, key_plane, key_scale_plane, block_table, context_lens)
     if torch.float64 in (q.dtype, w.dtype, key_plane.dtype):
         return paged_index_scores_ref(q, w, key_plane, key_scale_plane, block_table, context_lens, scale)
@@ -259,22 +249,9 @@ def _topk_keys_kernel(scores_ptr, qpos_ptr, keys_ptr, T, S,
 
 
 def topk_indices(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> torch.Tensor:
-    """Top-k key positions per query among the causal candidates 0..q_pos (itself included).
-
-    Args:
-        scores: [B, T, S] index scores (any float dtype; NaN is rejected when in CPU memory).
-        topk: keys to keep per query, >= 1.
-        q_pos: [B, T] integer absolute position of each query.
-    Returns:
-        int32 [B, T, topk]: positions by descending score, ties to the lower position, -1 padding at
-        the end when fewer than ``topk`` candidates exist.
-    """
-    B, T, S = check_tensor("scores", scores, ndim=3, floating=True)
-    check_tensor("q_pos", q_pos, shape=(B, T), integer=True)
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
-        raise ValueError(f"topk must be a positive int, got {topk!r}")
-    if on_host(scores) and bool(torch.isnan(scores).any()):
-        raise ValueError("scores contain NaN; top-k of NaN is undefined (check the indexer inputs)")
+    """Causal top-k: the contract of ``topk_indices_ref`` (int32 [B, T, topk], ties to the lower position,
+    -1 padding), by packed int64 keys and ``torch.topk`` (see the module docstring)."""
+    B, T, S = check_topk_args(scores, topk, q_pos)
     if scores.dtype == torch.float64 or scores.numel() == 0 or S >= 2 ** 31:
         return topk_indices_ref(scores, topk, q_pos)
     keys = torch.empty(B, T, S, dtype=torch.int64, device=scores.device)

@@ -286,16 +286,8 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 def sparse_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_plane: torch.Tensor,
                       k_pe_plane: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """Absorbed sparse MLA attention over exactly the selected latent rows (kernel).
-
-    Args:
-        q_latent: [B, T, H, r] W_UK^T q_nope per head; q_pe: [B, T, H, dr].
-        kv_latent_plane: [num_blocks, block_size, r]; k_pe_plane: [num_blocks, block_size, dr].
-        block_table: int32 [B, max_blocks]; indices: int32 [B, T, K] logical positions, -1 = padding.
-        scale: softmax scale (dn + dr)^-0.5.
-    Returns:
-        o_latent [B, T, H, r] float32: sum_s p[s] c_kv[s], one launch (plus a combine when split).
-    """
+    """Absorbed sparse MLA attention over exactly the selected latent rows: the contract, shapes and
+    dtypes of ``sparse_mla_decode_ref``; one launch (plus a combine when the K positions are split)."""
     B, T, H, r, _, _ = check_decode_args(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices)
     if torch.float64 in (q_latent.dtype, q_pe.dtype, kv_latent_plane.dtype, k_pe_plane.dtype):
         # fp64 exists for exactness tests; tensor cores do not do it, the reference does.
@@ -313,17 +305,8 @@ def sparse_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_plan
 def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plane: torch.Tensor,
                        block_table: torch.Tensor, indices: torch.Tensor, kv_b_weight: torch.Tensor,
                        scale: float) -> torch.Tensor:
-    """Sparse MLA prefill over the paged planes, in absorbed form (see the module docstring).
-
-    Args:
-        q: [B, T, H, dn + dr] queries [q_nope | q_pe].
-        kv_latent_plane: [num_blocks, block_size, r]; k_pe_plane: [num_blocks, block_size, dr].
-        block_table: int32 [B, max_blocks]; indices: int32 [B, T, K] logical positions, -1 = padding.
-        kv_b_weight: [H * (dn + dv), r] the W_kvb that decompresses c_kv into [k_nope | v] per head.
-        scale: softmax scale (dn + dr)^-0.5.
-    Returns:
-        [B, T, H, dv] float32, equal to the block-aggregated MHA reference.
-    """
+    """Sparse MLA prefill: the contract, shapes and dtypes of ``sparse_mla_prefill_ref``, computed in the
+    absorbed form (see the module docstring): W_UK folded into q, the latent kernel, W_UV after."""
     B, T, H, dn, dv = check_prefill_args(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight)
     r = kv_latent_plane.shape[-1]
     if torch.float64 in (q.dtype, kv_latent_plane.dtype, k_pe_plane.dtype, kv_b_weight.dtype):
