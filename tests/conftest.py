@@ -48,6 +48,16 @@ def tiny_model64() -> minidsa.MiniDSA:
     return minidsa.MiniDSA(tiny_config(dtype="float64"))
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(the tiny model, the directory it was saved to in many small shards, some of them holding routed
+    experts only). One per test module, so a module may damage its copy without touching another's."""
+    model = minidsa.load("tiny")
+    path = tmp_path_factory.mktemp("ckpt")
+    model.save_pretrained(path, max_shard_size="100KB")
+    return model, path
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -16,14 +16,6 @@ from minidsa.shards import file_checksum
 INDEX = "model.safetensors.index.json"
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    model = minidsa.load("tiny")
-    path = tmp_path_factory.mktemp("ckpt")
-    model.save_pretrained(path, max_shard_size="100KB")
-    return model, path
-
-
 def copy_of(saved, tmp_path):
     dst = tmp_path / "ckpt"
     shutil.copytree(saved[1], dst)

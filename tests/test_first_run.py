@@ -29,15 +29,6 @@ INDEX = shards.INDEX_NAME
 EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight_(packed|scale)$")
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """The tiny model saved in many small shards (some of them hold routed experts only)."""
-    model = minidsa.load("tiny")
-    path = tmp_path_factory.mktemp("ckpt")
-    model.save_pretrained(path, max_shard_size="100KB")
-    return model, path
-
-
 def copy_of(saved, tmp_path) -> Path:
     return Path(shutil.copytree(saved[1], tmp_path / "ckpt"))
 

@@ -22,10 +22,9 @@ P = "language_model.model.layers."
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ckpt")
-    minidsa.load("tiny").save_pretrained(path, max_shard_size="100KB")
-    return path
+def saved(saved):
+    """conftest's saved checkpoint; here only its directory."""
+    return saved[1]
 
 
 def copy_of(src, tmp_path):
