@@ -84,6 +84,19 @@ SUB = tl.constexpr(SUB_ROWS)  # the same, as the kernels see it
 
 # --------------------------------------------------------------------------------------- loads
 @triton.jit
+def _load_state(s0_ptr, bh, K, V, d, e, BK: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr):
+    """The [BK, BV] fp32 tile (key rows d, value columns e) of state bh, zeros without an initial
+    state; also its offsets and mask, for the store of the final state at the same place."""
+    state_offs = bh * K * V + d[:, None] * V + e[None, :]
+    state_mask = (d < K)[:, None] & (e < V)[None, :]
+    if HAS_S0:
+        S = tl.load(s0_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+    return S, state_offs, state_mask
+
+
+@triton.jit
 def _token_tile(ptr, bT, t, ok, head, n_heads, width, d):
     """fp32 tile [len(t), len(d)] of a contiguous [B, T, n_heads, width] tensor: tokens ``bT + t`` of
     one head, columns d; zero where ``ok`` is False or d >= width (masked, never read)."""
@@ -123,12 +136,7 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0_ptr, o_ptr, s_ptr
     h = hv // REP  # grouped value heads share q/k head hv // (HV / H)
     d = tl.arange(0, BLOCK_K)
     e = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    state_offs = bh * K * V + d[:, None] * V + e[None, :]
-    state_mask = (d < K)[:, None] & (e < V)[None, :]
-    if HAS_S0:
-        S = tl.load(s0_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)
-    else:
-        S = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    S, state_offs, state_mask = _load_state(s0_ptr, bh, K, V, d, e, BLOCK_K, BLOCK_V, HAS_S0)
     bT = b * T
     for t in range(T):
         k = _token_row(k_ptr, bT, t, d < K, h, H, K, d)
@@ -322,12 +330,7 @@ def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gl_ptr, s0_ptr, hs_ptr, vn_ptr, s_
     d = tl.arange(0, BK)
     e = tl.program_id(1) * BV + tl.arange(0, BV)  # < BVF: the grid covers the padded width exactly
     r = tl.arange(0, BC)
-    state_offs = bh * K * V + d[:, None] * V + e[None, :]
-    state_mask = (d < K)[:, None] & (e < V)[None, :]
-    if HAS_S0:
-        S = tl.load(s0_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)
-    else:
-        S = tl.zeros([BK, BV], dtype=tl.float32)
+    S, state_offs, state_mask = _load_state(s0_ptr, bh, K, V, d, e, BK, BV, HAS_S0)
     for c in range(NT):
         rows = (bh * NT + c) * BC + r
         tl.store(hs_ptr + (bh * NT + c) * BK * BVF + d[:, None] * BVF + e[None, :], S)
