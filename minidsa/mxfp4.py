@@ -134,6 +134,15 @@ def _fp8_values(device=None) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
+def _fp8_pair_values(device=None) -> torch.Tensor:
+    """int64 [65536]: for every 2-byte pattern (read as uint16), the fp32 values of its two e4m3 bytes in
+    memory order, packed in 8 bytes. One lookup per element pair halves the gather's index work."""
+    with torch.inference_mode(False):
+        pair_bytes = torch.arange(65536, dtype=torch.int32).to(torch.uint16).view(torch.uint8).view(-1, 2)
+        return _fp8_values()[pair_bytes.int()].contiguous().view(torch.int64).view(-1).to(device)
+
+
+@functools.lru_cache(maxsize=None)
 def _e8m0_values(device=None) -> torch.Tensor:
     """fp32 [256]: 2^(s - 127) for every E8M0 code (0xFF gives NaN; it is rejected at load)."""
     with torch.inference_mode(False):
@@ -178,7 +187,11 @@ def fp8_dequantize(elements: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
     ``out`` (float32, elements' shape) is filled and returned instead of a new tensor (with dtype float32)."""
     _check_out(out, elements.shape, torch.float32)
-    values = _lookup(_fp8_values(elements.device), elements.view(torch.uint8), out)
+    if elements.device.type == "cpu" and elements.shape[-1] % 2 == 0 and elements.is_contiguous():
+        out = torch.empty(elements.shape, dtype=torch.float32) if out is None else out
+        values = _lookup(_fp8_pair_values(), elements.view(torch.uint16), out.view(torch.int64)).view(torch.float32)
+    else:
+        values = _lookup(_fp8_values(elements.device), elements.view(torch.uint8), out)
     scale = _lookup(_e8m0_values(scales.device), scales)
     values.view(*values.shape[:-1], -1, GROUP).mul_(scale.unsqueeze(-1))  # in place: one buffer, not two
     return values.to(dtype)

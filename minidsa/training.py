@@ -174,6 +174,10 @@ def train(config: TrainConfig | None = None, *, resume: bool = False, **override
         log["history"].append(train_step(tm, opt, cfg, step))
         bar.set_postfix({k: f"{v:.3g}" for k, v in log["history"][-1].items() if k in ("lm", "mm", "kl")})
         done = step + 1
+        if not cfg.progress and done % 50 == 0:  # without the bar, a line per 50 steps for logs of long legs
+            rate = (done - first) / (time.perf_counter() - start_time)
+            print(f"step {done}: " + ", ".join(f"{k} {v:.4g}" for k, v in log["history"][-1].items()
+                                               if isinstance(v, float)) + f", {rate:.2f} steps/s", flush=True)
         if cfg.eval_every and done % cfg.eval_every == 0 or done == cfg.total_steps:
             log["evals"].append({"step": done, **evaluate(tm, seed=cfg.seed, n=cfg.eval_n, context=cfg.context or None,
                                                           num_distractors=cfg.num_distractors)})
