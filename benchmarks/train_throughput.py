@@ -145,7 +145,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="dry run: tiny config, batch 2 x 128, 2 steps")
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--only", default=None, help=argparse.SUPPRESS)  # one variant in this process (CPU memory)
+    p.add_argument("--only", default=None, help=argparse.SUPPRESS)  # one variant in this process
     args = p.parse_args()
     if args.tiny:
         args.config, args.batch, args.context, args.steps, args.warmup = "tiny", 2, 128, 2, 1
@@ -158,12 +158,14 @@ def main() -> None:
           f"lean {lean:.6f}, |diff| {abs(ref - lean):.2e}")
     rows = []
     for v in args.variants.split(","):
-        if args.device == "cpu":  # own process: ru_maxrss is a per-process high-water mark
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--only", v]
-            rows.append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1]))
-        else:
-            rows.append(run_variant(v, args))
-            torch.cuda.empty_cache()
+        # each variant in its own process: the peak (ru_maxrss on a CPU, max_memory_allocated on a GPU) is
+        # then that variant's alone, and one that runs out of memory does not take the others with it
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--only", v]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"{v:10s} failed: {(done.stderr.strip().splitlines() or ['?'])[-1][:160]}", flush=True)
+            continue
+        rows.append(json.loads(done.stdout.splitlines()[-1]))
         r = rows[-1]
         print(f"{v:10s} {r['tokens_per_s']:>12,.0f} tokens/s  {r['step_s'] * 1e3:9.1f} ms/step  "
               f"peak {r['peak_gib']:7.2f} GiB  loss {r['loss']:.4f}", flush=True)

@@ -29,9 +29,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import mxfp4
+from . import mxfp4, ops
 from .config import ModelConfig
-from .ffn import SituGluMLP, situ_glu
+from .ffn import SituGluMLP
 from .norm import RMSNorm
 from .ops import acc_dtype
 
@@ -57,9 +57,6 @@ class ExpertWorkspace:
     elements: float8_e4m3fn [capacity, 3, I*latent]; scales: uint8 [capacity, 3, I*latent/32] (w1, w3, w2).
     ``routed`` int64 [2] counts routed experts converted: since the last reset, and in the current
     forward. It stays on the device (no host sync per layer) and is read only by ``expert_stats``.
-    ``values`` is the torch reference's fp32 copy of the slots it computes from (a kernel reads the FP8
-    elements directly): allocated on first use and reused by every layer, so decoding does not
-    allocate and fault in 4 bytes per converted element in each layer.
     """
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str) -> None:
@@ -69,7 +66,6 @@ class ExpertWorkspace:
             self.elements = torch.empty(self.capacity, 3, n, dtype=torch.float8_e4m3fn, device=device)
             self.scales = torch.empty(self.capacity, 3, n // mxfp4.GROUP, dtype=torch.uint8, device=device)
             self.routed = torch.zeros(2, dtype=torch.long, device=device)
-        self.values: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -77,20 +73,7 @@ class ExpertWorkspace:
 
     def load(self, layer: "LatentMoE", experts: torch.Tensor) -> None:
         """Convert the packed weights of ``experts`` (ids [n], n <= capacity) into slots 0..n-1."""
-        n = experts.numel()
-        mxfp4.to_fp8(layer.experts_packed.index_select(0, experts), layer.experts_scale.index_select(0, experts),
-                     out=self.elements[:n])
-        torch.index_select(layer.experts_scale, 0, experts, out=self.scales[:n])
-
-    def dequantized(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """Slots 0..n-1 as values [n, 3, I*latent] in ``dtype`` (fp32 ones live in the reused ``values``
-        unless autograd is recording: a backward pass needs each layer's values kept, not overwritten)."""
-        if dtype != torch.float32 or torch.is_grad_enabled():
-            return mxfp4.fp8_dequantize(self.elements[:n], self.scales[:n], dtype)
-        if self.values is None or self.values.device != self.elements.device:
-            with torch.inference_mode(False):
-                self.values = torch.empty(self.elements.shape, dtype=torch.float32, device=self.elements.device)
-        return mxfp4.fp8_dequantize(self.elements[:n], self.scales[:n], dtype, out=self.values[:n])
+        ops.mxfp4_to_fp8(layer.experts_packed, layer.experts_scale, experts, self.elements, self.scales)
 
 
 class LatentMoE(nn.Module):
@@ -184,15 +167,14 @@ class LatentMoE(nn.Module):
         order = torch.sort((~routed).to(torch.int8), stable=True).indices
         return order[: min(ids.numel(), self.num_experts)], routed.sum()
 
-    def _weights(self, experts: torch.Tensor, acc: torch.dtype) -> dict[str, torch.Tensor]:
-        """FP8 matrices of ``experts`` [m] (through the shared workspace, or the offline copies) -> [m, rows, K]."""
+    def _slots(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8 elements and scales whose slots 0..m-1 hold ``experts`` [m]: the shared workspace after
+        converting them, or (offline mode) the experts picked from the all-expert FP8 copy."""
         if self.offline is not None:
-            values = mxfp4.fp8_dequantize(self.offline[0][experts], self.offline[1][experts], acc)
-        else:
-            ws = self._workspace()
-            ws.load(self, experts)
-            values = ws.dequantized(experts.numel(), acc)
-        return split_matrices(values, self.shapes, 1)
+            return self.offline[0].index_select(0, experts), self.offline[1].index_select(0, experts)
+        ws = self._workspace()
+        ws.load(self, experts)
+        return ws.elements, ws.scales
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -206,14 +188,12 @@ class LatentMoE(nn.Module):
         if self.offline is None:
             self._workspace().routed += num_routed  # the placeholders are not counted
         step = experts.numel() if self.offline is not None else self._workspace().capacity
-        parts = []  # [m, N, latent] per round; summed once, so rounds change no rounding
-        for start in range(0, experts.numel(), step):  # rounds only if the batch exceeds the workspace
+        y_lat = None  # [N, latent]: the rounds' outputs summed (one round unless the batch exceeds the workspace)
+        for start in range(0, experts.numel(), step):
             batch = experts[start: start + step]
-            w = self._weights(batch, acc)
             gates = ((ids.unsqueeze(0) == batch.view(-1, 1, 1)) * weights).sum(-1)  # [m, N], 0 = not routed
-            h = situ_glu(z @ w["w1"].mT, z @ w["w3"].mT, self.beta_gate, self.beta_up)  # [m, N, I]
-            parts.append((h * gates.unsqueeze(-1)) @ w["w2"].mT)  # [m, N, latent]
-        y_lat = torch.cat(parts).sum(0)
+            part = ops.expert_mlp_fp8(z, *self._slots(batch), gates.to(acc), self.beta_gate, self.beta_up)
+            y_lat = part if y_lat is None else y_lat + part
         y = self.routed_expert_up_proj(self.routed_expert_norm(y_lat.to(x.dtype)))
         return (y + self.shared_experts(x)).reshape(shape)
 

@@ -31,6 +31,11 @@ TRITON_KERNELS: dict[str, tuple[str, str]] = {
     "topk_indices": ("minidsa.ops.indexer_triton", "topk_indices"),
     "sparse_mla_decode": ("minidsa.ops.mla_attention_triton", "sparse_mla_decode"),
     "sparse_mla_prefill": ("minidsa.ops.mla_attention_triton", "sparse_mla_prefill"),
+    "kda_recurrent": ("minidsa.ops.kda_triton", "kda_recurrent"),
+    "kda_chunk": ("minidsa.ops.kda_triton", "kda_chunk"),
+    "mxfp4_to_fp8": ("minidsa.ops.moe_experts_triton", "mxfp4_to_fp8"),
+    "expert_mlp_fp8": ("minidsa.ops.moe_experts_triton", "expert_mlp_fp8"),
+    "expert_mlp_mxfp4": ("minidsa.ops.moe_experts_triton", "expert_mlp_mxfp4"),
 }
 
 _default = "auto"

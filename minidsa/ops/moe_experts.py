@@ -43,6 +43,23 @@ def _e2m1_fp8_bytes(device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
+def _byte_to_fp8_pair(device) -> torch.Tensor:
+    """int16 [256]: both e4m3 bytes of a packed byte's two E2M1 codes, low nibble first in memory (built by
+    viewing the byte pair as int16, so it is right on either byte order)."""
+    codes = torch.arange(256)
+    fp8 = _e2m1_fp8_bytes("cpu")
+    with torch.inference_mode(False):
+        pair = torch.stack([fp8[codes & 0x0F], fp8[codes >> 4]], dim=-1).contiguous()
+        return pair.view(torch.int16)[:, 0].to(device)
+
+
+def _lookup(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """table [256] indexed by uint8 codes [...] -> [...] in table's dtype (index_select on int32 indices is
+    the fastest gather on a CPU; on a GPU this is the reference, the kernels do not use it)."""
+    return table.index_select(0, codes.reshape(-1).int()).view(codes.shape)
+
+
+@functools.lru_cache(maxsize=None)
 def _tables(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp64 [16] E2M1 values, fp64 [256] e4m3 values, fp64 [256] E8M0 values (0xFF = NaN, as at load)."""
     with torch.inference_mode(False):
@@ -96,10 +113,9 @@ def mxfp4_to_fp8_ref(packed: torch.Tensor, scales: torch.Tensor, experts: torch.
     (``ExpertWorkspace.load``).
     """
     n, M, P = check_conversion(packed, scales, experts, out_elements, out_scales)
-    codes = packed.index_select(0, experts.long())
-    table = _e2m1_fp8_bytes(packed.device)
-    pair = torch.stack([table[(codes & 0x0F).long()], table[(codes >> 4).long()]], dim=-1)  # low nibble first
-    out_elements[:n].view(torch.uint8).copy_(pair.view(n, M, 2 * P))
+    codes = packed.index_select(0, experts.long())  # [n, M, P]
+    # one lookup per packed byte writes both of its elements (an int16 = two e4m3 bytes, low nibble first)
+    out_elements[:n].view(torch.int16).copy_(_lookup(_byte_to_fp8_pair(packed.device), codes))
     torch.index_select(scales, 0, experts.long(), out=out_scales[:n])
 
 
@@ -169,8 +185,8 @@ def expert_mlp_fp8_ref(z: torch.Tensor, elements: torch.Tensor, scales: torch.Te
     m = check_fp8_mlp(z, elements, scales, gates)[3]
     acc = acc_dtype(z, gates)
     _, fp8, e8m0 = _tables(z.device)
-    values = fp8.to(acc)[elements[:m].view(torch.uint8).long()]
-    values.view(m, 3, -1, GROUP).mul_(e8m0.to(acc)[scales[:m].long()].unsqueeze(-1))
+    values = _lookup(fp8.to(acc), elements[:m].view(torch.uint8))  # exact: every e4m3 value is a float
+    values.view(m, 3, -1, GROUP).mul_(_lookup(e8m0.to(acc), scales[:m]).unsqueeze(-1))
     return _expert_mlp_core(z.to(acc), values, gates.to(acc), beta_gate, beta_up)
 
 
@@ -190,6 +206,6 @@ def expert_mlp_mxfp4_ref(z: torch.Tensor, packed: torch.Tensor, scales: torch.Te
     acc = acc_dtype(z, gates)
     e2m1, _, e8m0 = _tables(z.device)
     codes = packed.index_select(0, experts.long())
-    values = e2m1.to(acc)[torch.stack([codes & 0x0F, codes >> 4], dim=-1).long()].view(m, 3, -1)
-    values.view(m, 3, -1, GROUP).mul_(e8m0.to(acc)[scales.index_select(0, experts.long()).long()].unsqueeze(-1))
+    values = _lookup(e2m1.to(acc), torch.stack([codes & 0x0F, codes >> 4], dim=-1)).view(m, 3, -1)
+    values.view(m, 3, -1, GROUP).mul_(_lookup(e8m0.to(acc), scales.index_select(0, experts.long())).unsqueeze(-1))
     return _expert_mlp_core(z.to(acc), values, gates.to(acc), beta_gate, beta_up)

@@ -72,6 +72,7 @@ from .moe_experts import (check_conversion, check_fp8_mlp, check_mxfp4_mlp, expe
                           expert_mlp_mxfp4_ref)
 
 CONVERT_BLOCK = {"cuda": 8192, "cpu": 4096}  # packed bytes per conversion program
+CONVERT_WARPS = 8  # warps per conversion program on the GPU (benchmarks/tune_moe.py sweeps both)
 
 
 # ------------------------------------------------------------------------------------------ conversion
@@ -125,7 +126,7 @@ def mxfp4_to_fp8(packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tens
     grid = (triton.cdiv(M * P, block), n)
     _convert_kernel[grid](packed, scales, experts.contiguous(), words, out_scales, M * P,
                           packed.stride(0), scales.stride(0), words.stride(0), out_scales.stride(0),
-                          BLOCK=block, num_warps=8)
+                          BLOCK=block, num_warps=CONVERT_WARPS)
 
 
 # ------------------------------------------------------------------------------------ dequantisation
