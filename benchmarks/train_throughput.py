@@ -79,8 +79,8 @@ def make_step(variant: str, cfg, device):
         return lambda ids: _backward(lm_loss(peer(ids), ids)), peer
     model = minidsa.MiniDSA(cfg, device=device)
     if variant == "reference":
-        # Offline experts: the online mode dequantises every layer into one shared buffer, which a backward
-        # cannot differentiate through (each layer overwrites what the previous one saved).
+        # Offline experts: every expert converted to FP8 once, not once per layer and forward. Under autograd
+        # the dispatcher runs the references (the kernels have no backward), so this is the plain-torch model.
         model.set_expert_mode("offline")
         return lambda ids: _backward(lm_loss(model(ids), ids)), model
     tm = TrainingModel(model)

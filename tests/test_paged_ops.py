@@ -214,6 +214,26 @@ def test_model_wide_triton_falls_back_per_op_triton_is_strict(monkeypatch):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_kernels_are_not_picked_under_autograd(monkeypatch):
+    """The kernels have no backward: a call whose inputs require grad runs the reference under a
+    model-wide "triton" (so gradients reach the inputs) and is refused when "triton" is asked of the op."""
+    module = types.ModuleType("_fake_forward_only_kda")
+    module.kda_recurrent = lambda *a, **k: (_ for _ in ()).throw(AssertionError("kernel ran under autograd"))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(_dispatch.TRITON_KERNELS, "kda_recurrent", (module.__name__, "kda_recurrent"))
+    monkeypatch.setattr(_dispatch, "triton_available", lambda: True)
+    q, k = torch.randn(1, 2, 1, 4, requires_grad=True), torch.randn(1, 2, 1, 4)
+    v, g, beta = torch.randn(1, 2, 1, 3), -torch.rand(1, 2, 1, 4), torch.rand(1, 2, 1)
+    with ops.use_backend("triton"):
+        o, _ = ops.kda_recurrent(q, k, v, g, beta)
+        with pytest.raises(ValueError, match="no backward"):
+            ops.kda_recurrent(q, k, v, g, beta, backend="triton")
+    o.sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
+    with torch.no_grad(), pytest.raises(AssertionError, match="kernel ran"):  # without autograd: the kernel
+        ops.kda_recurrent(q, k, v, g, beta, backend="triton")
+
+
 def _params_from_ast(args: ast.arguments):
     kinds = inspect.Parameter
     positional = [(a, kinds.POSITIONAL_ONLY) for a in args.posonlyargs] + \

@@ -106,7 +106,7 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Kimi Delta Attention, one step at a time. q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] log-decay;
     beta [B,T,HV]; initial_state [B,HV,K,V] -> (o [B,T,HV,V] in v.dtype, final_state [B,HV,K,V] fp32)."""
-    return pick("kda_recurrent", backend, kda_recurrent_ref, q, k, v)(q, k, v, g, beta, scale, initial_state)
+    return pick("kda_recurrent", backend, kda_recurrent_ref, q, k, v, g, beta, initial_state)(q, k, v, g, beta, scale, initial_state)
 
 
 def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -114,7 +114,7 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked (WY/UT) form of ``kda_recurrent`` with the same inputs and outputs; T need not be a
     multiple of ``chunk_size``."""
-    return pick("kda_chunk", backend, kda_chunk_ref, q, k, v)(q, k, v, g, beta, scale, initial_state, chunk_size)
+    return pick("kda_chunk", backend, kda_chunk_ref, q, k, v, g, beta, initial_state)(q, k, v, g, beta, scale, initial_state, chunk_size)
 
 
 def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-5,
@@ -135,12 +135,12 @@ def expert_mlp_fp8(z: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor
                    beta_gate: float, beta_up: float, *, backend: str | None = None) -> torch.Tensor:
     """Routed-expert MLPs over FP8 workspace slots. z [N,L], elements [cap,3,I*L], scales [cap,3,I*L/32],
     gates [m,N] (0 = not routed) -> y_lat [N,L] fp32."""
-    return pick("expert_mlp_fp8", backend, expert_mlp_fp8_ref, z)(z, elements, scales, gates, beta_gate, beta_up)
+    return pick("expert_mlp_fp8", backend, expert_mlp_fp8_ref, z, gates)(z, elements, scales, gates, beta_gate, beta_up)
 
 
 def expert_mlp_mxfp4(z: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,
                      gates: torch.Tensor, beta_gate: float, beta_up: float, *,
                      backend: str | None = None) -> torch.Tensor:
     """``expert_mlp_fp8`` reading experts [m] straight from MXFP4 packed [E,3,I*L/2] / scales [E,3,I*L/32]."""
-    return pick("expert_mlp_mxfp4", backend, expert_mlp_mxfp4_ref, z)(
+    return pick("expert_mlp_mxfp4", backend, expert_mlp_mxfp4_ref, z, gates)(
         z, packed, scales, experts, gates, beta_gate, beta_up)

@@ -20,6 +20,8 @@ import importlib
 import importlib.util
 from typing import Callable, Iterator
 
+import torch
+
 BACKENDS = ("torch", "triton", "auto")
 
 # op name -> (module, function) of the Triton kernel that implements it, with the reference's signature.
@@ -89,16 +91,22 @@ def pick(op: str, backend: str | None, reference: Callable, *tensors) -> Callabl
     if backend == "torch":
         return reference
     registered = op in TRITON_KERNELS
+    # The kernels are forward-only: under autograd a kernel would return a result with no gradient path,
+    # silently freezing everything upstream of it. Recorded calls therefore run the reference.
+    recording = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
     if backend == "triton":
-        if not registered:
+        if not registered or recording:
             if not explicit:  # a model-wide "triton": every kernel there is, references for the rest
                 return reference
+            if recording:
+                raise ValueError(f"the Triton kernel of {op} has no backward, but its inputs require grad; "
+                                 f"use backend='torch' or 'auto' to train through it, or run under torch.no_grad()")
             raise ValueError(f"{op} has no Triton kernel yet; use backend='torch' or 'auto'")
         if not triton_available():
             raise ValueError(f"backend='triton' for {op} but triton is not installed; "
                              f"pip install 'minidsa[triton]' (Linux) or use backend='torch'")
         return load_kernel(op)
     on_gpu = any(getattr(t, "is_cuda", False) for t in tensors)
-    if registered and on_gpu and triton_available():
+    if registered and on_gpu and not recording and triton_available():
         return load_kernel(op)
     return reference
