@@ -154,6 +154,8 @@ def main() -> None:
         print(json.dumps(run_variant(args.only, args)))
         return
     ref, lean = loss_check(args)
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # the variants run in child processes: give them this process's cached memory
     print(f"{args.config}, batch {args.batch} x {args.context}, {args.device}: loss reference {ref:.6f}, "
           f"lean {lean:.6f}, |diff| {abs(ref - lean):.2e}")
     rows = []
