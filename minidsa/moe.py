@@ -159,10 +159,13 @@ class LatentMoE(nn.Module):
         return ids, chosen / (chosen.sum(-1, keepdim=True) + ROUTER_EPS) * self.routed_scaling_factor
 
     def conversion_plan(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids [N, top_k] -> (experts int64 [n], number routed: a device scalar), n = min(N * top_k, E).
+        """ids [N, top_k] -> (experts int64 [n], number routed: an int or a device scalar), n = min(N * top_k, E).
 
         The routed experts come first in ascending id order, then unrouted placeholders; n is known
-        from the shape alone, so planning needs no host sync."""
+        from the shape alone, so planning needs no host sync. One token (a decode step of one sequence)
+        routes to top_k distinct experts: they are the whole plan."""
+        if ids.shape[0] == 1:
+            return ids[0].sort().values, ids.shape[1]
         routed = torch.zeros(self.num_experts, dtype=torch.bool, device=ids.device).index_fill_(0, ids.reshape(-1), True)
         order = torch.sort((~routed).to(torch.int8), stable=True).indices
         return order[: min(ids.numel(), self.num_experts)], routed.sum()
