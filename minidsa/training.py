@@ -8,7 +8,10 @@ Stages (one run, one AdamW, one warm-up + cosine learning-rate schedule over all
                over heads (indexer_training.layer_kl, stage "warmup");
   2. sparse  - attention uses the indexer's top-k; the model learns from the LM loss and the indexer
                from its KL over the selected keys with its input detached (stage "sparse").
-The LM loss is cross-entropy on the answer tokens (and eos) of each row. Forward and backward run on
+The LM loss is cross-entropy on the answer tokens (and eos) of each row, plus (text_loss_weight) a
+next-token loss on every token of the retrieval rows; in stage 0 some pass keys are one repeated digit
+(easy_key_*), which teaches "find the digits and copy them" before their order. Without these two the
+answer loss stays at ln(10) per digit (the model learns the format, never the copy). Forward and backward run on
 the lean training path (training_forward.py), equal to the reference forward.
 
     result = train(TrainConfig(model="tiny", out_dir="runs/tiny", sparse_steps=300))
@@ -27,6 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
@@ -51,13 +55,16 @@ class TrainConfig:
     model: str = "tiny"  # preset name or config JSON; training starts from its seeded initialisation
     out_dir: str = "runs/minidsa"  # checkpoint directory of the run (created; resumed from with resume=True)
     seed: int = 0  # seeds the data stream and the evaluation's random selections (the weights: config seed)
-    dense_steps: int = 200  # stage 0 steps: dense attention, everything but the indexer learns
+    dense_steps: int = 1000  # stage 0 steps: dense attention, everything but the indexer learns
     warmup_steps: int = 50  # stage 1 steps: dense attention, only the indexer learns (KL)
     sparse_steps: int = 250  # stage 2 steps: top-k attention, LM loss + the indexer's KL (input detached)
     batch_size: int = 8  # retrieval rows per step
     mm_batch_size: int = 4  # multimodal rows per step (0 = no multimodal task; the vision path then stays put)
     context: int = 0  # tokens per retrieval row; 0 = data.default_context (16 x top-k, capped by max_seq_len)
     num_distractors: int = 0  # extra pass-key passages with other names per retrieval row
+    text_loss_weight: float = 1.0  # weight of a next-token loss on every token of the retrieval rows (0 = off)
+    easy_key_steps: int = 150  # first steps on which every pass key is one digit repeated ("77777"): copying
+    easy_key_frac: float = 0.25  # ... and the share of such rows afterwards (0 = none)
     lr: float = 2e-3  # peak AdamW learning rate (all parameters)
     min_lr_ratio: float = 0.1  # the cosine decays the learning rate to lr * min_lr_ratio at the last step
     lr_warmup: int = 30  # steps of linear learning-rate warm-up at the start of the run
@@ -76,7 +83,8 @@ class TrainConfig:
         return self.dense_steps + self.warmup_steps + self.sparse_steps
 
     def validate(self) -> None:
-        for name in ("dense_steps", "warmup_steps", "sparse_steps", "mm_batch_size", "context", "num_distractors",
+        for name in ("dense_steps", "warmup_steps", "sparse_steps", "easy_key_steps", "mm_batch_size", "context",
+                     "num_distractors",
                      "lr_warmup", "eval_every", "save_every", "seed", "leg_steps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -85,6 +93,9 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.batch_size = {self.batch_size!r} must be an int >= 1")
         if self.total_steps < 1:
             raise ValueError("TrainConfig has no steps; set dense_steps, warmup_steps or sparse_steps > 0")
+        if not (self.text_loss_weight >= 0 and 0 <= self.easy_key_frac <= 1):
+            raise ValueError(f"TrainConfig needs text_loss_weight >= 0 and 0 <= easy_key_frac <= 1; got "
+                             f"{self.text_loss_weight}, {self.easy_key_frac}")
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.grad_clip > 0 and self.max_minutes >= 0):
             raise ValueError(f"TrainConfig needs lr > 0, 0 <= min_lr_ratio <= 1, grad_clip > 0 and max_minutes >= 0; "
                              f"got lr={self.lr}, min_lr_ratio={self.min_lr_ratio}, grad_clip={self.grad_clip}, "
@@ -121,18 +132,41 @@ def answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
+def text_loss(logits: torch.Tensor, input_ids: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Mean next-token cross-entropy over every non-pad token (filler, passage, question, answer, eos)."""
+    targets = input_ids[:, 1:].masked_fill(input_ids[:, 1:] == pad_id, -100)
+    return answer_loss(logits[:, :-1], targets)
+
+
+def easy_keys(batch: list[data.Sample], cfg: TrainConfig, step: int) -> list[data.Sample]:
+    """The copy curriculum: some rows get a key of one repeated digit (all of them before easy_key_steps),
+    which a model can learn to copy before it learns the order of five different digits."""
+    frac = 1.0 if step < cfg.easy_key_steps else cfg.easy_key_frac
+    rng = np.random.default_rng([len(data.SPLITS), cfg.seed, step])  # its own stream, apart from the splits
+    out = []
+    for s in batch:
+        if rng.random() < frac:
+            key = str(int(rng.integers(10))) * data.KEY_DIGITS
+            s = dataclasses.replace(s, prompt=s.prompt.replace(f" is {s.answer}.", f" is {key}.", 1), answer=key)
+        out.append(s)
+    return out
+
+
 def step_losses(tm: TrainingModel, cfg: TrainConfig, step: int) -> dict[str, torch.Tensor]:
     """The losses of one step: "lm" (retrieval), "mm" (multimodal) and "kl" (indexer), as the stage defines
     them. Only the losses with a gradient are summed for backward; the others are logged."""
     stage, device, mcfg = stage_at(cfg, step), tm.model.device, tm.model.config
     context = cfg.context or data.default_context(mcfg)
-    batch = data.encode(data.samples("retrieval", "train", cfg.seed, step * cfg.batch_size, cfg.batch_size, context,
-                                     cfg.num_distractors), mcfg)
+    rows = data.samples("retrieval", "train", cfg.seed, step * cfg.batch_size, cfg.batch_size, context,
+                        cfg.num_distractors)
+    batch = data.encode(easy_keys(rows, cfg, step) if stage == "dense" else rows, mcfg)
     ids, labels = batch.input_ids.to(device), batch.labels.to(device)
     selection = "indexer" if stage == "sparse" else "dense"
     with torch.set_grad_enabled(stage != "warmup"):  # warm-up: the model is fixed, only the KL has a gradient
         logits, recorded = tm(ids, selection=selection, record=stage != "dense")
         out = {"lm": answer_loss(logits, labels)}
+        if cfg.text_loss_weight and stage != "warmup":
+            out["text"] = cfg.text_loss_weight * text_loss(logits, ids, tm.model.tokenizer.pad_id)
         if cfg.mm_batch_size:
             mm = data.encode(data.samples("multimodal", "train", cfg.seed, step * cfg.mm_batch_size,
                                           cfg.mm_batch_size), mcfg)
@@ -232,7 +266,8 @@ def plot_curves(history: list[dict], evals: list[dict]):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for key, label in (("lm", "retrieval answer loss"), ("mm", "multimodal answer loss"), ("kl", "indexer KL")):
+    for key, label in (("lm", "retrieval answer loss"), ("text", "next-token loss, all tokens"),
+                       ("mm", "multimodal answer loss"), ("kl", "indexer KL")):
         pts = [(h["step"], h[key]) for h in history if key in h]
         if pts:
             ax.plot(*zip(*pts), label=label, lw=1)

@@ -101,19 +101,21 @@ def grouped_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     """Routed experts over float weights: z [N, L], ids int [N, top_k], weights [N, top_k], w1/w3 [E, I, L],
     w2 [E, L, I] -> sum_i weights_i * E_{ids_i}(z) [N, L].
 
-    The N * top_k (token, expert) pairs are sorted by expert; each expert computes only its own rows.
-    The per-expert row counts are read on the host once per layer (one sync), which training can afford.
+    The N * top_k (token, expert) pairs are sorted by expert and placed in a zero-padded [E, cap, L] block
+    (cap = the busiest expert's pair count), so all experts run as three batched matmuls: a few launches
+    per layer instead of a few per expert (a GPU step is otherwise bound by launches). Padded rows are
+    zeros, which SiTU-GLU maps to zeros, and are never read back. cap is read on the host (one sync per
+    layer), which training can afford.
     """
     N, top_k = ids.shape
+    E = w1.shape[0]
     flat = ids.reshape(-1)
     order = torch.sort(flat, stable=True).indices
-    token = order // top_k  # the token of each sorted pair
-    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
-    rows = z.index_select(0, token)
-    parts = []
-    for e, part in enumerate(rows.split(counts)):
-        if counts[e]:
-            parts.append(situ_glu(part @ w1[e].mT, part @ w3[e].mT, beta_gate, beta_up) @ w2[e].mT)
-    y = torch.cat(parts) * weights.reshape(-1)[order].unsqueeze(-1).to(z.dtype)
+    expert, token = flat[order], order // top_k  # expert and token of each sorted pair
+    counts = torch.bincount(flat, minlength=E)
+    rank = torch.arange(flat.numel(), device=z.device) - (torch.cumsum(counts, 0) - counts)[expert]
+    x = z.new_zeros(E, int(counts.max()), z.shape[1]).index_put((expert, rank), z.index_select(0, token))
+    h = situ_glu(x @ w1.mT, x @ w3.mT, beta_gate, beta_up) @ w2.mT  # [E, cap, L]
+    y = h[expert, rank] * weights.reshape(-1)[order].unsqueeze(-1).to(z.dtype)
     return torch.zeros_like(z).index_add_(0, token, y)
 

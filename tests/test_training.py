@@ -12,7 +12,7 @@ import minidsa
 from minidsa import data, mxfp4
 from minidsa.__main__ import main
 from minidsa.ops import kda_chunk_ref
-from minidsa.training import TrainConfig, answer_loss, train
+from minidsa.training import TrainConfig, answer_loss, easy_keys, text_loss, train
 from minidsa.training_forward import TrainingModel
 from minidsa.training_ops import kda_chunk_train, selection_mask, train_chunk_size
 
@@ -88,7 +88,9 @@ def test_random_selection_keeps_topk_causal_keys():
 def test_a_few_steps_lower_the_loss(tmp_path):
     # The first steps learn that answers are digits then eos: a drop of > 1 nat from ln(264) = 5.6
     # is far outside step-to-step noise (about 0.05 here).
-    result = train(fast(tmp_path, dense_steps=8, warmup_steps=0, sparse_steps=0, lr=1e-2))
+    # The plain task (no repeated-digit keys, answer loss alone), so the logged loss is the objective.
+    result = train(fast(tmp_path, dense_steps=8, warmup_steps=0, sparse_steps=0, lr=1e-2, easy_key_steps=0,
+                        text_loss_weight=0.0))
     lm = [h["lm"] for h in result["history"]]
     assert lm[0] > 5.0 and sum(lm[-2:]) / 2 < lm[0] - 1.0, lm
 
@@ -135,6 +137,27 @@ def test_bad_train_config_names_the_field(tmp_path):
 
 
 # -------------------------------------------------------------------------------------------- data
+def test_easy_key_curriculum_rewrites_key_and_answer_together():
+    cfg = TrainConfig(easy_key_steps=3, easy_key_frac=0.0, seed=1)
+    rows = data.samples("retrieval", "train", 0, 0, 6, 80)
+    early, late = easy_keys(rows, cfg, step=2), easy_keys(rows, cfg, step=3)
+    for s, e in zip(rows, early):
+        assert len(set(e.answer)) == 1 and len(e.answer) == data.KEY_DIGITS  # one digit repeated
+        assert e.prompt == s.prompt.replace(f" is {s.answer}.", f" is {e.answer}.", 1)
+        assert len(e.prompt) == len(s.prompt) and e.passage_start == s.passage_start
+    assert late == rows  # easy_key_frac 0: after the curriculum the rows are untouched
+    assert easy_keys(rows, cfg, step=2) == early  # seeded by (seed, step)
+
+
+def test_text_loss_is_next_token_cross_entropy_over_non_pad_tokens():
+    pad = 7
+    ids = torch.tensor([[1, 2, 3, pad], [4, 5, pad, pad]])
+    logits = torch.randn(2, 4, 10, generator=torch.Generator().manual_seed(0))
+    pairs = [(0, 0, 2), (0, 1, 3), (1, 0, 5)]  # (row, position, next token); pad targets are skipped
+    want = torch.stack([-torch.log_softmax(logits[b, t], -1)[y] for b, t, y in pairs]).mean()
+    assert torch.allclose(text_loss(logits, ids, pad), want, atol=1e-6)
+
+
 def test_data_is_seeded_and_held_out_seeds_differ():
     a = data.samples("retrieval", "train", 3, 10, 4, 128)
     assert [s.prompt for s in a] == [s.prompt for s in data.samples("retrieval", "train", 3, 10, 4, 128)]
