@@ -49,10 +49,11 @@ def _parser() -> argparse.ArgumentParser:
                              f"on cores nothing else uses)")
     parser = _Parser(prog="python -m minidsa", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    g = sub.add_parser("generate", parents=[common], help="continue a prompt with the (seeded, untrained) model")
+    g = sub.add_parser("generate", parents=[common], help="continue a prompt (default: the shipped trained model)")
     g.add_argument("prompt", help="text to continue ('' starts from bos alone)")
-    g.add_argument("--config", default="tiny", help="preset name, config JSON path or checkpoint directory "
-                                                    "(default: tiny)")
+    g.add_argument("--config", default=DEFAULT_MODEL, help="'default' (the shipped trained checkpoint), a preset "
+                                                           "name (seeded, untrained), a config JSON path or a "
+                                                           f"checkpoint directory (default: {DEFAULT_MODEL})")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=0.95)
@@ -96,9 +97,10 @@ def _train_parser(sub, common) -> None:
     t.add_argument("--out", default=d.out_dir, help=f"checkpoint directory of the run (default: {d.out_dir})")
     t.add_argument("--resume", action="store_true", help="continue the run in --out; only leg options apply")
     for name in ("seed", "dense_steps", "warmup_steps", "sparse_steps", "batch_size", "mm_batch_size", "context",
-                 "num_distractors", "lr_warmup", "eval_every", "eval_n", "save_every", "leg_steps"):
+                 "num_distractors", "easy_key_steps", "lr_warmup", "eval_every", "eval_n", "save_every", "leg_steps"):
         t.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), metavar="N")
-    for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "max_minutes"):
+    for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "text_loss_weight", "easy_key_frac",
+                 "max_minutes"):
         t.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name), metavar="X")
     t.add_argument("--device", default=d.device, help=f"torch device (default: {d.device})")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")

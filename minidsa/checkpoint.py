@@ -30,7 +30,10 @@ from .moe import expert_shapes
 
 _EXPERT_TENSOR = re.compile(r"^(.*\.block_sparse_moe)\.experts\.(\d+)\.(w[123])\.(weight_packed|weight_scale)$")
 _DEFAULT_MODELS: dict[str, MiniDSA] = {}
-DEFAULT_MODEL = "tiny"  # no trained weights ship yet: the default is the seeded tiny model
+DEFAULT_MODEL = "default"  # the trained checkpoint shipped in the package (PRETRAINED below)
+# Checkpoints shipped inside the package, by the name load() accepts for them. "default" is the tiny
+# config trained on the synthetic tasks (data.py) by the README's training command.
+PRETRAINED = {"default": Path(__file__).parent / "pretrained" / "default"}
 
 
 def load(name_or_path="tiny", *, device: torch.device | str = "cpu", progress: bool = True,
@@ -38,7 +41,12 @@ def load(name_or_path="tiny", *, device: torch.device | str = "cpu", progress: b
     """A checkpoint directory (save_pretrained's output) with its weights, or the seeded random model
     of a preset name ("tiny", "laptop", ...), a config JSON path or a ModelConfig. ``progress`` shows a
     tqdm bar while a checkpoint streams in; ``lazy_experts`` leaves routed experts on disk until a
-    token is routed to them."""
+    token is routed to them. ``"default"`` is the trained checkpoint shipped with the package."""
+    if isinstance(name_or_path, str) and name_or_path in PRETRAINED:
+        if not PRETRAINED[name_or_path].is_dir():
+            raise ValueError(f"the shipped checkpoint {name_or_path!r} is missing from this install "
+                             f"({PRETRAINED[name_or_path]}); reinstall minidsa or pass a checkpoint directory")
+        name_or_path = PRETRAINED[name_or_path]
     if isinstance(name_or_path, (str, os.PathLike)) and Path(name_or_path).is_dir():
         return load_pretrained(name_or_path, device=device, progress=progress, lazy_experts=lazy_experts)
     if isinstance(name_or_path, (str, os.PathLike)) and (Path(name_or_path).name == shards.INDEX_NAME
@@ -49,7 +57,7 @@ def load(name_or_path="tiny", *, device: torch.device | str = "cpu", progress: b
 
 
 def build_model(name_or_config="tiny", *, device: torch.device | str = "cpu") -> MiniDSA:
-    """A seeded, randomly initialised model of the named config (no trained weights ship yet)."""
+    """A seeded, randomly initialised model of the named config (``load("default")`` is the trained one)."""
     return MiniDSA(load_config(name_or_config), device=device)
 
 
@@ -84,7 +92,7 @@ def count_parameters(name_or_config) -> dict[str, int]:
 def default_model() -> MiniDSA:
     """The model ``generate`` uses when given none (built once per process)."""
     if DEFAULT_MODEL not in _DEFAULT_MODELS:
-        _DEFAULT_MODELS[DEFAULT_MODEL] = load(DEFAULT_MODEL)
+        _DEFAULT_MODELS[DEFAULT_MODEL] = load(DEFAULT_MODEL, progress=False)  # 2 MB: no bar needed
     return _DEFAULT_MODELS[DEFAULT_MODEL]
 
 

@@ -144,7 +144,7 @@ def generate(prompt, model: MiniDSA | str | None = None, *, images=None, max_new
     """Continue ``prompt`` (a str, or a list of str for a batch).
 
     Args:
-        model: a MiniDSA, a preset name/path, or None for the default (seeded tiny) model.
+        model: a MiniDSA, a preset name/path, or None for the default (the shipped trained) model.
         images: images for the prompt (a list of HxWx3 uint8 numpy arrays, torch tensors or PNG/JPEG
             paths; for a batch, one such list per prompt). The prompt marks each image's place with
             ``minidsa.tokenizer.IMAGE_MARKER`` (any text containing one ``<|media_pad|>`` per image
@@ -160,8 +160,8 @@ def generate(prompt, model: MiniDSA | str | None = None, *, images=None, max_new
         return_trace: also return a GenerationTrace (one per prompt for a batch).
         cache: a PagedKVCache to use (default: the model's own); its blocks are always given back.
         progress: show a tqdm bar over generated tokens.
-        stop_at_eos: end a sequence when it samples eos (False: always max_new_tokens, e.g. to time an
-            untrained model, which samples eos at random).
+        stop_at_eos: end a sequence when it samples eos (False: always max_new_tokens, e.g. to time a
+            model that would stop early).
     Returns:
         str (list[str] for a batch), or (texts, traces) with return_trace, or a GenerationStream.
     """

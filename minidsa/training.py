@@ -56,8 +56,8 @@ class TrainConfig:
     out_dir: str = "runs/minidsa"  # checkpoint directory of the run (created; resumed from with resume=True)
     seed: int = 0  # seeds the data stream and the evaluation's random selections (the weights: config seed)
     dense_steps: int = 1000  # stage 0 steps: dense attention, everything but the indexer learns
-    warmup_steps: int = 50  # stage 1 steps: dense attention, only the indexer learns (KL)
-    sparse_steps: int = 250  # stage 2 steps: top-k attention, LM loss + the indexer's KL (input detached)
+    warmup_steps: int = 200  # stage 1 steps: dense attention, only the indexer learns (KL)
+    sparse_steps: int = 400  # stage 2 steps: top-k attention, LM loss + the indexer's KL (input detached)
     batch_size: int = 8  # retrieval rows per step
     mm_batch_size: int = 4  # multimodal rows per step (0 = no multimodal task; the vision path then stays put)
     context: int = 0  # tokens per retrieval row; 0 = data.default_context (16 x top-k, capped by max_seq_len)
@@ -65,8 +65,8 @@ class TrainConfig:
     text_loss_weight: float = 1.0  # weight of a next-token loss on every token of the retrieval rows (0 = off)
     easy_key_steps: int = 150  # first steps on which every pass key is one digit repeated ("77777"): copying
     easy_key_frac: float = 0.25  # ... and the share of such rows afterwards (0 = none)
-    lr: float = 2e-3  # peak AdamW learning rate (all parameters)
-    min_lr_ratio: float = 0.1  # the cosine decays the learning rate to lr * min_lr_ratio at the last step
+    lr: float = 3e-3  # peak AdamW learning rate (all parameters)
+    min_lr_ratio: float = 0.3  # the cosine decays the learning rate to lr * min_lr_ratio at the last step
     lr_warmup: int = 30  # steps of linear learning-rate warm-up at the start of the run
     weight_decay: float = 0.01  # AdamW decoupled weight decay on matrices (not on 1-D gains and biases)
     grad_clip: float = 1.0  # max gradient norm, applied separately to the indexer and to the rest

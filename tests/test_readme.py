@@ -13,3 +13,12 @@ def test_readme_python_example_runs(capsys):
     exec(compile(blocks[0], "README.md", "exec"), namespace)
     assert isinstance(namespace["text"], str) and len(namespace["texts"]) == 2
     assert namespace["trace"].selected and namespace["tr"].depth_weights
+
+
+def test_readme_shipped_model_example_prints_the_pass_key(capsys):
+    """The second example: the shipped checkpoint answers the pass-key prompt the README shows."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    example = next(b for b in blocks if "pass key" in b)
+    want = re.search(r"# (\d{5})", example).group(1)
+    exec(compile(example, "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == want

@@ -216,3 +216,13 @@ def test_train_cli_writes_a_checkpoint_eval_reads(tmp_path, capsys):
     assert main(["eval", "--checkpoint", str(out), "--n", "1", "--context", "80"]) == 0
     assert "context_length: 80" in capsys.readouterr().out
     assert main(["eval", "--checkpoint", str(out), "--seed", "-1"]) == 2
+
+
+def test_shipped_checkpoint_answers_a_held_out_retrieval_prompt():
+    """minidsa.load("default") is the trained model: greedy decoding through the cached (paged, sparse)
+    path returns the pass key of a held-out prompt, and the shipped files stay under 32 MB."""
+    from minidsa.checkpoint import PRETRAINED
+    assert sum(f.stat().st_size for f in PRETRAINED["default"].iterdir()) < 32 * 2**20
+    model = minidsa.load("default", progress=False)
+    sample = data.samples("retrieval", "eval", 123, 0, 1, 72)[0]
+    assert minidsa.generate(sample.prompt, model, temperature=0, max_new_tokens=8) == sample.answer
