@@ -86,14 +86,18 @@ def kda_chunk_train(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     rhs = torch.cat([beta * G.exp() * k, beta * v], dim=-1)  # W and U of the WY form in one solve
     W, U = torch.linalg.solve_triangular(eye + A_kk, rhs, upper=False, unitriangular=True).split([K, V], dim=-1)
     q_decayed, G_last = G.exp() * q, G[:, :, :, -1]  # [B, H, n, C, K], [B, H, n, K]
-    k_to_end = torch.exp(G_last.unsqueeze(3) - G) * k
+    k_to_end_T = (torch.exp(G_last.unsqueeze(3) - G) * k).mT.unbind(2)  # n x [B, H, K, C]
+    decay = G_last.exp().unsqueeze(-1).unbind(2)  # n x [B, H, K, 1]
+    W, U = W.unbind(2), U.unbind(2)
     S = q.new_zeros(B, H, K, V)
-    out = []
-    for c in range(n):  # the only sequential part: n = T / C small matmuls
-        v_new = U[:, :, c] - W[:, :, c] @ S
-        out.append(q_decayed[:, :, c] @ S + A_qk[:, :, c] @ v_new)
-        S = G_last[:, :, c].exp().unsqueeze(-1) * S + k_to_end[:, :, c].mT @ v_new
-    return torch.stack(out, dim=2).permute(0, 2, 3, 1, 4).reshape(B, n * C, H, V)[:, :T]
+    starts, v_news = [], []  # the state entering each chunk, and the chunk's corrected values
+    for c in range(n):  # the only sequential part, kept to its two small matmuls (a GPU step counts launches)
+        v_new = U[c] - W[c] @ S
+        starts.append(S)
+        v_news.append(v_new)
+        S = decay[c] * S + k_to_end_T[c] @ v_new
+    out = q_decayed @ torch.stack(starts, dim=2) + A_qk @ torch.stack(v_news, dim=2)  # [B, H, n, C, V]
+    return out.permute(0, 2, 3, 1, 4).reshape(B, n * C, H, V)[:, :T]
 
 
 def grouped_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
