@@ -134,64 +134,32 @@ def _fp8_values(device=None) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _fp8_pair_values(device=None) -> torch.Tensor:
-    """int64 [65536]: for every 2-byte pattern (read as uint16), the fp32 values of its two e4m3 bytes in
-    memory order, packed in 8 bytes. One lookup per element pair halves the gather's index work."""
-    with torch.inference_mode(False):
-        pair_bytes = torch.arange(65536, dtype=torch.int32).to(torch.uint16).view(torch.uint8).view(-1, 2)
-        return _fp8_values()[pair_bytes.int()].contiguous().view(torch.int64).view(-1).to(device)
-
-
-@functools.lru_cache(maxsize=None)
 def _e8m0_values(device=None) -> torch.Tensor:
     """fp32 [256]: 2^(s - 127) for every E8M0 code (0xFF gives NaN; it is rejected at load)."""
     with torch.inference_mode(False):
         return torch.exp2(torch.arange(256, dtype=torch.float64) - E8M0_BIAS).float().to(device)
 
 
-def _lookup(table: torch.Tensor, codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """table [256] indexed by uint8 ``codes`` [...] -> [...] (index_select on int32: the fastest gather on CPU),
-    written into ``out`` (contiguous, codes' shape, table's dtype) when given."""
-    index = codes.reshape(-1).int()
-    if out is None:
-        return table.index_select(0, index).view(codes.shape)
-    torch.index_select(table, 0, index, out=out.view(-1))
-    return out
+def _lookup(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """table [256] indexed by uint8 ``codes`` [...] -> [...] (index_select on int32: the fastest gather on CPU)."""
+    return table.index_select(0, codes.reshape(-1).int()).view(codes.shape)
 
 
-def _check_out(out: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype) -> None:
-    if out is not None and (out.shape != shape or out.dtype != dtype or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(shape)}, got "
-                         f"{out.dtype} {tuple(out.shape)}")
-
-
-def to_fp8(packed: torch.Tensor, scales: torch.Tensor,
-           out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def to_fp8(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact conversion for compute: (packed, scales) -> (elements float8_e4m3fn [..., K], the same scales).
 
     E2M1 magnitudes 0..6 are all e4m3 values, so nothing rounds; ``fp8_dequantize`` recovers ``dequantize``.
-    One table lookup per packed byte gives both of its elements. ``out`` (float8_e4m3fn [..., K], e.g.
-    workspace slots) receives the elements in place of a new tensor.
+    One table lookup per packed byte gives both of its elements. (The model's online conversion into the
+    shared workspace is the op ``ops.mxfp4_to_fp8``; this converts whole tensors, e.g. offline mode.)
     """
     _check_pair(packed, scales)
-    shape = packed.shape[:-1] + (packed.shape[-1] * 2,)
-    _check_out(out, shape, torch.float8_e4m3fn)
-    pairs = _lookup(_byte_to_fp8_pair(packed.device), packed,  # int16 [..., K/2]: both bytes at once
-                    None if out is None else out.view(torch.int16))
-    return pairs.view(torch.float8_e4m3fn).view(shape), scales
+    pairs = _lookup(_byte_to_fp8_pair(packed.device), packed)  # int16 [..., K/2]: both bytes at once
+    return pairs.view(torch.float8_e4m3fn).view(packed.shape[:-1] + (packed.shape[-1] * 2,)), scales
 
 
-def fp8_dequantize(elements: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """FP8 elements [..., K] with (validated) E8M0 group scales [..., K/32] -> [..., K] in ``dtype`` (exact).
-
-    ``out`` (float32, elements' shape) is filled and returned instead of a new tensor (with dtype float32)."""
-    _check_out(out, elements.shape, torch.float32)
-    if elements.device.type == "cpu" and elements.shape[-1] % 2 == 0 and elements.is_contiguous():
-        out = torch.empty(elements.shape, dtype=torch.float32) if out is None else out
-        values = _lookup(_fp8_pair_values(), elements.view(torch.uint16), out.view(torch.int64)).view(torch.float32)
-    else:
-        values = _lookup(_fp8_values(elements.device), elements.view(torch.uint8), out)
+def fp8_dequantize(elements: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FP8 elements [..., K] with (validated) E8M0 group scales [..., K/32] -> [..., K] in ``dtype`` (exact)."""
+    values = _lookup(_fp8_values(elements.device), elements.view(torch.uint8))
     scale = _lookup(_e8m0_values(scales.device), scales)
     values.view(*values.shape[:-1], -1, GROUP).mul_(scale.unsqueeze(-1))  # in place: one buffer, not two
     return values.to(dtype)

@@ -161,12 +161,19 @@ def _recurrent_block_v(K: int, V: int, cuda: bool) -> int:
     return min(bv, max(16, 4096 // triton.next_power_of_2(K)))
 
 
+def _outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised o [B, T, HV, V] in v's dtype and a NEW fp32 final state [B, HV, K, V]."""
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    return (torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device),
+            torch.empty(B, HV, K, V, dtype=torch.float32, device=v.device))
+
+
 def _launch_recurrent(q, k, v, g, beta, scale, initial_state, block_v=None):
     """Run the recurrence on checked, non-fp64 inputs. ``block_v`` overrides the V tile (tests)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
-    state = torch.empty(B, HV, K, V, dtype=torch.float32, device=v.device)
+    o, state = _outputs(q, v)
     if state.numel() == 0 or T == 0:  # nothing to run (K = 0 leaves o = S^T q = 0)
         return o.zero_(), _copy_state(initial_state, state)
     bv = block_v or _recurrent_block_v(K, V, v.device.type == "cuda")
@@ -394,8 +401,7 @@ def _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, config=Non
     ``_chunk_config`` (tests use it to run the GPU's slicing in the interpreter)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
-    state = torch.empty(B, HV, K, V, dtype=torch.float32, device=v.device)
+    o, state = _outputs(q, v)
     if state.numel() == 0 or T == 0:  # nothing to run (K = 0 leaves o = S^T q = 0)
         return o.zero_(), _copy_state(initial_state, state)
     C = max(1, min(chunk_size, T, MAX_CHUNK))  # the result does not depend on C, only its rounding does
