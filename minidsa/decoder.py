@@ -20,7 +20,7 @@ from .kv_cache import CacheContext, CacheLayout
 from .mla import GatedMLA
 from .moe import LatentMoE
 from .norm import RMSNorm
-from .ops import acc_dtype
+from .ops import acc_dtype, cast
 from .trace import ForwardTrace
 
 
@@ -70,11 +70,11 @@ class DecoderLayer(nn.Module):
         return mix_sources(sources, self.mlp_res_norm, self.mlp_res_proj, f"{self.layer_idx}.ffn", trace)
 
     def attention(self, h: torch.Tensor, ctx: CacheContext | None, trace: ForwardTrace | None) -> torch.Tensor:
-        return self.self_attn(self.input_layernorm(h.to(self.compute_dtype)), ctx, trace)
+        return self.self_attn(self.input_layernorm(cast(h, self.compute_dtype)), ctx, trace)
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         ffn = self.block_sparse_moe if self.is_moe else self.mlp
-        return ffn(self.post_attention_layernorm(h.to(self.compute_dtype)))
+        return ffn(self.post_attention_layernorm(cast(h, self.compute_dtype)))
 
 
 class TextDecoder(nn.Module):
@@ -103,20 +103,20 @@ class TextDecoder(nn.Module):
         """
         acc = acc_dtype(emb)
         if self.two_phase:
-            return self._forward_two_phase(emb.to(acc), ctx, trace)
+            return self._forward_two_phase(cast(emb, acc), ctx, trace)
         blocks: list[torch.Tensor] = []
-        partial = emb.to(acc)
+        partial = cast(emb, acc)
         for l, layer in enumerate(self.layers):
             h = layer.mix_attn(blocks + [partial], trace) if blocks else partial
             if l % self.layers_per_block == 0:  # a new block starts: the finished one is stored
                 blocks.append(partial)
-                partial = layer.attention(h, ctx, trace).to(acc)
+                partial = cast(layer.attention(h, ctx, trace), acc)
             else:
-                partial = partial + layer.attention(h, ctx, trace).to(acc)
+                partial = partial + cast(layer.attention(h, ctx, trace), acc)
             h = layer.mix_ffn(blocks + [partial], trace)
-            partial = partial + layer.feed_forward(h).to(acc)
+            partial = partial + cast(layer.feed_forward(h), acc)
         out = mix_sources(blocks + [partial], self.output_attn_res_norm, self.output_attn_res_proj, "out", trace)
-        return self.norm(out.to(self.compute_dtype))
+        return self.norm(cast(out, self.compute_dtype))
 
 
     def _forward_two_phase(self, partial: torch.Tensor, ctx, trace) -> torch.Tensor:
@@ -144,14 +144,14 @@ class TextDecoder(nn.Module):
                 # the attention mixer's sources are exactly the stored blocks (layer 0: the embedding)
                 h = partial if l == 0 else merge(0, None, layer.self_attention_res_norm,
                                                  layer.self_attention_res_proj, f"{l}.attn")
-                partial = layer.attention(h, ctx, trace).to(acc)
+                partial = cast(layer.attention(h, ctx, trace), acc)
             else:
                 h = merge(2 * j, partial, layer.self_attention_res_norm, layer.self_attention_res_proj, f"{l}.attn")
-                partial = partial + layer.attention(h, ctx, trace).to(acc)
+                partial = partial + cast(layer.attention(h, ctx, trace), acc)
             h = merge(2 * j + 1, partial, layer.mlp_res_norm, layer.mlp_res_proj, f"{l}.ffn")
-            partial = partial + layer.feed_forward(h).to(acc)
+            partial = partial + cast(layer.feed_forward(h), acc)
         out = mix_sources(blocks + [partial], self.output_attn_res_norm, self.output_attn_res_proj, "out", trace)
-        return self.norm(out.to(self.compute_dtype))
+        return self.norm(cast(out, self.compute_dtype))
 
     def _block_scores(self, stacked: torch.Tensor, group) -> torch.Tensor:
         """Phase 1: the 2 mixers of every layer in ``group`` scored against the stored blocks -> [2*len, N, B, T]."""

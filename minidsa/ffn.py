@@ -10,15 +10,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .ops import acc_dtype
+from .ops import acc_dtype, cast
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 4.0, beta_up: float = 25.0) -> torch.Tensor:
     """Elementwise on gate, up [..., F] -> [..., F]; computed in fp32 (fp64 kept), returned in gate's dtype."""
     acc = acc_dtype(gate)
-    g, u = gate.to(acc), up.to(acc)
+    g, u = cast(gate, acc), cast(up, acc)
     h = (beta_gate * torch.tanh(g / beta_gate) * torch.sigmoid(g)) * (beta_up * torch.tanh(u / beta_up))
-    return h.to(gate.dtype)
+    return cast(h, gate.dtype)
 
 
 class SituGluMLP(nn.Module):

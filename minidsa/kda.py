@@ -22,7 +22,7 @@ from . import ops
 from .config import ModelConfig
 from .kv_cache import CacheContext
 from .norm import RMSNorm
-from .ops import acc_dtype
+from .ops import acc_dtype, cast
 
 L2_EPS = 1e-6  # q, k <- x / sqrt(sum x^2 + eps)
 
@@ -34,9 +34,9 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> t
     -> (y [B, T, C], new_state [B, W-1, C]); y[t] = sum_i weight[:, 0, i] * [state; x][t + i].
     """
     W = weight.shape[-1]
-    full = torch.cat([state.to(x.dtype), x], dim=1)  # [B, W-1+T, C]
+    full = torch.cat([cast(state, x.dtype), x], dim=1)  # [B, W-1+T, C]
     windows = full.unfold(1, W, 1)  # [B, T, C, W]
-    y = (windows * weight[:, 0, :].to(x.dtype)).sum(-1)
+    y = (windows * cast(weight[:, 0, :], x.dtype)).sum(-1)
     return y, full[:, full.shape[1] - (W - 1):]
 
 
@@ -103,19 +103,19 @@ class KimiDeltaAttention(nn.Module):
         qkv = []
         for name, proj, conv in (("q", self.q_proj, self.q_conv1d), ("k", self.k_proj, self.k_conv1d),
                                  ("v", self.v_proj, self.v_conv1d)):
-            y, new_state[f"conv_{name}"] = causal_conv(proj(x).to(acc), conv.weight, state[f"conv_{name}"])
+            y, new_state[f"conv_{name}"] = causal_conv(cast(proj(x), acc), conv.weight, state[f"conv_{name}"])
             qkv.append(F.silu(y).view(B, T, H, K))
         q, k, v = qkv
         q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + L2_EPS)
         k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + L2_EPS)
-        z = self.f_b_proj(self.f_a_proj(x)).to(acc) + self.dt_bias.to(acc)
-        g = self.lower_bound * torch.sigmoid(self.A_log[:H].to(acc).exp().repeat_interleave(K) * z)
-        beta = torch.sigmoid(self.b_proj(x).to(acc))
+        z = cast(self.f_b_proj(self.f_a_proj(x)), acc) + cast(self.dt_bias, acc)
+        g = self.lower_bound * torch.sigmoid(cast(self.A_log[:H], acc).exp().repeat_interleave(K) * z)
+        beta = torch.sigmoid(cast(self.b_proj(x), acc))
         return (q, k, v, g.view(B, T, H, K), beta), new_state
 
     def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, K] from the recurrence, x [B, T, d] the layer input -> W_o[RMSNorm_head(o) * sigmoid(W_g x)]."""
         B, T, _ = x.shape
-        gate = torch.sigmoid(self.g_proj(x).to(acc_dtype(x)))
+        gate = torch.sigmoid(cast(self.g_proj(x), acc_dtype(x)))
         o = self.o_norm(o).reshape(B, T, self.num_heads * self.head_dim) * gate
-        return self.o_proj(o.to(self.o_proj.weight.dtype))
+        return self.o_proj(cast(o, self.o_proj.weight.dtype))

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .ops import paged_slots
+from .ops import cast, paged_slots
 
 
 class OutOfKVBlocksError(ValueError, RuntimeError):
@@ -261,7 +261,7 @@ class PagedKVCache:
         return self.state[layer][name][slots]
 
     def write_state(self, layer: int, name: str, slots: torch.Tensor, value: torch.Tensor) -> None:
-        self.state[layer][name][slots] = value.to(self.layout.state_dtype)
+        self.state[layer][name][slots] = cast(value, self.layout.state_dtype)
 
     # ---------------------------------------------------------------- one forward
     def prepare(self, seq_ids: list[int], num_tokens: int, device: torch.device | str,

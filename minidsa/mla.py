@@ -29,7 +29,7 @@ from .config import ModelConfig
 from .kv_cache import CacheContext, Plane
 from .lightning_indexer import LightningIndexer
 from .norm import RMSNorm
-from .ops import acc_dtype
+from .ops import acc_dtype, cast
 from .trace import ForwardTrace
 
 
@@ -71,7 +71,7 @@ class GatedMLA(nn.Module):
             q=q,
             kv_latent=self.kv_a_layernorm(kv[..., : self.r]),  # [B, T, r]
             k_pe=kv[..., self.r:],  # [B, T, dr]
-            gate=torch.sigmoid(self.g_proj(x).to(acc)),  # [B, T, H*dv], elementwise output gate
+            gate=torch.sigmoid(cast(self.g_proj(x), acc)),  # [B, T, H*dv], elementwise output gate
             q_idx=q_idx, w_idx=w_idx,
             **self.indexer.keys(x),
         )
@@ -88,8 +88,8 @@ class GatedMLA(nn.Module):
     def _finish(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, dv] (fp32), gate [B, T, H*dv] -> W_o(o * gate) [B, T, d]."""
         B, T = o.shape[:2]
-        o = o.reshape(B, T, -1) * gate.to(o.dtype)
-        return self.o_proj(o.to(self.o_proj.weight.dtype))
+        o = o.reshape(B, T, -1) * cast(gate, o.dtype)
+        return self.o_proj(cast(o, self.o_proj.weight.dtype))
 
     # ---------------------------------------------------------------- entry point
     def forward(self, x: torch.Tensor, ctx: CacheContext | None = None,
@@ -133,10 +133,10 @@ class GatedMLA(nn.Module):
         """Absorbed form over exactly the top-k latent rows: W_UK into q, attend, W_UV out -> [B, T, H, dv]."""
         acc = acc_dtype(proj["q"])
         w_uk, w_uv = self.absorbed_weights()
-        q = proj["q"].to(acc)
+        q = cast(proj["q"], acc)
         # Per head: q_latent[h] = q_nope[h] @ W_UK[h] and o[h] = o_latent[h] @ W_UV[h]^T (batched over heads).
-        q_latent = (q[..., : self.dn].unsqueeze(-2) @ w_uk.to(acc)).squeeze(-2)  # [B, T, H, r]
+        q_latent = (q[..., : self.dn].unsqueeze(-2) @ cast(w_uk, acc)).squeeze(-2)  # [B, T, H, r]
         o_latent = ops.sparse_mla_decode(q_latent, q[..., self.dn:], ctx.cache.plane(self.cache_layer, "kv_latent"),
                                          ctx.cache.plane(self.cache_layer, "k_pe"), ctx.block_table, idx,
                                          self.softmax_scale)
-        return (o_latent.unsqueeze(-2) @ w_uv.to(acc).mT).squeeze(-2)  # [B, T, H, dv]
+        return (o_latent.unsqueeze(-2) @ cast(w_uv, acc).mT).squeeze(-2)  # [B, T, H, dv]

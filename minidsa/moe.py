@@ -33,7 +33,7 @@ from . import mxfp4, ops
 from .config import ModelConfig
 from .ffn import SituGluMLP
 from .norm import RMSNorm
-from .ops import acc_dtype
+from .ops import acc_dtype, cast
 
 ROUTER_EPS = 1e-20  # guards the renormalisation when every chosen score underflows to 0
 EXPERT_WEIGHTS = ("w1", "w3", "w2")  # gate, up (latent -> I) and down (I -> latent)
@@ -152,8 +152,8 @@ class LatentMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, d] -> (expert ids int64 [N, top_k], weights fp32 [N, top_k])."""
         acc = acc_dtype(x)
-        s = torch.sigmoid(nn.functional.linear(x.to(acc), self.gate.weight.to(acc)))
-        biased = s + self.gate.e_score_correction_bias.to(acc)
+        s = torch.sigmoid(nn.functional.linear(cast(x, acc), cast(self.gate.weight, acc)))
+        biased = s + cast(self.gate.e_score_correction_bias, acc)
         ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.top_k]  # ties -> lower id
         chosen = s.gather(1, ids)
         return ids, chosen / (chosen.sum(-1, keepdim=True) + ROUTER_EPS) * self.routed_scaling_factor
@@ -184,7 +184,7 @@ class LatentMoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         acc = acc_dtype(x)
         ids, weights = self.route(x)
-        z = self.routed_expert_down_proj(x).to(acc)  # [N, latent]
+        z = cast(self.routed_expert_down_proj(x), acc)  # [N, latent]
         if self.lazy_source:  # experts still on disk: the host must decide which to read (not graph-capturable)
             self.materialize(torch.unique(ids))
         experts, num_routed = self.conversion_plan(ids)
@@ -195,9 +195,9 @@ class LatentMoE(nn.Module):
         for start in range(0, experts.numel(), step):
             batch = experts[start: start + step]
             gates = ((ids.unsqueeze(0) == batch.view(-1, 1, 1)) * weights).sum(-1)  # [m, N], 0 = not routed
-            part = ops.expert_mlp_fp8(z, *self._slots(batch), gates.to(acc), self.beta_gate, self.beta_up)
+            part = ops.expert_mlp_fp8(z, *self._slots(batch), cast(gates, acc), self.beta_gate, self.beta_up)
             y_lat = part if y_lat is None else y_lat + part
-        y = self.routed_expert_up_proj(self.routed_expert_norm(y_lat.to(x.dtype)))
+        y = self.routed_expert_up_proj(self.routed_expert_norm(cast(y_lat, x.dtype)))
         return (y + self.shared_experts(x)).reshape(shape)
 
 

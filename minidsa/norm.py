@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import acc_dtype
+from .ops import acc_dtype, cast
 
 
 class RMSNorm(nn.Module):
@@ -20,4 +20,4 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         acc = acc_dtype(x)
         # F.rms_norm is exactly the formula above (one call instead of six on the decode hot path).
-        return F.rms_norm(x.to(acc), (x.shape[-1],), self.weight.to(acc), self.eps).to(x.dtype)
+        return cast(F.rms_norm(cast(x, acc), (x.shape[-1],), cast(self.weight, acc), self.eps), x.dtype)

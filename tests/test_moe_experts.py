@@ -60,6 +60,21 @@ def test_conversion_known_answer_low_nibble_first():
     assert out[0, 0, :4].view(torch.uint8).tolist() == [0x30, 0x80, 0x4C, 0xCC] and out_s[0, 0, 0] == 130
 
 
+def test_conversion_into_a_strided_workspace_matches_whole_tensor_conversion():
+    # The fast path gathers four elements per uint16 of codes straight into a contiguous workspace;
+    # a strided workspace view takes the copy path. Both must equal mxfp4.to_fp8 (a separate table).
+    g = torch.Generator().manual_seed(3)
+    packed = torch.randint(0, 256, (5, 3, 48), dtype=torch.uint8, generator=g)
+    scales = torch.randint(100, 150, (5, 3, 3), dtype=torch.uint8, generator=g)
+    experts = torch.tensor([4, 0, 2])
+    want, want_s = mxfp4.to_fp8(packed[experts], scales[experts])
+    contiguous = torch.zeros(3, 3, 96, dtype=torch.float8_e4m3fn), torch.zeros(3, 3, 3, dtype=torch.uint8)
+    strided = torch.zeros(6, 3, 96, dtype=torch.float8_e4m3fn)[::2], torch.zeros(6, 3, 3, dtype=torch.uint8)[::2]
+    for out, out_s in (contiguous, strided):
+        ref.mxfp4_to_fp8_ref(packed, scales, experts, out, out_s)
+        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)) and torch.equal(out_s, want_s)
+
+
 @pytest.mark.parametrize("layer,tokens", [(0, 1), (3, 7), (5, 40)])
 def test_reference_ops_reproduce_the_layer(model, layer, tokens):
     moe = model.moe_layers()[layer]

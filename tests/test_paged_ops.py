@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from minidsa import ops
-from minidsa.ops import _dispatch
+from minidsa.ops import _checks, _dispatch
 from minidsa.quant import quantize_fp8_pow2
 
 NAN = float("nan")
@@ -53,8 +53,17 @@ def bits(t):
 
 
 # ------------------------------------------------------------------ store_kv
+@pytest.fixture(params=["host", "graph-safe"])
+def store_path(request, monkeypatch):
+    """store_kv reads the slots on the host for CPU tensors; switching host reads off runs the path a
+    device takes (the -1 rows repeat the first real write), so both are tested on the CPU."""
+    if request.param == "graph-safe":
+        monkeypatch.setattr(_checks, "CHECK_VALUES_ON_HOST", False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
-def test_store_kv_writes_rows_at_slots_and_skips_minus_one(dtype):
+def test_store_kv_writes_rows_at_slots_and_skips_minus_one(dtype, store_path):
     NB, bs, W = 4, 5, 7
     plane = torch.full((NB, bs, W), NAN).to(dtype)
     slots = torch.tensor([-1, 13, 2, -1, 19, 0, -1], dtype=torch.int32)  # starts with -1, hits row 0
@@ -71,12 +80,17 @@ def test_store_kv_writes_rows_at_slots_and_skips_minus_one(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
-def test_store_kv_all_padding_leaves_plane_bitwise_unchanged(dtype):
+def test_store_kv_all_padding_leaves_plane_bitwise_unchanged(dtype, store_path):
     plane = torch.randn(3, 5, 6).to(dtype)
     plane[0, 0, 1] = NAN  # row 0 is the one the reference rewrites onto itself
     before = bits(plane).clone()
     ops.store_kv(plane, torch.full((4,), -1, dtype=torch.int64), torch.randn(4, 6))
     assert torch.equal(bits(plane), before)
+
+
+def test_store_kv_rejects_a_slot_past_the_plane():
+    with pytest.raises(ValueError, match="slot 15; the plane has 15 slots"):
+        ops.store_kv(torch.zeros(3, 5, 2), torch.tensor([-1, 15]), torch.ones(2, 2))
 
 
 # ------------------------------------------------------------------ paged_index_scores

@@ -25,6 +25,12 @@ def check_tensor(name: str, t, *, ndim: int | None = None, shape: tuple | None =
     return tuple(t.shape)
 
 
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, but a tensor already in ``dtype`` comes back without a dispatched op: the decode
+    step of a small model makes hundreds of such calls per token, and each costs about a microsecond."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """Accumulation dtype everywhere in minidsa: fp32, or fp64 when an input is fp64 (for exactness tests)."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32

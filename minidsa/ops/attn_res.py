@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._checks import acc_dtype, check_tensor
+from ._checks import acc_dtype, cast, check_tensor
 
 
 def attn_res_mix_ref(sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-5,
@@ -30,9 +30,9 @@ def attn_res_mix_ref(sources: torch.Tensor, query: torch.Tensor, norm_weight: to
     check_tensor("query", query, shape=(D,), floating=True)
     check_tensor("norm_weight", norm_weight, shape=(D,), floating=True)
     acc = acc_dtype(sources, query, norm_weight)
-    v = sources.to(acc)
-    normed = F.rms_norm(v, (D,), norm_weight.to(acc), eps)  # v / sqrt(mean(v^2) + eps) * gamma
-    scores = normed @ query.to(acc)  # [N, ...]
+    v = cast(sources, acc)
+    normed = F.rms_norm(v, (D,), cast(norm_weight, acc), eps)  # v / sqrt(mean(v^2) + eps) * gamma
+    scores = normed @ cast(query, acc)  # [N, ...]
     alpha = torch.softmax(scores, dim=0)
     out = (alpha.unsqueeze(-1) * v).sum(dim=0)
     return (out, alpha) if return_weights else out

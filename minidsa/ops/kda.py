@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import acc_dtype, check_tensor
+from ._checks import acc_dtype, cast, check_tensor
 
 
 def _check(q, k, v, g, beta, initial_state):
@@ -37,13 +37,13 @@ def _prepare(q, k, v, g, beta, scale, initial_state):
     scale = K ** -0.5 if scale is None else float(scale)
     if rep > 1:  # grouped value heads: each q/k head serves HV/H value heads
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-    q = q.to(acc) * scale
-    k = k.to(acc)
+    q = cast(q, acc) * scale
+    k = cast(k, acc)
     # Never updated in place below, so the caller's state is not modified even without a copy; with
     # T = 0 it would come back as the caller's own tensor, so that case gets one.
     state = torch.zeros(B, HV, K, V, dtype=acc, device=q.device) if initial_state is None else \
         initial_state.to(acc, copy=T == 0)
-    return q, k, v.to(acc), g.to(acc), beta.to(acc), state
+    return q, k, cast(v, acc), cast(g, acc), cast(beta, acc), state
 
 
 def kda_recurrent_ref(q, k, v, g, beta, scale=None, initial_state=None):
@@ -62,7 +62,7 @@ def kda_recurrent_ref(q, k, v, g, beta, scale=None, initial_state=None):
         pred = k[:, t] @ S  # [B, HV, 1, V]: what the state already returns for k_t
         S = S + (beta[:, t, :, None, None] * k[:, t]).transpose(-1, -2) @ (v[:, t] - pred)  # rank-1 write
         o[:, t] = (q[:, t] @ S).squeeze(-2)
-    return o.to(out_dtype), S
+    return cast(o, out_dtype), S
 
 
 def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64):

@@ -1,15 +1,16 @@
 """Reference KV store: write each new token's row into its slot of a paged cache plane.
 
-Slot -1 means "no write" (a padding token). A boolean-mask write would need the mask on the host
-(a device sync per call); instead every -1 row repeats the write of the first real row, which
-leaves the plane exactly as a skipped row would, whatever order the writes land in.
+Slot -1 means "no write" (a padding token). On the CPU the slots are read directly (checked, and the
+-1 rows dropped by a mask). On a device a boolean-mask write would need the mask on the host (a sync
+per call); there every -1 row instead repeats the write of the first real row, which leaves the plane
+exactly as a skipped row would, whatever order the writes land in.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._checks import check_tensor
+from ._checks import check_tensor, on_host
 
 
 def store_kv_ref(plane: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
@@ -28,6 +29,11 @@ def store_kv_ref(plane: torch.Tensor, slot_mapping: torch.Tensor, values: torch.
     flat = plane.view(-1, W)
     slots = slot_mapping.long()
     valid = slots >= 0
+    if on_host(slot_mapping):  # reading the slots costs nothing here
+        if int(slots.max()) >= flat.shape[0]:
+            raise ValueError(f"slot_mapping holds slot {int(slots.max())}; the plane has {flat.shape[0]} slots")
+        flat[slots[valid]] = values[valid].to(flat.dtype)
+        return
     # Padding rows repeat the first real row's write; with no real row at all, row 0 of the plane
     # is written back onto itself. Either way the plane ends as if they were skipped. (``first`` stays
     # a 1-element tensor: indexing with a 0-d tensor would read it on the host.)

@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from ._checks import acc_dtype, check_tensor, on_host
+from ._checks import acc_dtype, cast, check_tensor, on_host
 
 GROUP = 32  # elements per E8M0 scale
 E8M0_BIAS = 127
@@ -132,9 +132,14 @@ def mxfp4_to_fp8_ref(packed: torch.Tensor, scales: torch.Tensor, experts: torch.
     (``ExpertWorkspace.load``).
     """
     n, M, P = check_conversion(packed, scales, experts, out_elements, out_scales)
-    codes = packed.index_select(0, experts.long())  # [n, M, P]
-    # one lookup per packed byte writes both of its elements (an int16 = two e4m3 bytes, low nibble first)
-    out_elements[:n].view(torch.int16).copy_(_lookup(_byte_to_fp8_pair(packed.device), codes))
+    codes = packed.index_select(0, experts.long()).view(-1).int()  # [n * M * P]
+    # one lookup per packed byte writes both of its elements (an int16 = two e4m3 bytes, low nibble first),
+    # straight into the slots when they are one contiguous run
+    pairs, dest = _byte_to_fp8_pair(packed.device), out_elements[:n]
+    if dest.is_contiguous() and dest.storage_offset() % 2 == 0:
+        torch.index_select(pairs, 0, codes, out=dest.view(torch.int16).view(-1))
+    else:
+        dest.view(torch.uint8).copy_(pairs.index_select(0, codes).view(torch.uint8).view(dest.shape))
     torch.index_select(scales, 0, experts.long(), out=out_scales[:n])
 
 
@@ -204,9 +209,9 @@ def expert_mlp_fp8_ref(z: torch.Tensor, elements: torch.Tensor, scales: torch.Te
     m = check_fp8_mlp(z, elements, scales, gates)[3]
     acc = acc_dtype(z, gates)
     _, fp8, e8m0 = _tables(z.device)
-    values = _fp8_values(elements[:m], fp8.to(acc))  # exact: every e4m3 value is a float
-    values.view(m, 3, -1, GROUP).mul_(_lookup(e8m0.to(acc), scales[:m]).unsqueeze(-1))
-    return _expert_mlp_core(z.to(acc), values, gates.to(acc), beta_gate, beta_up)
+    values = _fp8_values(elements[:m], cast(fp8, acc))  # exact: every e4m3 value is a float
+    values.view(m, 3, -1, GROUP).mul_(_lookup(cast(e8m0, acc), scales[:m]).unsqueeze(-1))
+    return _expert_mlp_core(cast(z, acc), values, cast(gates, acc), beta_gate, beta_up)
 
 
 def expert_mlp_mxfp4_ref(z: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,
