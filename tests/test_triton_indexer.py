@@ -152,6 +152,21 @@ def test_topk_matches_reference(S, topk):
     assert torch.equal(kern.topk_indices(scores, topk, q_pos), ref_ops.topk_indices_ref(scores, topk, q_pos))
 
 
+@pytest.mark.parametrize("levels", [3, 1000, None])
+def test_topk_radix_select_with_ties_across_blocks(levels):
+    # S spans several interpreter blocks (64) so the threshold's ties fall in more than one of them;
+    # few distinct levels put the k-th key inside a long run of equal scores, None keeps them distinct.
+    g = torch.Generator().manual_seed(levels or 0)
+    scores = torch.randn(2, 3, 201, generator=g)
+    if levels is not None:
+        scores = torch.randint(-levels, levels, (2, 3, 201), generator=g).float() * 0.125
+    scores[0, 0, 50:60] = -INF
+    q_pos = torch.tensor([[200, 150, 60], [199, 64, 40]])
+    scores, q_pos = scores.to(DEV), q_pos.to(DEV)
+    for k in (37, 150):
+        assert torch.equal(kern.topk_indices(scores, k, q_pos), ref_ops.topk_indices_ref(scores, k, q_pos)), k
+
+
 def test_topk_ties_go_to_the_lower_position():
     # Exact ties everywhere: 0.5 at 3 and 9, -0.0 and +0.0 (equal scores) at 1, 4, 6, -inf candidates.
     s = torch.tensor([-1.0, -0.0, -2.0, 0.5, 0.0, -INF, 0.0, -1.0, -INF, 0.5, 2.0, 2.0], device=DEV)
