@@ -9,15 +9,38 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
+from . import ops
 from .ops import acc_dtype, cast
+
+
+class _SituGluFn(torch.autograd.Function):
+    """SiTU-GLU under autograd, keeping only (g, u): the backward is the op ``ops.situ_glu_backward``
+    (one fused Triton pass on a GPU), instead of the six or so intermediates autograd would keep."""
+
+    @staticmethod
+    def forward(ctx, g, u, beta_gate, beta_up):
+        ctx.save_for_backward(g, u)
+        ctx.betas = (beta_gate, beta_up)
+        return ops.situ_glu(g, u, beta_gate, beta_up)  # grad mode is off in here: a kernel may run
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        g, u = ctx.saved_tensors
+        dg, du = ops.situ_glu_backward(g, u, grad, *ctx.betas)
+        return dg.to(g.dtype), du.to(u.dtype), None, None
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 4.0, beta_up: float = 25.0) -> torch.Tensor:
     """Elementwise on gate, up [..., F] -> [..., F]; computed in fp32 (fp64 kept), returned in gate's dtype."""
     acc = acc_dtype(gate)
     g, u = cast(gate, acc), cast(up, acc)
-    h = (beta_gate * torch.tanh(g / beta_gate) * torch.sigmoid(g)) * (beta_up * torch.tanh(u / beta_up))
+    if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad):
+        h = _SituGluFn.apply(g, u, beta_gate, beta_up)
+    else:  # inference: always the reference expression (the MoE expert ops repeat it operation for operation)
+        h = ops.situ_glu_ref(g, u, beta_gate, beta_up)
     return cast(h, gate.dtype)
 
 

@@ -21,13 +21,14 @@ from .kv_store import store_kv_ref
 from .mla_attention import PREFILL_TILE, decompress_kv, sparse_mla_decode_ref, sparse_mla_prefill_ref
 from .moe_experts import expert_mlp_fp8_ref, expert_mlp_mxfp4_ref, mxfp4_to_fp8_ref
 from .paging import gather_positions, paged_slots
+from .activation import situ_glu_backward_ref, situ_glu_ref
 
 __all__ = ["BACKENDS", "TRITON_KERNELS", "REFERENCES", "acc_dtype", "cast", "current_backend", "set_backend",
            "use_backend", "index_scores", "paged_index_scores", "topk_indices", "sparse_attention",
            "masked_dense_attention", "indices_to_mask", "gather_rows", "store_kv", "sparse_mla_decode",
            "sparse_mla_prefill", "decompress_kv", "paged_slots", "gather_positions", "PREFILL_TILE",
            "kda_recurrent", "kda_chunk", "attn_res_mix", "attn_res_block_scores", "attn_res_merge",
-           "mxfp4_to_fp8", "expert_mlp_fp8", "expert_mlp_mxfp4"]
+           "mxfp4_to_fp8", "expert_mlp_fp8", "expert_mlp_mxfp4", "situ_glu", "situ_glu_backward"]
 
 # op name -> its PyTorch reference; a Triton kernel registered under the same name must share its signature.
 REFERENCES = {
@@ -36,6 +37,7 @@ REFERENCES = {
     "sparse_mla_decode": sparse_mla_decode_ref, "sparse_mla_prefill": sparse_mla_prefill_ref,
     "kda_recurrent": kda_recurrent_ref, "kda_chunk": kda_chunk_ref, "attn_res_mix": attn_res_mix_ref,
     "mxfp4_to_fp8": mxfp4_to_fp8_ref, "expert_mlp_fp8": expert_mlp_fp8_ref, "expert_mlp_mxfp4": expert_mlp_mxfp4_ref,
+    "situ_glu": situ_glu_ref, "situ_glu_backward": situ_glu_backward_ref,
 }
 
 
@@ -144,3 +146,15 @@ def expert_mlp_mxfp4(z: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     """``expert_mlp_fp8`` reading experts [m] straight from MXFP4 packed [E,3,I*L/2] / scales [E,3,I*L/32]."""
     return pick("expert_mlp_mxfp4", backend, expert_mlp_mxfp4_ref, z, gates)(
         z, packed, scales, experts, gates, beta_gate, beta_up)
+
+
+def situ_glu(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float, *,
+             backend: str | None = None) -> torch.Tensor:
+    """SiTU-GLU, elementwise: g, u [...] -> h [...] fp32 (training's forward; see ``minidsa.ffn.situ_glu``)."""
+    return pick("situ_glu", backend, situ_glu_ref, g, u)(g, u, beta_gate, beta_up)
+
+
+def situ_glu_backward(g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor, beta_gate: float, beta_up: float, *,
+                      backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Its derivative: g, u, dLoss/dh [...] -> (dLoss/dg, dLoss/du) fp32, recomputed from g and u."""
+    return pick("situ_glu_backward", backend, situ_glu_backward_ref, g, u, grad)(g, u, grad, beta_gate, beta_up)

@@ -38,6 +38,8 @@ TRITON_KERNELS: dict[str, tuple[str, str]] = {
     "mxfp4_to_fp8": ("minidsa.ops.moe_experts_triton", "mxfp4_to_fp8"),
     "expert_mlp_fp8": ("minidsa.ops.moe_experts_triton", "expert_mlp_fp8"),
     "expert_mlp_mxfp4": ("minidsa.ops.moe_experts_triton", "expert_mlp_mxfp4"),
+    "situ_glu": ("minidsa.ops.activation_triton", "situ_glu"),
+    "situ_glu_backward": ("minidsa.ops.activation_triton", "situ_glu_backward"),
 }
 
 _default = "auto"
