@@ -29,7 +29,7 @@ def store_kv_ref(plane: torch.Tensor, slot_mapping: torch.Tensor, values: torch.
     flat = plane.view(-1, W)
     slots = slot_mapping.long()
     valid = slots >= 0
-    if on_host(slot_mapping):  # reading the slots costs nothing here
+    if on_host(slot_mapping, plane):  # reading the slots costs nothing here
         if int(slots.max()) >= flat.shape[0]:
             raise ValueError(f"slot_mapping holds slot {int(slots.max())}; the plane has {flat.shape[0]} slots")
         flat[slots[valid]] = values[valid].to(flat.dtype)
