@@ -28,6 +28,18 @@ def test_situ_glu_backward_is_the_derivative():
     assert torch.equal(situ_glu(g, u).detach(), plain)  # the recorded forward is the same expression
 
 
+def test_situ_glu_under_autograd_keeps_only_its_inputs():
+    # The training memory claim: the activation itself saves g and u for backward, nothing else.
+    g = torch.randn(5, 7, requires_grad=True)
+    u = torch.randn(5, 7, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        h = situ_glu(g, u)
+    assert len(saved) == 2 and {id(t) for t in saved} == {id(g), id(u)}
+    h.sum().backward()
+    assert g.grad is not None and u.grad is not None
+
+
 def test_situ_glu_formula_and_bound():
     g, u = torch.linspace(-300, 300, 1001, dtype=torch.float64), torch.linspace(300, -300, 1001, dtype=torch.float64)
     ref = 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)
