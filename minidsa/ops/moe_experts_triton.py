@@ -7,7 +7,7 @@ Same signatures and results as ``minidsa/ops/moe_experts.py``.
 bytes, four codes). Each code becomes its e4m3 byte by integer arithmetic (magnitude code 0 -> 0x00,
 1 (0.5) -> 0x30, c >= 2 -> 0x30 + 4c; the sign bit moves from bit 3 to bit 7), and the four bytes of a
 word are written as one int32, in element order (little-endian, as on every GPU and x86 CPU). The
-word's E8M0 scales (one per 8 words) are copied alongside. Measured on the H200 (tune_moe.py), the
+word's E8M0 scales (one per 8 words) are copied alongside. Measured on the H200 (bench_moe.py), the
 word version moves 71 % of 4.3 TB/s where a byte in / int16 out version peaked at 54 %: half the load
 and store instructions for the same bytes. Bytes moved per expert, with I*L elements per matrix:
 read 3*I*L/2 + 3*I*L/32, write 3*I*L + 3*I*L/32 (51.6 MB at K3's L = 3584, I = 3072).
