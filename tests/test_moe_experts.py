@@ -8,6 +8,7 @@ import minidsa
 from minidsa import mxfp4
 from minidsa.moe import ExpertWorkspace
 from minidsa.ops import moe_experts as ref
+from minidsa.ops.activation import situ_glu_values
 
 from conftest import tiny_config
 
@@ -109,7 +110,7 @@ def test_fp64_inputs_stay_fp64_and_match_the_dequantised_experts():
     # and against the MXFP4 dequantisation of mxfp4.py, token by token
     w = {k: mxfp4.dequantize(moe.packed[k], moe.scales[k], torch.float64) for k in ("w1", "w3", "w2")}
     for t in range(3):
-        y = sum(gates[j, t] * w["w2"][e] @ ref._situ_glu(w["w1"][e] @ z[t], w["w3"][e] @ z[t], 4.0, 25.0)
+        y = sum(gates[j, t] * w["w2"][e] @ situ_glu_values(w["w1"][e] @ z[t], w["w3"][e] @ z[t], 4.0, 25.0)
                 for j, e in enumerate(experts.tolist()))
         torch.testing.assert_close(got[t], y, atol=1e-12, rtol=1e-12)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import acc_dtype, cast
+from .activation import situ_glu_backward_ref, situ_glu_ref
 from ._dispatch import BACKENDS, TRITON_KERNELS, current_backend, pick, set_backend, use_backend
 from .attention import gather_rows, indices_to_mask, masked_dense_attention, sparse_attention_ref
 from .attn_res import attn_res_block_scores, attn_res_merge, attn_res_mix_ref
@@ -21,7 +22,6 @@ from .kv_store import store_kv_ref
 from .mla_attention import PREFILL_TILE, decompress_kv, sparse_mla_decode_ref, sparse_mla_prefill_ref
 from .moe_experts import expert_mlp_fp8_ref, expert_mlp_mxfp4_ref, mxfp4_to_fp8_ref
 from .paging import gather_positions, paged_slots
-from .activation import situ_glu_backward_ref, situ_glu_ref
 
 __all__ = ["BACKENDS", "TRITON_KERNELS", "REFERENCES", "acc_dtype", "cast", "current_backend", "set_backend",
            "use_backend", "index_scores", "paged_index_scores", "topk_indices", "sparse_attention",

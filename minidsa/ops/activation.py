@@ -23,12 +23,16 @@ def _check(g, u, *more) -> None:
         check_tensor("grad", t, shape=shape, floating=True)
 
 
+def situ_glu_values(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
+    """The expression itself on float tensors, unchecked (the MoE expert ops evaluate it inside their core)."""
+    return (beta_gate * torch.tanh(g / beta_gate) * torch.sigmoid(g)) * (beta_up * torch.tanh(u / beta_up))
+
+
 def situ_glu_ref(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
     """g, u [...] -> h [...] in fp32 (fp64 if g or u is)."""
     _check(g, u)
     acc = acc_dtype(g, u)
-    g, u = cast(g, acc), cast(u, acc)
-    return (beta_gate * torch.tanh(g / beta_gate) * torch.sigmoid(g)) * (beta_up * torch.tanh(u / beta_up))
+    return situ_glu_values(cast(g, acc), cast(u, acc), beta_gate, beta_up)
 
 
 def situ_glu_backward_ref(g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor, beta_gate: float,

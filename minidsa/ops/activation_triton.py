@@ -4,7 +4,7 @@ The forward reads g and u and writes h; the backward reads g, u and dLoss/dh and
 gradients, recomputing tanh and sigmoid in registers. In plain torch the same backward is about twenty
 full-size elementwise passes, so on a GPU (where a training step's SiTU-GLU tensors are the largest
 activations) the fused pass is what makes recomputation cheaper than keeping intermediates. tanh is
-built from exp (``moe_experts_triton._tanh``, relative error ~1e-7), so results agree with the
+built from exp (``moe_experts_triton._tanh``, whose ``_situ_glu`` the forward reuses; relative error ~1e-7), so results agree with the
 references to fp32 rounding, not bitwise. Inputs are flattened: any shape, any float dtype, outputs fp32.
 """
 
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_experts_triton import _tanh
+from .moe_experts_triton import _situ_glu, _tanh
 from .activation import _check, situ_glu_backward_ref, situ_glu_ref
 
 BLOCK = {"cuda": 2048, "cpu": 64}
@@ -26,9 +26,7 @@ def _fwd_kernel(g_ptr, u_ptr, h_ptr, n, beta_gate, beta_up, BLOCK: tl.constexpr)
     ok = offs < n
     g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-g))
-    h = (beta_gate * _tanh(g / beta_gate) * sig) * (beta_up * _tanh(u / beta_up))
-    tl.store(h_ptr + offs, h, mask=ok)
+    tl.store(h_ptr + offs, _situ_glu(g, u, beta_gate, beta_up), mask=ok)
 
 
 @triton.jit

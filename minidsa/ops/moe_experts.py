@@ -28,6 +28,7 @@ import functools
 import torch
 
 from ._checks import acc_dtype, cast, check_tensor, on_host
+from .activation import situ_glu_values
 
 GROUP = 32  # elements per E8M0 scale
 E8M0_BIAS = 127
@@ -143,11 +144,6 @@ def mxfp4_to_fp8_ref(packed: torch.Tensor, scales: torch.Tensor, experts: torch.
     torch.index_select(scales, 0, experts.long(), out=out_scales[:n])
 
 
-def _situ_glu(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
-    """SiTU-GLU as ``minidsa.ffn.situ_glu`` writes it (same operations, so the same rounding)."""
-    return (beta_gate * torch.tanh(g / beta_gate) * torch.sigmoid(g)) * (beta_up * torch.tanh(u / beta_up))
-
-
 def _expert_mlp_core(z: torch.Tensor, values: torch.Tensor, gates: torch.Tensor, beta_gate: float,
                      beta_up: float) -> torch.Tensor:
     """z [N, L], values [m, 3, I*L] (w1, w3 [I, L]; w2 [L, I]), gates [m, N], all in one float dtype
@@ -157,7 +153,7 @@ def _expert_mlp_core(z: torch.Tensor, values: torch.Tensor, gates: torch.Tensor,
     w13 = values[:, :2].reshape(values.shape[0], 2 * I, L)  # w1 rows, then w3 rows: one matmul for both
     w2 = values[:, 2].unflatten(-1, (L, I))
     gu = z @ w13.mT  # [m, N, 2I]
-    h = _situ_glu(gu[..., :I], gu[..., I:], beta_gate, beta_up)  # [m, N, I]
+    h = situ_glu_values(gu[..., :I], gu[..., I:], beta_gate, beta_up)  # [m, N, I]
     return ((h * gates.unsqueeze(-1)) @ w2.mT).sum(0)  # [m, N, L] summed over slots in one reduction
 
 
