@@ -99,8 +99,8 @@ def _train_parser(sub, common) -> None:
     for name in ("seed", "dense_steps", "warmup_steps", "sparse_steps", "batch_size", "mm_batch_size", "context",
                  "num_distractors", "easy_key_steps", "lr_warmup", "eval_every", "eval_n", "save_every", "leg_steps"):
         t.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), metavar="N")
-    for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "text_loss_weight", "easy_key_frac",
-                 "max_minutes"):
+    for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "text_loss_weight", "focus_loss_weight",
+                 "easy_key_frac", "max_minutes"):
         t.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name), metavar="X")
     t.add_argument("--device", default=d.device, help=f"torch device (default: {d.device})")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")

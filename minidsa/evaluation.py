@@ -1,6 +1,6 @@
 """Evaluation of a (trained) model on held-out seeds of the synthetic tasks (data.py): retrieval accuracy
 with the indexer's selections and with random ones, the indexer's recall of the dense attention mass per
-MLA layer, and multimodal accuracy (docs/design.md §2).
+MLA layer, multimodal accuracy, and both accuracies again with dense attention (docs/design.md §2).
 
     metrics = evaluate(minidsa.load("runs/tiny"), seed=0, n=64)
     print(format_metrics(metrics))     # one "name: value" line each
@@ -38,7 +38,11 @@ def evaluate(model: MiniDSA | TrainingModel, *, seed: int = 0, n: int = 64, cont
         out["retrieval_accuracy_random_selection"] = _retrieval(tm, "random", seed, n, context, batch_size,
                                                                  num_distractors)[0]
         out.update({f"indexer_recall_layer{layer}": r for layer, r in sorted(recall.items())})
-        out["multimodal_accuracy"] = _multimodal(tm, seed, n, batch_size)
+        out["multimodal_accuracy"] = _multimodal(tm, seed, n, batch_size, "indexer")
+        # the same tasks with dense attention: what sparse attention costs, and (before the indexer has
+        # been trained, in training's dense stage) what the model has learned
+        out["retrieval_accuracy_dense"] = _retrieval(tm, "dense", seed, n, context, batch_size, num_distractors)[0]
+        out["multimodal_accuracy_dense"] = _multimodal(tm, seed, n, batch_size, "dense")
     out["context_length"] = context
     out["topk"] = cfg.indexer.topk
     return out
@@ -85,17 +89,18 @@ def captured_mass(mla, x: torch.Tensor) -> tuple[float, int]:
     return float(per_query[:, rows].sum()), int(rows.sum()) * B
 
 
-def _multimodal(tm: TrainingModel, seed: int, n: int, batch_size: int) -> float:
+def _multimodal(tm: TrainingModel, seed: int, n: int, batch_size: int, selection: str) -> float:
     correct = 0
     for start in range(0, n, batch_size):
         batch = data.encode(data.samples("multimodal", "eval", seed, start, min(batch_size, n - start)),
                             tm.model.config)
-        correct += int(rows_correct(multimodal_logits(tm, batch), batch.labels.to(tm.model.device)).sum())
+        correct += int(rows_correct(multimodal_logits(tm, batch, selection)[0], batch.labels.to(tm.model.device)).sum())
     return correct / n
 
 
-def multimodal_logits(tm: TrainingModel, batch: data.TokenBatch, selection: str = "indexer") -> torch.Tensor:
-    """Logits [B, T, V] of a batch with images: vision tower + projector, embeddings filled, lean forward."""
+def multimodal_logits(tm: TrainingModel, batch: data.TokenBatch, selection: str = "indexer", record: bool = False):
+    """(logits [B, T, V], {GatedMLA: its input x} if ``record`` else {}) of a batch with images: vision tower +
+    projector, embeddings filled, then the lean forward (``TrainingModel.forward``)."""
     ids = batch.input_ids.to(tm.model.device)
     embeds = tm.model.embed(ids, tm.model.encode_images(batch.images))
-    return tm(inputs_embeds=embeds, selection=selection)[0]
+    return tm(inputs_embeds=embeds, selection=selection, record=record)

@@ -11,6 +11,9 @@ KL(p || softmax(I[t, :])).
   those keys alone, then summed and normalised (Megatron's compute_dsa_indexer_loss), not the dense
   distribution cut down to them, which would weight the heads differently.
 
+``focus_loss`` is the optional sparse-stage term for the main model (not the indexer): minus the log of
+each head's dense attention mass on the selected keys.
+
     loss = indexer_kl_loss(model, input_ids, stage="warmup")
     loss.backward()   # gradients reach only the indexer parameters
 """
@@ -59,6 +62,49 @@ def attention_target(mla: GatedMLA, x: torch.Tensor, keep: torch.Tensor) -> torc
         return probs / probs.sum(-1, keepdim=True)
 
 
+def _causal(B: int, T: int, device) -> torch.Tensor:
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
+
+
+def selected_keys(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """bool [B, T, S]: causal and among query t's top-k indexer ``scores`` [B, T, S] (the sparse stage's keys)."""
+    B, T, _ = scores.shape
+    sel = ops.topk_indices(scores, topk, torch.arange(T, device=scores.device).expand(B, T))
+    return _causal(B, T, scores.device) & ops.indices_to_mask(sel, T)
+
+
+def focus_loss(mla: GatedMLA, x: torch.Tensor) -> torch.Tensor:
+    """-log(share of each head's dense attention on the indexer's selected keys), averaged over heads and the
+    queries that have more causal keys than top-k. x [B, T, d] is the layer's input; the gradient reaches the
+    main model (queries, keys and what feeds x), not the indexer, whose selection is held fixed.
+
+    Not part of DSA: an optional term of the sparse stage (``TrainConfig.focus_loss_weight``). A head the
+    output gate has switched off stays near uniform over the context, since nothing trains the keys it
+    does not see; this term moves such a head's mass onto the selected keys, so that the sparse and the
+    dense attention of the model agree (docs/design.md §2)."""
+    B, T, _ = x.shape
+    if T <= mla.indexer.topk:  # every query keeps all its keys: nothing lies outside
+        return x.new_zeros((), dtype=acc_dtype(x))
+    with torch.no_grad():
+        scores = ops.index_scores(*_indexer_inputs(mla, x), mla.indexer.softmax_scale, backend="torch")
+        keep = selected_keys(scores, mla.indexer.topk).unsqueeze(1)  # [B, 1, T, S]
+    p = mla._project(x)
+    k, _ = mla.decompress(p["kv_latent"], p["k_pe"])
+    acc = acc_dtype(p["q"])
+    s = torch.einsum("bthd,bshd->bhts", p["q"].to(acc), k.to(acc)) * mla.softmax_scale
+    causal = _causal(B, T, x.device).unsqueeze(1)
+    outside = torch.logsumexp(s.masked_fill(~causal, float("-inf")), -1) - torch.logsumexp(
+        s.masked_fill(~keep, float("-inf")), -1)  # [B, H, T] = -log(selected mass)
+    return outside[:, :, mla.indexer.topk:].mean()
+
+
+def _indexer_inputs(mla: GatedMLA, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_idx, dequantised k_idx, w_idx) of the indexer for the layer input x; the low-rank query is detached."""
+    c_q = mla.q_a_layernorm(mla.q_a_proj(x)).detach()
+    q_idx, w_idx = mla.indexer.queries(c_q, x)
+    return q_idx, mla.indexer.dequant_keys(mla.indexer.keys(x)), w_idx
+
+
 def layer_kl(mla: GatedMLA, x: torch.Tensor, stage: str = "warmup") -> torch.Tensor:
     """KL(p || softmax(I)) of one MLA layer, averaged over queries. x [B, T, d] is the layer's input.
 
@@ -69,14 +115,8 @@ def layer_kl(mla: GatedMLA, x: torch.Tensor, stage: str = "warmup") -> torch.Ten
         raise ValueError(f"stage={stage!r}; use 'warmup' or 'sparse'")
     B, T, _ = x.shape
     xi = x.detach() if stage == "sparse" else x  # sparse stage: the indexer's input is detached
-    c_q = mla.q_a_layernorm(mla.q_a_proj(xi)).detach()
-    q_idx, w_idx = mla.indexer.queries(c_q, xi)
-    k_idx = mla.indexer.dequant_keys(mla.indexer.keys(xi))
-    scores = ops.index_scores(q_idx, k_idx, w_idx, mla.indexer.softmax_scale, backend="torch")  # [B, T, S]
-    keep = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(B, T, T)
-    if stage == "sparse":
-        sel = ops.topk_indices(scores.detach(), mla.indexer.topk, torch.arange(T, device=x.device).expand(B, T))
-        keep = keep & ops.indices_to_mask(sel, T)
+    scores = ops.index_scores(*_indexer_inputs(mla, xi), mla.indexer.softmax_scale, backend="torch")  # [B, T, S]
+    keep = selected_keys(scores.detach(), mla.indexer.topk) if stage == "sparse" else _causal(B, T, x.device)
     target = attention_target(mla, x, keep)
     log_q = torch.log_softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
     kl = torch.where(keep & (target > 0), target * (torch.log(target.clamp_min(1e-30)) - log_q), torch.zeros_like(log_q))

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from . import data
 from .config import load_config
 from .evaluation import evaluate, format_metrics, multimodal_logits
-from .indexer_training import layer_kl
+from .indexer_training import focus_loss, layer_kl
 from .model import MiniDSA
 from .training_forward import TrainingModel
 
@@ -62,6 +62,7 @@ class TrainConfig:
     mm_batch_size: int = 4  # multimodal rows per step (0 = no multimodal task; the vision path then stays put)
     context: int = 0  # tokens per retrieval row; 0 = data.default_context (16 x top-k, capped by max_seq_len)
     num_distractors: int = 0  # extra pass-key passages with other names per retrieval row
+    focus_loss_weight: float = 0.0  # sparse stage: weight of indexer_training.focus_loss (0 = DSA's recipe as is)
     text_loss_weight: float = 1.0  # weight of a next-token loss on every token of the retrieval rows (0 = off)
     easy_key_steps: int = 150  # first steps on which every pass key is one digit repeated ("77777"): copying
     easy_key_frac: float = 0.25  # ... and the share of such rows afterwards (0 = none)
@@ -93,9 +94,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.batch_size = {self.batch_size!r} must be an int >= 1")
         if self.total_steps < 1:
             raise ValueError("TrainConfig has no steps; set dense_steps, warmup_steps or sparse_steps > 0")
-        if not (self.text_loss_weight >= 0 and 0 <= self.easy_key_frac <= 1):
-            raise ValueError(f"TrainConfig needs text_loss_weight >= 0 and 0 <= easy_key_frac <= 1; got "
-                             f"{self.text_loss_weight}, {self.easy_key_frac}")
+        if not (self.text_loss_weight >= 0 and self.focus_loss_weight >= 0 and 0 <= self.easy_key_frac <= 1):
+            raise ValueError(f"TrainConfig needs text_loss_weight >= 0, focus_loss_weight >= 0 and 0 <= "
+                             f"easy_key_frac <= 1; got {self.text_loss_weight}, {self.focus_loss_weight}, "
+                             f"{self.easy_key_frac}")
         if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.grad_clip > 0 and self.max_minutes >= 0):
             raise ValueError(f"TrainConfig needs lr > 0, 0 <= min_lr_ratio <= 1, grad_clip > 0 and max_minutes >= 0; "
                              f"got lr={self.lr}, min_lr_ratio={self.min_lr_ratio}, grad_clip={self.grad_clip}, "
@@ -167,12 +169,17 @@ def step_losses(tm: TrainingModel, cfg: TrainConfig, step: int) -> dict[str, tor
         out = {"lm": answer_loss(logits, labels)}
         if cfg.text_loss_weight and stage != "warmup":
             out["text"] = cfg.text_loss_weight * text_loss(logits, ids, tm.model.tokenizer.pad_id)
+        inputs = list(recorded.items())  # (MLA layer, its input x): what the indexer losses see
         if cfg.mm_batch_size:
             mm = data.encode(data.samples("multimodal", "train", cfg.seed, step * cfg.mm_batch_size,
                                           cfg.mm_batch_size), mcfg)
-            out["mm"] = answer_loss(multimodal_logits(tm, mm, selection), mm.labels.to(device))
+            mm_logits, mm_recorded = multimodal_logits(tm, mm, selection, record=stage != "dense")
+            out["mm"] = answer_loss(mm_logits, mm.labels.to(device))
+            inputs += mm_recorded.items()  # the indexer must also learn where the answer looks in the image
     if stage != "dense":
-        out["kl"] = torch.stack([layer_kl(mla, x, stage) for mla, x in recorded.items()]).mean()
+        out["kl"] = torch.stack([layer_kl(mla, x, stage) for mla, x in inputs]).mean()
+    if stage == "sparse" and cfg.focus_loss_weight:
+        out["focus"] = cfg.focus_loss_weight * torch.stack([focus_loss(mla, x) for mla, x in inputs]).mean()
     return out
 
 
@@ -267,7 +274,8 @@ def plot_curves(history: list[dict], evals: list[dict]):
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for key, label in (("lm", "retrieval answer loss"), ("text", "next-token loss, all tokens"),
-                       ("mm", "multimodal answer loss"), ("kl", "indexer KL")):
+                       ("mm", "multimodal answer loss"), ("kl", "indexer KL"),
+                       ("focus", "focus loss (weighted)")):
         pts = [(h["step"], h[key]) for h in history if key in h]
         if pts:
             ax.plot(*zip(*pts), label=label, lw=1)

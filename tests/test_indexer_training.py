@@ -6,7 +6,7 @@ import torch
 import minidsa
 from conftest import tiny_config
 from minidsa import ops
-from minidsa.indexer_training import _capture_mla_inputs, indexer_kl_loss, layer_kl
+from minidsa.indexer_training import _capture_mla_inputs, focus_loss, indexer_kl_loss, layer_kl
 
 
 def indexer_params(model):
@@ -95,3 +95,46 @@ def test_indexer_key_norm_uses_rms_norm_eps():
         for eps, same in ((1e-2, True), (1e-6, False)):
             want = torch.nn.functional.layer_norm(k, (k.shape[-1],), ix.k_norm.weight, ix.k_norm.bias, eps)
             assert torch.allclose(got, want, atol=1e-6) == same  # 1e-6: fp32 rounding of a unit-scale LayerNorm
+
+
+def test_focus_loss_is_minus_log_of_the_selected_mass():
+    """Per head and query: -log(dense softmax mass on the indexer's top-k), averaged over heads and the queries
+    with more causal keys than top-k; written here row by row, head by head, in fp64."""
+    model = minidsa.MiniDSA(tiny_config(dtype="float64"))
+    with torch.no_grad():  # sharpen the heads so the selected mass is far from uniform's k / (t + 1)
+        for i in model.config.mla_layers:
+            model.language_model.model.layers[i].self_attn.q_b_proj.weight.mul_(30)
+    ids = torch.randint(0, 256, (2, 20))
+    mla, x = next(iter(_capture_mla_inputs(model, ids, dense=False).items()))
+    B, T, _ = x.shape
+    with torch.no_grad():
+        p = mla._project(x)
+        k, _ = mla.decompress(p["kv_latent"], p["k_pe"])
+        ix = mla.indexer
+        q_idx, w_idx = ix.queries(mla.q_a_layernorm(mla.q_a_proj(x)), x)
+        scores = ops.index_scores(q_idx, ix.keys(x)["index_key"], w_idx, ix.softmax_scale)
+        sel = ops.topk_indices(scores, ix.topk, torch.arange(T).expand(B, T))
+    terms = []
+    for b in range(B):
+        for t in range(ix.topk, T):
+            keys = [int(s) for s in sel[b, t] if s >= 0]
+            probs = torch.softmax(torch.einsum("hd,shd->hs", p["q"][b, t], k[b, : t + 1]) * mla.softmax_scale, -1)
+            terms += (-probs[:, keys].sum(-1).log()).tolist()  # one per head
+    want = sum(terms) / len(terms)
+    got = focus_loss(mla, x)
+    assert abs(got.item() - want) < 1e-10 * max(1.0, want)  # fp64: the two differ only by summation order
+    assert want > 0.05  # far from 0, so a loss that ignored the selection could not pass
+
+
+def test_focus_loss_trains_the_main_attention_not_the_indexer():
+    model = minidsa.load("tiny")
+    ids = torch.randint(0, 256, (2, 24))
+    inputs = _capture_mla_inputs(model, ids, dense=False)
+    mla, x = next(iter(inputs.items()))
+    x = x.detach().requires_grad_(True)
+    focus_loss(mla, x).backward()
+    with_grad = {n for n, p in mla.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert not {n for n in with_grad if n.startswith("indexer.")}
+    assert {"q_b_proj.weight", "kv_b_proj.weight"} <= with_grad and x.grad.abs().sum() > 0
+    short = torch.randn(1, mla.indexer.topk, x.shape[-1])  # no query has more than top-k keys: nothing outside
+    assert focus_loss(mla, short).item() == 0.0

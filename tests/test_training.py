@@ -12,7 +12,7 @@ import minidsa
 from minidsa import data, mxfp4
 from minidsa.__main__ import main
 from minidsa.ops import kda_chunk_ref
-from minidsa.training import TrainConfig, answer_loss, easy_keys, text_loss, train
+from minidsa.training import TrainConfig, answer_loss, easy_keys, step_losses, text_loss, train
 from minidsa.training_forward import TrainingModel
 from minidsa.training_ops import kda_chunk_train, selection_mask, train_chunk_size
 
@@ -103,6 +103,20 @@ def test_warmup_updates_only_the_indexers(tmp_path):
     indexer = {n for n in fresh if ".indexer." in n and fresh[n].is_floating_point()}
     assert changed and changed <= indexer, sorted(changed - indexer)
     assert indexer <= changed  # every indexer tensor moved
+
+
+def test_indexer_losses_see_the_multimodal_rows_and_focus_only_the_sparse_stage(tmp_path):
+    # The indexer must learn where an answer about an image looks, so the multimodal rows' MLA inputs enter
+    # its KL; the focus term exists only in the sparse stage, and only when weighted.
+    tm = TrainingModel(minidsa.MiniDSA("tiny"))
+    cfg = fast(tmp_path, dense_steps=0, warmup_steps=1, sparse_steps=1, focus_loss_weight=0.5)
+    with_mm = step_losses(tm, cfg, 0)
+    without = step_losses(tm, dataclasses.replace(cfg, mm_batch_size=0), 0)
+    assert "mm" in with_mm and "mm" not in without and abs(with_mm["kl"].item() - without["kl"].item()) > 1e-6
+    assert "focus" not in with_mm  # warm-up
+    sparse = step_losses(tm, cfg, 1)
+    assert sparse["focus"].requires_grad and sparse["focus"].item() > 0
+    assert "focus" not in step_losses(tm, dataclasses.replace(cfg, focus_loss_weight=0.0), 1)
 
 
 def test_resume_equals_uninterrupted_training(tmp_path):
@@ -201,7 +215,7 @@ def test_eval_prints_every_metric(capsys):
     cfg = minidsa.load_config("tiny")
     assert names == ["retrieval_accuracy", "retrieval_accuracy_random_selection",
                      *[f"indexer_recall_layer{i}" for i in cfg.mla_layers], "multimodal_accuracy",
-                     "context_length", "topk"]
+                     "retrieval_accuracy_dense", "multimodal_accuracy_dense", "context_length", "topk"]
     values = dict(line.split(": ") for line in lines)
     assert values["context_length"] == "128" and values["topk"] == "8"
     assert all(0 <= float(values[f"indexer_recall_layer{i}"]) <= 1 for i in cfg.mla_layers)
