@@ -41,7 +41,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> t
 
 
 class KimiDeltaAttention(nn.Module):
-    STATE_NAMES = ("recurrent", "conv_q", "conv_k", "conv_v")
+    STATE_NAMES = ("recurrent", "conv")
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, cache_layer: int) -> None:
         super().__init__()
@@ -69,10 +69,11 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(HK, d, bias=False)
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Per-sequence state tensors (all fp32) for the cache's state slots."""
+        """Per-sequence state tensors (all fp32) for the cache's state slots: the recurrent state and the last
+        W-1 projected inputs of the three short convs, q, k and v channels side by side (one tensor, one
+        conv call: the three convs are depthwise, so concatenating their channels changes nothing)."""
         H, K, W = self.num_heads, self.head_dim, self.conv_size
-        conv = (W - 1, H * K)
-        return {"recurrent": (H, K, K), "conv_q": conv, "conv_k": conv, "conv_v": conv}
+        return {"recurrent": (H, K, K), "conv": (W - 1, 3 * H * K)}
 
     def forward(self, x: torch.Tensor, ctx: CacheContext | None = None, trace=None) -> torch.Tensor:
         """x [B, T, d] (already normalised) -> [B, T, d]. ``ctx`` (a CacheContext) supplies and
@@ -94,24 +95,22 @@ class KimiDeltaAttention(nn.Module):
         return self.output(o, x)
 
     def recurrence_inputs(self, x: torch.Tensor, state: dict[str, torch.Tensor]):
-        """x [B, T, d] and the conv states -> ((q, k [B, T, H, K], v [B, T, H, K], g [B, T, H, K], beta [B, T, H]),
-        {"conv_q", "conv_k", "conv_v": the new conv states}). The training path reuses it (training_forward.py)."""
+        """x [B, T, d] and the conv state -> ((q, k [B, T, H, K], v [B, T, H, K], g [B, T, H, K], beta [B, T, H]),
+        {"conv": the new conv state}). The training path reuses it (training_forward.py)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         acc = acc_dtype(x)
-        new_state = {}
-        qkv = []
-        for name, proj, conv in (("q", self.q_proj, self.q_conv1d), ("k", self.k_proj, self.k_conv1d),
-                                 ("v", self.v_proj, self.v_conv1d)):
-            y, new_state[f"conv_{name}"] = causal_conv(cast(proj(x), acc), conv.weight, state[f"conv_{name}"])
-            qkv.append(F.silu(y).view(B, T, H, K))
-        q, k, v = qkv
-        q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + L2_EPS)
-        k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + L2_EPS)
+        projected = torch.cat([cast(p(x), acc) for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
+        weight = torch.cat([c.weight for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])  # [3HK, 1, W]
+        y, conv_state = causal_conv(projected, weight, state["conv"])
+        qkv = F.silu(y).view(B, T, 3, H, K)
+        qk = qkv[:, :, :2]  # q and k are L2-normalised per head, in one pass
+        q, k = (qk * torch.rsqrt(qk.pow(2).sum(-1, keepdim=True) + L2_EPS)).unbind(2)
         z = cast(self.f_b_proj(self.f_a_proj(x)), acc) + cast(self.dt_bias, acc)
-        g = self.lower_bound * torch.sigmoid(cast(self.A_log[:H], acc).exp().repeat_interleave(K) * z)
+        a = cast(self.A_log[:H], acc).exp().unsqueeze(-1)  # [H, 1]: one rate per head, over its K channels
+        g = self.lower_bound * torch.sigmoid(a * z.view(B, T, H, K))
         beta = torch.sigmoid(cast(self.b_proj(x), acc))
-        return (q, k, v, g.view(B, T, H, K), beta), new_state
+        return (q, k, qkv[:, :, 2], g, beta), {"conv": conv_state}
 
     def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, K] from the recurrence, x [B, T, d] the layer input -> W_o[RMSNorm_head(o) * sigmoid(W_g x)]."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_tensor, on_host
+from ._checks import cast, check_tensor, on_host
 
 
 def store_kv_ref(plane: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
@@ -32,7 +32,9 @@ def store_kv_ref(plane: torch.Tensor, slot_mapping: torch.Tensor, values: torch.
     if on_host(slot_mapping, plane):  # reading the slots costs nothing here
         if int(slots.max()) >= flat.shape[0]:
             raise ValueError(f"slot_mapping holds slot {int(slots.max())}; the plane has {flat.shape[0]} slots")
-        flat[slots[valid]] = values[valid].to(flat.dtype)
+        if not bool(valid.all()):
+            slots, values = slots[valid], values[valid]
+        flat[slots] = cast(values, flat.dtype)
         return
     # Padding rows repeat the first real row's write; with no real row at all, row 0 of the plane
     # is written back onto itself. Either way the plane ends as if they were skipped. (``first`` stays

@@ -80,20 +80,21 @@ def _fp8_values(elements: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _tables(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp64 [16] E2M1 values, fp64 [256] e4m3 values, fp64 [256] E8M0 values (0xFF = NaN, as at load)."""
+def _tables(device, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[16] E2M1 values, [256] e4m3 values, [256] E8M0 values (0xFF = NaN, as at load), all exact in
+    ``dtype`` (fp32 or fp64), built once per device and dtype."""
     with torch.inference_mode(False):
         mags = torch.tensor(_E2M1, dtype=torch.float64)
         e2m1 = torch.cat([mags, -mags])
         fp8 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).double()
         e8m0 = torch.exp2(torch.arange(256, dtype=torch.float64) - E8M0_BIAS)
         e8m0[255] = float("nan")
-        return e2m1.to(device), fp8.to(device), e8m0.to(device)
+        return tuple(t.to(device=device, dtype=dtype) for t in (e2m1, fp8, e8m0))
 
 
 def _check_experts(experts, num: int) -> int:
     n = check_tensor("experts", experts, ndim=1, integer=True)[0]
-    if on_host(experts) and n and (int(experts.min()) < 0 or int(experts.max()) >= num):
+    if on_host(experts) and n and not (0 <= int((bounds := experts.aminmax()).min) and int(bounds.max) < num):
         raise ValueError(f"experts holds ids outside [0, {num}): {experts.tolist()}")
     return n
 
@@ -133,7 +134,8 @@ def mxfp4_to_fp8_ref(packed: torch.Tensor, scales: torch.Tensor, experts: torch.
     (``ExpertWorkspace.load``).
     """
     n, M, P = check_conversion(packed, scales, experts, out_elements, out_scales)
-    codes = packed.index_select(0, experts.long()).view(-1).int()  # [n * M * P]
+    experts = experts.long()
+    codes = packed.index_select(0, experts).view(-1).int()  # [n * M * P]
     # one lookup per packed byte writes both of its elements (an int16 = two e4m3 bytes, low nibble first),
     # straight into the slots when they are one contiguous run
     pairs, dest = _byte_to_fp8_pair(packed.device), out_elements[:n]
@@ -141,7 +143,7 @@ def mxfp4_to_fp8_ref(packed: torch.Tensor, scales: torch.Tensor, experts: torch.
         torch.index_select(pairs, 0, codes, out=dest.view(torch.int16).view(-1))
     else:
         dest.view(torch.uint8).copy_(pairs.index_select(0, codes).view(torch.uint8).view(dest.shape))
-    torch.index_select(scales, 0, experts.long(), out=out_scales[:n])
+    torch.index_select(scales, 0, experts, out=out_scales[:n])
 
 
 def _expert_mlp_core(z: torch.Tensor, values: torch.Tensor, gates: torch.Tensor, beta_gate: float,
@@ -204,9 +206,9 @@ def expert_mlp_fp8_ref(z: torch.Tensor, elements: torch.Tensor, scales: torch.Te
     """
     m = check_fp8_mlp(z, elements, scales, gates)[3]
     acc = acc_dtype(z, gates)
-    _, fp8, e8m0 = _tables(z.device)
-    values = _fp8_values(elements[:m], cast(fp8, acc))  # exact: every e4m3 value is a float
-    values.view(m, 3, -1, GROUP).mul_(_lookup(cast(e8m0, acc), scales[:m]).unsqueeze(-1))
+    _, fp8, e8m0 = _tables(z.device, acc)
+    values = _fp8_values(elements[:m], fp8)  # exact: every e4m3 value is a float
+    values.view(m, 3, -1, GROUP).mul_(_lookup(e8m0, scales[:m]).unsqueeze(-1))
     return _expert_mlp_core(cast(z, acc), values, cast(gates, acc), beta_gate, beta_up)
 
 
@@ -224,8 +226,9 @@ def expert_mlp_mxfp4_ref(z: torch.Tensor, packed: torch.Tensor, scales: torch.Te
     """
     m = check_mxfp4_mlp(z, packed, scales, experts, gates)[3]
     acc = acc_dtype(z, gates)
-    e2m1, _, e8m0 = _tables(z.device)
-    codes = packed.index_select(0, experts.long())
-    values = _lookup(e2m1.to(acc), torch.stack([codes & 0x0F, codes >> 4], dim=-1)).view(m, 3, -1)
-    values.view(m, 3, -1, GROUP).mul_(_lookup(e8m0.to(acc), scales.index_select(0, experts.long())).unsqueeze(-1))
+    e2m1, _, e8m0 = _tables(z.device, acc)
+    experts = experts.long()
+    codes = packed.index_select(0, experts)
+    values = _lookup(e2m1, torch.stack([codes & 0x0F, codes >> 4], dim=-1)).view(m, 3, -1)
+    values.view(m, 3, -1, GROUP).mul_(_lookup(e8m0, scales.index_select(0, experts)).unsqueeze(-1))
     return _expert_mlp_core(z.to(acc), values, gates.to(acc), beta_gate, beta_up)
