@@ -41,7 +41,8 @@ def evaluate(model: MiniDSA | TrainingModel, *, seed: int = 0, n: int = 64, cont
         out["multimodal_accuracy"] = _multimodal(tm, seed, n, batch_size, "indexer")
         # the same tasks with dense attention: what sparse attention costs, and (before the indexer has
         # been trained, in training's dense stage) what the model has learned
-        out["retrieval_accuracy_dense"] = _retrieval(tm, "dense", seed, n, context, batch_size, num_distractors)[0]
+        out["retrieval_accuracy_dense"] = _retrieval(tm, "dense", seed, n, context, batch_size,
+                                                     num_distractors)[0]
         out["multimodal_accuracy_dense"] = _multimodal(tm, seed, n, batch_size, "dense")
     out["context_length"] = context
     out["topk"] = cfg.indexer.topk
@@ -94,11 +95,13 @@ def _multimodal(tm: TrainingModel, seed: int, n: int, batch_size: int, selection
     for start in range(0, n, batch_size):
         batch = data.encode(data.samples("multimodal", "eval", seed, start, min(batch_size, n - start)),
                             tm.model.config)
-        correct += int(rows_correct(multimodal_logits(tm, batch, selection)[0], batch.labels.to(tm.model.device)).sum())
+        logits = multimodal_logits(tm, batch, selection)[0]
+        correct += int(rows_correct(logits, batch.labels.to(tm.model.device)).sum())
     return correct / n
 
 
-def multimodal_logits(tm: TrainingModel, batch: data.TokenBatch, selection: str = "indexer", record: bool = False):
+def multimodal_logits(tm: TrainingModel, batch: data.TokenBatch, selection: str = "indexer",
+                      record: bool = False) -> tuple[torch.Tensor, dict]:
     """(logits [B, T, V], {GatedMLA: its input x} if ``record`` else {}) of a batch with images: vision tower +
     projector, embeddings filled, then the lean forward (``TrainingModel.forward``)."""
     ids = batch.input_ids.to(tm.model.device)

@@ -6,8 +6,11 @@ Stages (one run, one AdamW, one warm-up + cosine learning-rate schedule over all
                dense checkpoint that DSA training starts from); the indexer is unused;
   1. warmup  - attention stays dense and only the indexer learns, by KL to the main attention summed
                over heads (indexer_training.layer_kl, stage "warmup");
-  2. sparse  - attention uses the indexer's top-k; the model learns from the LM loss and the indexer
+  2. sparse  - attention uses the indexer's top-k; the model learns from the LM loss (and, when
+               focus_loss_weight > 0, the focus term, indexer_training.focus_loss) and the indexer
                from its KL over the selected keys with its input detached (stage "sparse").
+The indexer's KL (stages 1 and 2) and the focus term take the MLA inputs of the retrieval rows and of
+the multimodal rows: the indexer must learn where an answer about an image looks, too.
 The LM loss is cross-entropy on the answer tokens (and eos) of each row, plus (text_loss_weight) a
 next-token loss on every token of the retrieval rows; in stage 0 some pass keys are one repeated digit
 (easy_key_*), which teaches "find the digits and copy them" before their order. Without these two the
@@ -287,8 +290,11 @@ def plot_curves(history: list[dict], evals: list[dict]):
     ax.set_ylabel("loss")
     if evals:
         ax2 = ax.twinx()
-        for key in ("retrieval_accuracy", "multimodal_accuracy"):
-            ax2.plot([e["step"] for e in evals], [e[key] for e in evals], "o-", ms=3, label=key)
+        for key, style in (("retrieval_accuracy", "o-"), ("multimodal_accuracy", "o-"),
+                           ("retrieval_accuracy_dense", "x:"), ("multimodal_accuracy_dense", "x:")):
+            pts = [(e["step"], e[key]) for e in evals if key in e]  # older logs lack the dense ones
+            if pts:
+                ax2.plot(*zip(*pts), style, ms=3, label=key)
         ax2.set_ylim(0, 1)
         ax2.set_ylabel("accuracy (held-out)")
         ax2.legend(loc="center right", fontsize=8)
