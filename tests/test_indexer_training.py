@@ -13,6 +13,19 @@ def indexer_params(model):
     return {n for n, _ in model.named_parameters() if ".indexer." in n}
 
 
+def projections_and_selection(mla, x):
+    """(projections, decompressed keys [B, S, H, dn + dr], indexer scores [B, T, S], top-k [B, T, k]) of a
+    layer input x [B, T, d], without gradients: what the loop-by-loop checks below start from."""
+    B, T, _ = x.shape
+    with torch.no_grad():
+        p = mla._project(x)
+        k, _ = mla.decompress(p["kv_latent"], p["k_pe"])
+        ix = mla.indexer
+        q_idx, w_idx = ix.queries(mla.q_a_layernorm(mla.q_a_proj(x)), x)
+        scores = ops.index_scores(q_idx, ix.keys(x)["index_key"], w_idx, ix.softmax_scale)
+        return p, k, scores, ops.topk_indices(scores, ix.topk, torch.arange(T).expand(B, T))
+
+
 @pytest.mark.parametrize("stage", ["warmup", "sparse"])
 def test_only_the_indexer_learns(stage):
     model = minidsa.load("tiny")
@@ -57,13 +70,7 @@ def test_sparse_target_is_the_attention_over_the_selected_keys():
     ids = torch.randint(0, 256, (2, 20))
     mla, x = next(iter(_capture_mla_inputs(model, ids, dense=False).items()))
     B, T, _ = x.shape
-    with torch.no_grad():
-        p = mla._project(x)
-        k, _ = mla.decompress(p["kv_latent"], p["k_pe"])
-        ix = mla.indexer
-        scores = ops.index_scores(ix.queries(mla.q_a_layernorm(mla.q_a_proj(x)), x)[0], ix.keys(x)["index_key"],
-                                  ix.queries(mla.q_a_layernorm(mla.q_a_proj(x)), x)[1], ix.softmax_scale)
-        sel = ops.topk_indices(scores, ix.topk, torch.arange(T).expand(B, T))
+    p, k, scores, sel = projections_and_selection(mla, x)
     kl, old_kl = 0.0, 0.0
     for b in range(B):
         for t in range(T):
@@ -107,16 +114,10 @@ def test_focus_loss_is_minus_log_of_the_selected_mass():
     ids = torch.randint(0, 256, (2, 20))
     mla, x = next(iter(_capture_mla_inputs(model, ids, dense=False).items()))
     B, T, _ = x.shape
-    with torch.no_grad():
-        p = mla._project(x)
-        k, _ = mla.decompress(p["kv_latent"], p["k_pe"])
-        ix = mla.indexer
-        q_idx, w_idx = ix.queries(mla.q_a_layernorm(mla.q_a_proj(x)), x)
-        scores = ops.index_scores(q_idx, ix.keys(x)["index_key"], w_idx, ix.softmax_scale)
-        sel = ops.topk_indices(scores, ix.topk, torch.arange(T).expand(B, T))
+    p, k, _, sel = projections_and_selection(mla, x)
     terms = []
     for b in range(B):
-        for t in range(ix.topk, T):
+        for t in range(mla.indexer.topk, T):
             keys = [int(s) for s in sel[b, t] if s >= 0]
             probs = torch.softmax(torch.einsum("hd,shd->hs", p["q"][b, t], k[b, : t + 1]) * mla.softmax_scale, -1)
             terms += (-probs[:, keys].sum(-1).log()).tolist()  # one per head

@@ -94,8 +94,10 @@ def _tables(device, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, t
 
 def _check_experts(experts, num: int) -> int:
     n = check_tensor("experts", experts, ndim=1, integer=True)[0]
-    if on_host(experts) and n and not (0 <= int((bounds := experts.aminmax()).min) and int(bounds.max) < num):
-        raise ValueError(f"experts holds ids outside [0, {num}): {experts.tolist()}")
+    if on_host(experts) and n:
+        lo, hi = experts.aminmax()  # one pass for both bounds
+        if int(lo) < 0 or int(hi) >= num:
+            raise ValueError(f"experts holds ids outside [0, {num}): {experts.tolist()}")
     return n
 
 
