@@ -167,6 +167,28 @@ def test_topk_radix_select_with_ties_across_blocks(levels):
         assert torch.equal(kern.topk_indices(scores, k, q_pos), ref_ops.topk_indices_ref(scores, k, q_pos)), k
 
 
+@pytest.mark.parametrize("kind", ["clustered", "equal", "spread", "mixed-sign"])
+def test_topk_on_hard_score_distributions(kind):
+    # "clustered": values 1 + tiny offsets (many differ only in their last bits), "equal": one tied
+    # value everywhere (positions decide), "spread": many binades, "mixed-sign": zero, -0.0 and -inf.
+    g = torch.Generator().manual_seed(7)
+    S = 300
+    if kind == "clustered":
+        scores = 1.0 + torch.randint(0, 40, (2, 2, S), generator=g).float() * 2.0 ** -20
+    elif kind == "equal":
+        scores = torch.full((2, 2, S), 0.75)
+    elif kind == "spread":
+        scores = torch.randn(2, 2, S, generator=g) * torch.exp2(torch.randint(-60, 60, (2, 2, S), generator=g).float())
+    else:
+        scores = torch.randn(2, 2, S, generator=g)
+        scores[..., ::7] = -INF
+        scores[..., ::11] = -0.0
+    q_pos = torch.tensor([[S - 1, 150], [-1, 4]])
+    scores, q_pos = scores.to(DEV), q_pos.to(DEV)
+    for k in (5, 64):
+        assert torch.equal(kern.topk_indices(scores, k, q_pos), ref_ops.topk_indices_ref(scores, k, q_pos)), k
+
+
 def test_topk_ties_go_to_the_lower_position():
     # Exact ties everywhere: 0.5 at 3 and 9, -0.0 and +0.0 (equal scores) at 1, 4, 6, -inf candidates.
     s = torch.tensor([-1.0, -0.0, -2.0, 0.5, 0.0, -INF, 0.0, -1.0, -INF, 0.5, 2.0, 2.0], device=DEV)
