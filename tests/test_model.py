@@ -210,7 +210,7 @@ def test_sparse_prefill_and_decode_equal_masked_dense_reference():
 def test_absorbed_decode_equals_decompressed_attention():
     model = make_model("float64")
     mla = model.language_model.model.layers[model.config.mla_layers[1]].self_attn
-    B, S, H = 2, 13, mla.num_heads
+    B, S = 2, 13
     x = torch.randn(B, 1, model.config.hidden_size, dtype=torch.float64)
     latent = torch.randn(B, S, mla.r, dtype=torch.float64)
     k_pe = torch.randn(B, S, mla.dr, dtype=torch.float64)

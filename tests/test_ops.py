@@ -1,6 +1,5 @@
 """Reference ops against independent brute-force implementations written here in loops."""
 
-import math
 
 import pytest
 import torch
