@@ -53,7 +53,13 @@ All keys are distinct, so ``torch.topk(sorted=True)`` on them is exact and deter
 Triton kernel does the packing in one pass. Positions past ``q_pos`` that still make the cut (rows
 with fewer than ``topk`` candidates) become -1. Measured on the H200 at decode (32 rows x 65,536
 keys, k = 2048) this top-k costs ~140 us of GPU time (~280 us in eager mode, where torch.topk's many
-small launches bind), more than the scores (~210 us): a Triton radix-select kernel is the next step.
+small launches bind), more than the scores (~210 us). A one-program-per-row Triton radix select was
+tried (exact; range narrowed by 256-bin histograms, kept keys compacted by prefix sums in position
+order, then ``tl.sort``): 250-280 us at decode and 2.0-3.0 ms at prefill (T = 4096 over 8192 keys,
+where this path takes 1.75 ms), so it was not kept. One SM per row streams each pass at about
+10 GB/s, the compaction's prefix sums cost ~170 us and ``tl.sort`` of 4096 int64 keys 60-85 us
+(2048: 25-35 us). A faster top-k needs several programs per row (histograms merged across them) and
+a cheaper ordered output than a bitonic sort.
 
 fp64 inputs (used only by exactness tests) go to the reference: these kernels compute in fp32, and a
 64-bit score leaves no room for the position in a 64-bit sort key. No atomics anywhere: every output
