@@ -51,7 +51,8 @@ def load_image(image, name: str = "image") -> torch.Tensor:
     if isinstance(image, (str, os.PathLike)):
         return _read_image_file(Path(image), name)
     if isinstance(image, np.ndarray):
-        image = torch.from_numpy(np.ascontiguousarray(image))
+        # a copy: arrays viewing a PIL image are read-only, which torch.from_numpy warns about
+        image = torch.from_numpy(np.array(image, order="C"))
     if not isinstance(image, torch.Tensor):
         raise TypeError(f"{name} must be a numpy array, a torch tensor or a file path, got {type(image).__name__}")
     if image.dim() != 3 or (image.shape[-1] != 3 and image.shape[0] != 3):

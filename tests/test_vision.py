@@ -1,6 +1,7 @@
 """Vision tower and multimodal generate (docs/design.md §8)."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -142,6 +143,12 @@ def test_image_files(tiny_model, tmp_path):
     t = torch.from_numpy(arr)
     assert torch.equal(preprocess(t, tiny_model.config).patches, p_arr)
     assert torch.equal(preprocess(t.permute(2, 0, 1).float() / 255, tiny_model.config).patches, p_arr)
+    # An array viewing a PIL image is read-only: accepted as is, without torch's non-writable warning.
+    frozen = np.asarray(Image.fromarray(arr))
+    assert not frozen.flags.writeable
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(preprocess(frozen, tiny_model.config).patches, p_arr)
 
 
 BAD_IMAGES = [
