@@ -44,6 +44,7 @@ from _bench import pick_device, timer, warm_up, write_results  # noqa: E402
 
 from minidsa import mxfp4  # noqa: E402
 from minidsa.ops import moe_experts as ref  # noqa: E402
+from minidsa.ops.activation import situ_glu_values  # noqa: E402
 
 HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (docs/design.md §11)
 BETA_G, BETA_U = 4.0, 25.0
@@ -94,7 +95,7 @@ def peer_decode(z, w, gates, L: int, I: int):
     zb = z.to(torch.bfloat16)
     g = torch.matmul(zb, w[:, 0].view(-1, I, L).mT)  # [r, N, I]: one batched matmul over the experts
     u = torch.matmul(zb, w[:, 1].view(-1, I, L).mT)
-    h = ref._situ_glu(g.float(), u.float(), BETA_G, BETA_U) * gates.unsqueeze(-1)
+    h = situ_glu_values(g.float(), u.float(), BETA_G, BETA_U) * gates.unsqueeze(-1)
     return torch.matmul(h.to(torch.bfloat16), w[:, 2].view(-1, L, I).mT).float().sum(0)
 
 
@@ -112,7 +113,7 @@ def peer_prefill(z, w, gates, L: int, I: int):
     g = torch.bmm(x, w[:, 0].view(E, I, L).mT)
     u = torch.bmm(x, w[:, 1].view(E, I, L).mT)
     gate = torch.where(valid, torch.gather(gates, 1, order), 0.0)
-    h = ref._situ_glu(g.float(), u.float(), BETA_G, BETA_U) * gate.unsqueeze(-1)
+    h = situ_glu_values(g.float(), u.float(), BETA_G, BETA_U) * gate.unsqueeze(-1)
     y = torch.bmm(h.to(torch.bfloat16), w[:, 2].view(E, L, I).mT).float()
     return torch.zeros(N + 1, L, device=z.device).index_add_(0, idx.reshape(-1), y.reshape(-1, L))[:N]
 
