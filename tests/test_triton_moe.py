@@ -94,7 +94,8 @@ def test_conversion_of_every_byte_value():
     assert torch.equal(els.view(torch.uint8).cpu(), want.view(torch.uint8)) and torch.equal(scs, scales)
 
 
-@pytest.mark.parametrize("N,dense", [(5, None), (19, None), (5, False)], ids=["decode", "prefill", "compact5"])
+@pytest.mark.parametrize("N,dense", [(1, None), (5, None), (19, None), (5, False)],
+                         ids=["one-token", "decode", "prefill", "compact5"])
 def test_fp8_and_mxfp4_mlps_match_the_reference(experts_store, N, dense):
     # N = 5 fits one token tile (the dense pair layout); N = 19 takes two tiles of the compact layout.
     z, experts, gates, els, scs = case(experts_store, N)
