@@ -35,7 +35,8 @@ on the H200 (16 slots of L=3584, I=3072, ``GEMV_TILES`` swept): the FP8 MLP went
 4.3 TB/s on its weight bytes (0.339 -> 0.216 ms), the fused MXFP4 one from 18 % to 26 % (0.367 -> 0.254 ms),
 and the fused result moved from 1.9e-5 to 5e-7 of the fp32 reference. The MXFP4 variant stays bound by
 its in-register dequantisation (nibble split, interleave and scale per element), not by its bytes.
-(Reading the nibbles as separate even/odd tiles, with two dots and no interleave, measured no faster.)
+(Reading the nibbles as separate even/odd tiles, with two dots and no interleave, measured no faster;
+as a GEMV with the activation read at even and odd columns and a scale load per column, 2x slower.)
 
 *Skipping unrouted pairs.* A token lane is live only where ``gates[slot, token] != 0``: dead lanes
 load nothing and store nothing, and a program with no live lane reads no weight at all, so
