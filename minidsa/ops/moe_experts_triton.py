@@ -188,6 +188,19 @@ def _weight_tile(w_ptr, s_ptr, rows, row_ok, K, k0, MXFP4: tl.constexpr, ROWS: t
 
 
 @triton.jit
+def _gemv_rows(w_ptr, s_ptr, rows, row_ok, K, x_ptr, MXFP4: tl.constexpr, ROWS: tl.constexpr,
+               BK: tl.constexpr):
+    """W[rows, :] @ x for one row-major [*, K] expert matrix and one activation row x [K] -> [ROWS] fp32:
+    weight x activation products accumulated elementwise on the FMA units, reduced along K at the end."""
+    acc = tl.zeros((ROWS, BK), tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        acc += _weight_tile(w_ptr, s_ptr, rows, row_ok, K, k0, MXFP4, ROWS, BK) * tl.load(
+            x_ptr + k, mask=k < K, other=0.0)[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _dot(w, x_t, acc, SPLIT: tl.constexpr):
     """acc + w @ x_t for fp32 w [R, K] (bf16-exact weights) and fp32 x_t [K, T], accumulated in fp32."""
     if SPLIT:  # GPU: two bf16 tensor-core dots carry ~16 mantissa bits of x
@@ -261,14 +274,9 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_pt
             rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
             row_ok = rows < I
             w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
-            acc_g = tl.zeros((BLOCK_R, BLOCK_K), tl.float32)
-            acc_u = tl.zeros((BLOCK_R, BLOCK_K), tl.float32)
-            for k0 in range(0, L, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                zk = tl.load(z_ptr + k, mask=k < L, other=0.0)[None, :]
-                acc_g += _weight_tile(w1, s1, rows, row_ok, L, k0, MXFP4, BLOCK_R, BLOCK_K) * zk
-                acc_u += _weight_tile(w1 + sw_m, s1 + ss_m, rows, row_ok, L, k0, MXFP4, BLOCK_R, BLOCK_K) * zk
-            h = _situ_glu(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), beta_gate, beta_up) * gate
+            g = _gemv_rows(w1, s1, rows, row_ok, L, z_ptr, MXFP4, BLOCK_R, BLOCK_K)
+            u = _gemv_rows(w1 + sw_m, s1 + ss_m, rows, row_ok, L, z_ptr, MXFP4, BLOCK_R, BLOCK_K)
+            h = _situ_glu(g, u, beta_gate, beta_up) * gate
             tl.store(h_ptr + slot.to(tl.int64) * I + rows, h, mask=row_ok)
         return
     pair, token, gate, live = _pairs(slot, tl.program_id(0), gates_ptr, count_ptr, offset_ptr, token_ptr, N,
@@ -301,12 +309,9 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_
             rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
             row_ok = rows < L
             w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
-            acc = tl.zeros((BLOCK_R, BLOCK_K), tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                hk = tl.load(h_ptr + slot.to(tl.int64) * I + k, mask=k < I, other=0.0)[None, :]
-                acc += _weight_tile(w1 + 2 * sw_m, s1 + 2 * ss_m, rows, row_ok, I, k0, MXFP4, BLOCK_R, BLOCK_K) * hk
-            tl.store(part_ptr + slot.to(tl.int64) * L + rows, tl.sum(acc, axis=1), mask=row_ok)
+            part = _gemv_rows(w1 + 2 * sw_m, s1 + 2 * ss_m, rows, row_ok, I, h_ptr + slot.to(tl.int64) * I, MXFP4,
+                              BLOCK_R, BLOCK_K)
+            tl.store(part_ptr + slot.to(tl.int64) * L + rows, part, mask=row_ok)
         return
     pair, token, gate, live = _pairs(slot, tl.program_id(0), gates_ptr, count_ptr, offset_ptr, token_ptr, N,
                                      DENSE, BLOCK_T)
