@@ -30,7 +30,7 @@ TRITON_KERNELS: dict[str, tuple[str, str]] = {
     "store_kv": ("minidsa.ops.kv_store_triton", "store_kv"),
     "index_scores": ("minidsa.ops.indexer_triton", "index_scores"),
     "paged_index_scores": ("minidsa.ops.indexer_triton", "paged_index_scores"),
-    "topk_indices": ("minidsa.ops.indexer_triton", "topk_indices"),
+    "topk_indices": ("minidsa.ops.topk_triton", "topk_indices"),
     "sparse_mla_decode": ("minidsa.ops.mla_attention_triton", "sparse_mla_decode"),
     "sparse_mla_prefill": ("minidsa.ops.mla_attention_triton", "sparse_mla_prefill"),
     "kda_recurrent": ("minidsa.ops.kda_triton", "kda_recurrent"),

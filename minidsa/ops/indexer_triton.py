@@ -1,5 +1,5 @@
-"""Triton kernels of the DSA lightning indexer: scores over the paged key plane, and causal top-k
-(docs/design.md §2, §12). Same signatures and results as ``minidsa/ops/indexer.py``.
+"""Triton kernels of the DSA lightning indexer's scores over the paged key plane (docs/design.md §2,
+§12). Same signatures and results as ``minidsa/ops/indexer.py``.
 
 **Scores.** ``I[b,t,s] = sum_h w[b,t,h] * ReLU(scale * q[b,t,h] . k[s])`` is one fused kernel: the
 per-head logits, the ReLU and the head-weighted sum all happen on a tile in registers, so the
@@ -45,25 +45,10 @@ per-head logits, the ReLU and the head-weighted sum all happen on a tile in regi
   per load. The CPU interpreter gets 16-key tiles and one chunk per row, because it pays per program
   and per tile element.
 
-**Top-k.** ``topk_indices`` turns each fp32 score into one int64 whose order is the wanted order: the
-high 32 bits are the score's bits mapped to an order-preserving signed int, the low 32 bits are
-``S - 1 - position`` (so equal scores resolve to the lower position), and non-candidates
-(``position > q_pos``) get the smallest high word, so they sort after every candidate, -inf included.
-All keys are distinct, so ``torch.topk(sorted=True)`` on them is exact and deterministic; a tiny
-Triton kernel does the packing in one pass. Positions past ``q_pos`` that still make the cut (rows
-with fewer than ``topk`` candidates) become -1. Measured on the H200 at decode (32 rows x 65,536
-keys, k = 2048) this top-k costs ~140 us of GPU time (~280 us in eager mode, where torch.topk's many
-small launches bind), more than the scores (~210 us). A one-program-per-row Triton radix select was
-tried (exact; range narrowed by 256-bin histograms, kept keys compacted by prefix sums in position
-order, then ``tl.sort``): 250-280 us at decode and 2.0-3.0 ms at prefill (T = 4096 over 8192 keys,
-where this path takes 1.75 ms), so it was not kept. One SM per row streams each pass at about
-10 GB/s, the compaction's prefix sums cost ~170 us and ``tl.sort`` of 4096 int64 keys 60-85 us
-(2048: 25-35 us). A faster top-k needs several programs per row (histograms merged across them) and
-a cheaper ordered output than a bitonic sort.
+**Top-k** lives in ``topk_triton.py`` (a radix select over many programs per row).
 
-fp64 inputs (used only by exactness tests) go to the reference: these kernels compute in fp32, and a
-64-bit score leaves no room for the position in a 64-bit sort key. No atomics anywhere: every output
-element is written by exactly one program, so results are bitwise reproducible.
+fp64 inputs (used only by exactness tests) go to the reference: the kernel computes in fp32. No
+atomics: every output element is written by exactly one program, so results are bitwise reproducible.
 """
 
 from __future__ import annotations
@@ -75,7 +60,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_tensor
-from .indexer import check_paged_scores_args, check_topk_args, index_scores_ref, paged_index_scores_ref, topk_indices_ref
+from .indexer import check_paged_scores_args, index_scores_ref, paged_index_scores_ref
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -232,42 +217,3 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float
     table = torch.arange(B, dtype=torch.int32, device=q.device).view(B, 1)
     lens = torch.full((B,), S, dtype=torch.int32, device=q.device)
     return _launch_scores(q, w, k, None, table, lens, scale)
-
-
-@triton.jit
-def _topk_keys_kernel(scores_ptr, qpos_ptr, keys_ptr, T, S,
-                      ss_b, ss_t, ss_s, sp_b, sp_t, BLOCK: tl.constexpr):
-    row = tl.program_id(0)  # b * T + t
-    b = row // T
-    t = row % T
-    pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = pos < S
-    x = tl.load(scores_ptr + b * ss_b + t * ss_t + pos * ss_s, mask=inside, other=0.0).to(tl.float32)
-    x = tl.where(x == 0.0, 0.0, x)  # -0.0 equals +0.0 as a score: one bit pattern, so position decides
-    bits = x.to(tl.int32, bitcast=True)
-    # IEEE order as signed-int order: positive floats already compare right; negative ones compare
-    # backwards, so flip their magnitude bits.
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    q_pos = tl.load(qpos_ptr + b * sp_b + t * sp_t).to(tl.int64)
-    ordered = tl.where(pos.to(tl.int64) <= q_pos, ordered, -2147483648)  # non-candidates: below -inf
-    key = (ordered.to(tl.int64) << 32) | (S - 1 - pos).to(tl.int64)
-    tl.store(keys_ptr + row.to(tl.int64) * S + pos, key, mask=inside)
-
-
-def topk_indices(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> torch.Tensor:
-    """Causal top-k: the contract of ``topk_indices_ref`` (int32 [B, T, topk], ties to the lower position,
-    -1 padding), by packed int64 keys and ``torch.topk`` (see the module docstring)."""
-    B, T, S = check_topk_args(scores, topk, q_pos)
-    if scores.dtype == torch.float64 or scores.numel() == 0 or S >= 2 ** 31:
-        return topk_indices_ref(scores, topk, q_pos)
-    keys = torch.empty(B, T, S, dtype=torch.int64, device=scores.device)
-    block = 1024 if scores.device.type == "cuda" else 128
-    _topk_keys_kernel[(B * T, triton.cdiv(S, block))](scores, q_pos, keys, T, S, *scores.stride(), *q_pos.stride(),
-                                                      BLOCK=block)
-    k_eff = min(topk, S)
-    best = torch.topk(keys, k_eff, dim=-1, largest=True, sorted=True).values
-    pos = (S - 1) - (best & 0xFFFFFFFF)
-    idx = torch.where(pos <= q_pos.to(torch.int64).unsqueeze(-1), pos, -1).to(torch.int32)
-    if k_eff < topk:
-        idx = torch.nn.functional.pad(idx, (0, topk - k_eff), value=-1)
-    return idx
