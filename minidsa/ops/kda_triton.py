@@ -76,6 +76,7 @@ import triton.language as tl
 from ._checks import acc_dtype
 from .kda import _check, kda_chunk_ref, kda_recurrent_ref
 
+_TORCH_TYPES = {tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}
 MAX_CHUNK = 64  # registers: the chunk kernels hold [BC, BC] and [BC, K] tiles
 _GPU_F32_DOT = "tf32x3"  # precision of fp32 dots on a GPU ("ieee": exact products, FMA units, slow)
 SUB_ROWS = 16  # rows per block of the WY solve; tl.dot needs at least 16
@@ -291,26 +292,49 @@ def _extend_inverse(M, a_off, a_diag, i, BC: tl.constexpr, F32: tl.constexpr):
 
 
 @triton.jit
-def _chunk_intra_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, G_ptr, w_ptr, u_ptr, aqk_ptr,
-                        T, H, HV, K, V, REP, C, NT, scale, BC: tl.constexpr, BK: tl.constexpr,
-                        BVF: tl.constexpr, KC: tl.constexpr, WC: tl.constexpr, DOT: tl.constexpr,
+def _chunk_pairs_kernel(q_ptr, k_ptr, G_ptr, aqk_ptr, akk_ptr, T, H, HV, K, REP, C, NT, scale,
+                        BC: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, DOT: tl.constexpr,
                         F32: tl.constexpr):
-    """One (chunk, head): A_qk [BC, BC] into scratch, M = (I + A_kk)^-1 in registers, W and U out."""
+    """One (chunk, head, row block i): rows 16 i .. 16 i + 15 of A_qk (into its scratch, in the dot
+    type: it is only ever a dot operand) and of A_kk without beta (fp32: the solve reads it as it
+    was computed). A_kk's columns j < 16 i and its diagonal block are two stores to disjoint
+    addresses; the columns after the block are never read."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    i = tl.program_id(2)
+    b, hv = bh // HV, bh % HV
+    row0 = (bh * NT + c) * BC  # first scratch row of this chunk
+    a_qk, a_off, a_diag = _pair_rows(q_ptr, k_ptr, G_ptr, b * T, row0, c, i, T, H, hv // REP, K, C, scale,
+                                     BC, BK, KC, DOT, F32)
+    s16 = tl.arange(0, SUB)
+    rows = (row0 + s16 + i * SUB)[:, None] * BC
+    cols = tl.arange(0, BC)[None, :]
+    tl.store(aqk_ptr + rows + cols, a_qk)
+    tl.store(akk_ptr + rows + cols, a_off, mask=cols < i * SUB)
+    tl.store(akk_ptr + rows + (s16 + i * SUB)[None, :], a_diag)
+
+
+@triton.jit
+def _chunk_solve_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, akk_ptr, w_ptr, u_ptr,
+                        T, H, HV, K, V, REP, C, NT, BC: tl.constexpr, BK: tl.constexpr,
+                        BVF: tl.constexpr, WC: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr):
+    """One (chunk, head): M = (I + Diag(beta) A_kk)^-1 in registers, then W and U out."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, hv = bh // HV, bh % HV
     h = hv // REP
     bT = b * T
-    row0 = (bh * NT + c) * BC  # first scratch row of this chunk
+    row0 = (bh * NT + c) * BC
     cols = tl.arange(0, BC)
+    s16 = tl.arange(0, SUB)
     M = tl.zeros([BC, BC], dtype=tl.float32)
     for i in range(BC // SUB):
-        a_qk, a_off, a_diag = _pair_rows(q_ptr, k_ptr, G_ptr, bT, row0, c, i, T, H, h, K, C, scale,
-                                         BC, BK, KC, DOT, F32)
-        r = tl.arange(0, SUB) + i * SUB
-        tl.store(aqk_ptr + (row0 + r)[:, None] * BC + cols[None, :], a_qk)
+        r = s16 + i * SUB
         ok = (r < C) & (c * C + r < T)
         beta_i = tl.load(beta_ptr + (bT + c * C + r) * HV + hv, mask=ok, other=0.0).to(tl.float32)
+        a_off = tl.load(akk_ptr + (row0 + r)[:, None] * BC + cols[None, :], mask=(cols < i * SUB)[None, :],
+                        other=0.0)
+        a_diag = tl.load(akk_ptr + (row0 + r)[:, None] * BC + r[None, :])  # the diagonal block
         M = _extend_inverse(M, a_off * beta_i[:, None], a_diag * beta_i[:, None], i, BC, F32)
     # W = M Diag(beta) (exp(G) * k) and U = M Diag(beta) v, WC columns at a time (registers).
     t = c * C + cols
@@ -392,8 +416,8 @@ def _chunk_config(BK: int, BVF: int, device: torch.device) -> dict:
     ([16, 16, KC] pair decays in registers). WC: columns per slice of W and U (it divides both
     widths: all are powers of two). The interpreter takes whole widths: it pays per operation."""
     if device.type != "cuda":
-        return dict(BV=BVF, KC=BK, WC=min(BK, BVF), warps=4)
-    return dict(BV=min(32, BVF), KC=16, WC=min(64, BK, BVF), warps=8)
+        return dict(BV=BVF, KC=BK, WC=min(BK, BVF), warps=4, pair_warps=4, solve_warps=4, state_warps=4)
+    return dict(BV=min(32, BVF), KC=16, WC=min(64, BK, BVF), warps=4, pair_warps=4, solve_warps=4, state_warps=4)
 
 
 def _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, config=None):
@@ -412,19 +436,31 @@ def _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, config=Non
     dot, f32 = _dot_types(q, k, v)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     f32t = dict(dtype=torch.float32, device=v.device)
-    G, qg, kd, w = (torch.empty(BH, NT * BC, BK, **f32t) for _ in range(4))
-    u, v_new = (torch.empty(BH, NT * BC, BVF, **f32t) for _ in range(2))
-    aqk, decay = torch.empty(BH, NT * BC, BC, **f32t), torch.empty(BH, NT, BK, **f32t)
-    s0_chunks = torch.empty(BH, NT, BK, BVF, **f32t)
-    kw = dict(BC=BC, BK=BK, num_warps=cfg["warps"])
-    _chunk_decay_kernel[(NT, BH)](q, k, g, G, qg, kd, decay, T, H, HV, K, HV // H, C, NT, scale, **kw)
-    _chunk_intra_kernel[(NT, BH)](q, k, v, beta, G, w, u, aqk, T, H, HV, K, V, HV // H, C, NT, scale,
-                                  BVF=BVF, KC=cfg["KC"], WC=cfg["WC"], DOT=dot, F32=f32, **kw)
+    # Scratch that is only ever a dot operand is stored in the dots' operand type (bf16 for bf16
+    # inputs): the kernels would convert it right after loading, so this halves its bytes and
+    # changes no result. G, U and A_kk stay fp32 (exponents, a subtraction, the exact solve).
+    dt = dict(dtype=_TORCH_TYPES.get(dot, torch.float32), device=v.device)
+    G = torch.empty(BH, NT * BC, BK, **f32t)
+    qg, kd, w = (torch.empty(BH, NT * BC, BK, **dt) for _ in range(3))
+    u, v_new = torch.empty(BH, NT * BC, BVF, **f32t), torch.empty(BH, NT * BC, BVF, **dt)
+    aqk, akk = torch.empty(BH, NT * BC, BC, **dt), torch.empty(BH, NT * BC, BC, **f32t)
+    decay = torch.empty(BH, NT, BK, **f32t)
+    s0_chunks = torch.empty(BH, NT, BK, BVF, **dt)
+    kw = dict(BC=BC, BK=BK)
+    _chunk_decay_kernel[(NT, BH)](q, k, g, G, qg, kd, decay, T, H, HV, K, HV // H, C, NT, scale, **kw,
+                                  num_warps=cfg["warps"])
+    kw.update(DOT=dot, F32=f32)
+    _chunk_pairs_kernel[(NT, BH, BC // SUB_ROWS)](q, k, G, aqk, akk, T, H, HV, K, HV // H, C, NT, scale,
+                                                   KC=cfg["KC"], **kw, num_warps=cfg["pair_warps"])
+    _chunk_solve_kernel[(NT, BH)](k, v, beta, G, akk, w, u, T, H, HV, K, V, HV // H, C, NT,
+                                  BVF=BVF, WC=cfg["WC"], **kw, num_warps=cfg["solve_warps"])
     s0 = initial_state.contiguous() if initial_state is not None else state  # placeholder when absent
-    kw.update(BV=bv, BVF=BVF, DOT=dot, F32=f32)
+    kw.update(BV=bv, BVF=BVF)
     _chunk_state_kernel[(BH, BVF // bv)](w, u, kd, decay, s0, s0_chunks, v_new, state, K, V, NT,
-                                         HAS_S0=initial_state is not None, num_stages=2, **kw)
-    _chunk_output_kernel[(NT, BH, BVF // bv)](qg, aqk, s0_chunks, v_new, o, T, HV, V, C, NT, **kw)
+                                         HAS_S0=initial_state is not None, num_stages=2, **kw,
+                                         num_warps=cfg["state_warps"])
+    _chunk_output_kernel[(NT, BH, BVF // bv)](qg, aqk, s0_chunks, v_new, o, T, HV, V, C, NT, **kw,
+                                              num_warps=cfg["warps"])
     return o, state
 
 
