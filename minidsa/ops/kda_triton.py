@@ -22,49 +22,56 @@ stream over the state: 2 * 4 * K * V bytes per head, read and written once, in r
 contiguous fp32 values (128 bytes at BLOCK_V = 32: whole cache lines). Small tiles give many programs
 (batch 64 x 96 heads x 4 tiles = 24,576), enough to keep the H200's memory pipes full.
 
-**Chunked form** (``kda_chunk``, four kernels, the formulas of ``kda_chunk_ref``'s docstring). The
+**Chunked form** (``kda_chunk``, five kernels, the formulas of ``kda_chunk_ref``'s docstring). The
 sequence is cut into chunks of C = min(chunk_size, 64) tokens (the result does not depend on C);
 a chunk is a tile of BC rows (C rounded up to a power of two, at least 16 for ``tl.dot``). Rows past
-C or past T are padding: their loads are masked to k = q = v = beta = g = 0, steps that leave the state unchanged,
-exactly as the reference pads the tail, and their outputs are never stored. Intermediate results go
-to fp32 scratch tensors in a padded, head-major layout ``[B*HV, NT*BC, width]`` so later kernels read
-whole chunks without masks.
+C or past T are padding: their loads are masked to k = q = v = beta = g = 0, steps that leave the
+state unchanged, exactly as the reference pads the tail, and their outputs are never stored.
+Intermediate results go to scratch tensors in a padded, head-major layout ``[B*HV, NT*BC, width]`` so
+later kernels read whole chunks without masks.
 
 1. ``_chunk_decay_kernel``, per (chunk, head): G = cumsum(g) inside the chunk (fp32), stored, plus the
    per-token operands that need only G: Qg = exp(G) * scale * q, Kd = exp(G_C - G) * k and exp(G_C).
-2. ``_chunk_intra_kernel``, per (chunk, head): the pair matrices and the WY solve. Rows are handled
-   16 at a time (row block i), summed over K in slices of KC channels. The pair decay
-   exp(G_r - G_j) cannot be factored as exp(G_r) exp(-G_j): over 64 steps near -5 per step
-   exp(-G_j) overflows fp32. Instead, for the columns of earlier row blocks (j < 16 i) the first row
-   m = 16 i of block i is a reference: exp(G_r - G_j) = exp(G_r - G_m) exp(G_m - G_j) with both
-   exponents <= 0, so that part is one ``tl.dot`` of (q * exp(G - G_m)) with (k * exp(G_m - G))^T.
-   Inside the diagonal 16 x 16 block no such row exists, so the decay is formed pair by pair
-   ([16, 16, KC] in registers) with the exponent masked to -inf above the diagonal. Every exponent
-   is <= 0: nothing overflows; what underflows to 0 is below what fp32 can hold anyway.
-   M = (I + A_kk)^-1 is built row block by row block in registers: the 16 x 16 diagonal inverse by
-   forward substitution, then M_i = inv(I + A_ii) (E_i - A_i,<i M_<i) with dots (block forward
-   substitution). Finally W = M (beta exp(G) k) and U = M (beta v), WC columns at a time.
-3. ``_chunk_state_kernel``, per (head, tile of V columns): the only sequential part. It walks the
+2. ``_chunk_pairs_kernel``, per (chunk, head, block i of 16 rows): rows 16 i .. 16 i + 15 of the pair
+   matrices A_qk and A_kk, summed over K in slices of KC channels. The pair decay exp(G_r - G_j)
+   cannot be factored as exp(G_r) exp(-G_j): over 64 steps near -5 per step exp(-G_j) overflows
+   fp32. Instead, for the columns of earlier row blocks (j < 16 i) the first row m = 16 i of block i
+   is a reference: exp(G_r - G_j) = exp(G_r - G_m) exp(G_m - G_j) with both exponents <= 0, so that
+   part is one ``tl.dot`` of (q * exp(G - G_m)) with (k * exp(G_m - G))^T. Inside the diagonal
+   16 x 16 block no such row exists, so the decay is formed pair by pair, one column j at a time
+   ([16, KC] in registers, key row j loaded straight into the layout it is broadcast in), with the
+   exponent masked to -inf above the diagonal. Every exponent is <= 0: nothing overflows; what
+   underflows to 0 is below what fp32 can hold anyway. (Nsight Compute on the H200: a [16, 16, KC]
+   broadcast of the same pairs bound the kernel at 91 % of L1 throughput on layout changes; the
+   column loop took it from 614 to 496 us at T = 8192.)
+3. ``_chunk_solve_kernel``, per (chunk, head): M = (I + Diag(beta) A_kk)^-1, built row block by row
+   block in registers: the 16 x 16 diagonal inverse by forward substitution, then M_i = inv(I + A_ii)
+   (E_i - A_i,<i M_<i) with dots (block forward substitution). Then W = M (beta exp(G) k) and
+   U = M (beta v), WC columns at a time. (One kernel for 2 and 3 held the pairs' temporaries and M
+   at once: 255 registers and spills, 1.7 ms; split, 0.5 + 0.24 ms.)
+4. ``_chunk_state_kernel``, per (head, tile of V columns): the only sequential part. It walks the
    chunks in order carrying S [K, BLOCK_V] in registers: stores S (the chunk's S0), V_new = U - W S0,
    then S <- exp(G_C) S + Kd^T V_new. Two dots per chunk; W, U, Kd of the next chunk do not depend on
    S, so the compiler's software pipelining (num_stages) prefetches them during the current chunk.
-4. ``_chunk_output_kernel``, per (chunk, head, V tile), fully parallel: O = Qg S0 + A_qk V_new.
+5. ``_chunk_output_kernel``, per (chunk, head, V tile), fully parallel: O = Qg S0 + A_qk V_new.
 
-Splitting the state walk (3) from the output (4) keeps the sequential loop at two dots per chunk;
+Splitting the state walk (4) from the output (5) keeps the sequential loop at two dots per chunk;
 B=1, T=8192, 16 heads gives only 16 x (V / BLOCK_V) programs for it, so its length, not the GPU's
-width, bounds it. The price is the per-chunk S0 round trip through HBM (64 KB per chunk and head).
+width, bounds it. The price is the per-chunk S0 round trip through memory.
 
-**Precision.** Sums, the state and every scratch tensor are fp32. With bf16/fp16 q, k, v on a GPU,
-the large dots take their operands in that type (tensor cores, fp32 accumulation, as
-flash-linear-attention does). Dots on fp32 operands (the inverse M always, everything for fp32
-inputs) use "tf32x3" on a GPU (three TF32 products: about fp32 accuracy on tensor cores; IEEE fp32
-dots at these tiles run on the FMA units and spill registers: ``_GPU_F32_DOT`` switches back) and
-"ieee" in the interpreter, which always computes in fp32 (its ``tl.dot`` on bf16 operands returns
-garbage: docs/design.md §10).
+**Precision.** Sums and the state are fp32, and so are the scratch values that are more than a dot
+operand (G, U, A_kk). With bf16/fp16 q, k, v on a GPU, the large dots take their operands in that
+type (tensor cores, fp32 accumulation, as flash-linear-attention does); the scratch tensors that are
+only ever dot operands (Qg, Kd, W, A_qk, V_new, the per-chunk S0) are stored in that type, which the
+consumer would convert them to anyway: half the bytes, the same results. Dots on fp32 operands (the
+inverse M always, everything for fp32 inputs) use "tf32x3" on a GPU (three TF32 products: about fp32
+accuracy on tensor cores; IEEE fp32 dots at these tiles run on the FMA units and spill registers:
+``_GPU_F32_DOT`` switches back) and "ieee" in the interpreter, which always computes in fp32 (its
+``tl.dot`` on bf16 operands returns garbage: docs/design.md §10).
 
-**Block sizes** (``_recurrent_block_v``, ``_chunk_config``) follow the shapes (K = V = 128, chunk 64)
-and the program counts argued above; they were checked by compiling for sm_90 (registers, spills,
-shared memory) but are not yet timed on the H200.
+**Block sizes** (``_recurrent_block_v``, ``_chunk_config``) come from sweeps on the H200 at B=1,
+T=8192, 16 heads x 128 (benchmarks/bench_kda.py): GPU time 2.51 ms with one 8-warp kernel for
+pairs and solve, 1.17 ms now, against 0.60 ms for flash-linear-attention's ``chunk_kda``.
 """
 
 from __future__ import annotations
@@ -229,14 +236,13 @@ def _pair_rows(q_ptr, k_ptr, G_ptr, bT, row0, c, i, T, H, h, K, C, scale,
     Columns of earlier row blocks go through a reference row, the block's first row m = 16 i:
     exp(G_r - G_j) = exp(G_r - G_m) exp(G_m - G_j) with j < m <= r, both factors <= 1, so they are one
     dot of (q * exp(G - G_m)) with (k * exp(G_m - G))^T. Inside the diagonal block no row lies
-    between r and j: the decay is formed pair by pair ([16, 16, KC] in registers), the exponent
+    between r and j: the decay is formed pair by pair (a column at a time), the exponent
     masked to -inf where r < j so that it is never positive."""
     s16 = tl.arange(0, SUB)
     r = s16 + i * SUB
     ok = (r < C) & (c * C + r < T)
     j = tl.arange(0, BC)
     left = j < i * SUB
-    causal = (s16[:, None] >= s16[None, :])[:, :, None]
     a_qk = tl.zeros([SUB, BC], dtype=tl.float32)
     a_kk = tl.zeros([SUB, BC], dtype=tl.float32)
     d_qk = tl.zeros([SUB, SUB], dtype=tl.float32)
@@ -253,9 +259,17 @@ def _pair_rows(q_ptr, k_ptr, G_ptr, bT, row0, c, i, T, H, h, K, C, scale,
         decay = tl.exp(G - g_ref[None, :])
         a_qk += _mm(q * decay, tl.trans(k_left), DOT, F32)
         a_kk += _mm(k * decay, tl.trans(k_left), DOT, F32)
-        e = tl.exp(tl.where(causal, G[:, None, :] - G[None, :, :], float("-inf"))) * k[None, :, :]
-        d_qk += tl.sum(q[:, None, :] * e, axis=2)
-        d_kk += tl.sum(k[:, None, :] * e, axis=2)
+        # One column j of the diagonal block at a time: its key row is loaded straight into the
+        # layout the [16, KC] tile broadcasts it in, so no tile changes layout (a [16, 16, KC]
+        # broadcast did, through shared memory, and bound the kernel on L1 traffic).
+        for jj in range(SUB):
+            r_j = d * 0 + i * SUB + jj  # as a vector: the interpreter mishandles vector & scalar masks
+            k_j = _token_row(k_ptr, bT, c * C + i * SUB + jj, (d < K) & (r_j < C) & (c * C + r_j < T), h, H, K, d)
+            e = tl.exp(tl.where((s16 >= jj)[:, None], G - tl.load(G_ptr + (row0 + i * SUB + jj) * BK + d)[None, :],
+                                float("-inf"))) * k_j[None, :]
+            col = (s16 == jj)[None, :]
+            d_qk = tl.where(col, d_qk + tl.sum(q * e, axis=1)[:, None], d_qk)
+            d_kk = tl.where(col, d_kk + tl.sum(k * e, axis=1)[:, None], d_kk)
     a_qk += tl.dot(d_qk, _rows_to_columns(i, BC), input_precision=F32)
     return a_qk, a_kk, tl.where(s16[:, None] > s16[None, :], d_kk, 0.0)
 
@@ -408,20 +422,22 @@ def _dot_types(q, k, v) -> tuple:
 
 
 def _chunk_config(BK: int, BVF: int, device: torch.device) -> dict:
-    """Tile sizes and warps of the chunk kernels (checked by compiling for sm_90, not yet timed).
+    """Tile sizes and warps of the chunk kernels, from sweeps on the H200 (K = V = 128, chunk 64).
 
-    BV: V columns per program of the state walk and the output. 32: with 8 warps the walk compiles
-    without register spills at K = 128 (64 columns spill), and the walk, which has only
-    B*HV x V / BV programs, gets twice as many. KC: key channels per slice of the pair matrices
-    ([16, 16, KC] pair decays in registers). WC: columns per slice of W and U (it divides both
-    widths: all are powers of two). The interpreter takes whole widths: it pays per operation."""
+    BV: V columns per program of the state walk and the output (32 and 64 time alike; 32 gives the
+    walk, which has only B*HV x V / BV programs, twice as many). KC: key channels per slice of the
+    pair matrices (32: 496 us for the pairs at T = 8192; 16: 648; 64: 643). WC: columns per slice of W
+    and U (it divides both widths: all are powers of two; 32-128 time alike). Warps: 4 for every
+    kernel (pairs with 8 warps: 0.80-1.1 ms; the solve with 8: +200 us). The interpreter takes whole
+    widths: it pays per operation."""
     if device.type != "cuda":
         return dict(BV=BVF, KC=BK, WC=min(BK, BVF), warps=4, pair_warps=4, solve_warps=4, state_warps=4)
-    return dict(BV=min(32, BVF), KC=16, WC=min(64, BK, BVF), warps=4, pair_warps=4, solve_warps=4, state_warps=4)
+    return dict(BV=min(32, BVF), KC=min(32, BK), WC=min(64, BK, BVF), warps=4, pair_warps=4, solve_warps=4,
+                state_warps=4)
 
 
 def _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, config=None):
-    """Run the four chunk kernels on checked, non-fp64 inputs. ``config`` overrides entries of
+    """Run the five chunk kernels on checked, non-fp64 inputs. ``config`` overrides entries of
     ``_chunk_config`` (tests use it to run the GPU's slicing in the interpreter)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
