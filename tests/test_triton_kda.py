@@ -105,7 +105,7 @@ def test_chunk_non_power_of_two_chunk_weak_decay_and_sliced_tiles():
     # matrices, W and U in slices of 16 columns.
     q, k, v, g, beta = kda_inputs(B=2, T=37, H=1, HV=1, K=20, V=60, gate="near_zero")
     s0 = state(2, 1, 20, 60)
-    got = kern._launch_chunk(q, k, v, g, beta, 0.3, s0, chunk_size=20, config=dict(BV=16, KC=16, WC=16))
+    got = kern._launch_chunk(q, k, v, g, beta, 0.3, s0, chunk_size=20, config=dict(BV=16, out_BV=16, KC=16, WC=16))
     check(got, ref_ops.kda_recurrent_ref(q, k, v, g, beta, 0.3, s0))
 
 
