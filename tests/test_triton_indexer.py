@@ -147,15 +147,23 @@ def test_bad_input_raises_like_the_reference():
 
 
 # ------------------------------------------------------------------ top-k
+@pytest.fixture(params=["radix", "row-sort"])
+def topk_path(request, monkeypatch):
+    """Every top-k test runs both kernel paths: the multi-program radix select (forced by a zero
+    short-row limit) and the whole-row sort that rows of at most 2,048 positions take."""
+    monkeypatch.setattr(topk_triton, "_ROW_SORT_MAX_S", 0 if request.param == "radix" else 1 << 30)
+    return request.param
+
+
 @pytest.mark.parametrize("S,topk", [(37, 8), (37, 40), (5, 5), (1, 3)])
-def test_topk_matches_reference(S, topk):
+def test_topk_matches_reference(S, topk, topk_path):
     scores = torch.randn(2, 4, S, device=DEV)
     q_pos = torch.tensor([[0, 3, S - 1, S + 5], [-1, 1, S // 2, 2]], device=DEV)
     assert torch.equal(topk_triton.topk_indices(scores, topk, q_pos), ref_ops.topk_indices_ref(scores, topk, q_pos))
 
 
 @pytest.mark.parametrize("levels", [3, 1000, None])
-def test_topk_radix_select_with_ties_across_blocks(levels):
+def test_topk_radix_select_with_ties_across_blocks(levels, topk_path):
     # S spans several interpreter blocks (64) so the threshold's ties fall in more than one of them;
     # few distinct levels put the k-th key inside a long run of equal scores, None keeps them distinct.
     g = torch.Generator().manual_seed(levels or 0)
@@ -170,7 +178,7 @@ def test_topk_radix_select_with_ties_across_blocks(levels):
 
 
 @pytest.mark.parametrize("kind", ["clustered", "equal", "spread", "mixed-sign"])
-def test_topk_on_hard_score_distributions(kind):
+def test_topk_on_hard_score_distributions(kind, topk_path):
     # "clustered": values 1 + tiny offsets (many differ only in their last bits), "equal": one tied
     # value everywhere (positions decide), "spread": many binades, "mixed-sign": zero, -0.0 and -inf.
     g = torch.Generator().manual_seed(7)
@@ -194,7 +202,7 @@ def test_topk_on_hard_score_distributions(kind):
         assert torch.equal(got, ref_ops.topk_indices_ref(scores, k, q_pos)), k
 
 
-def test_topk_ties_go_to_the_lower_position():
+def test_topk_ties_go_to_the_lower_position(topk_path):
     # Exact ties everywhere: 0.5 at 3 and 9, -0.0 and +0.0 (equal scores) at 1, 4, 6, -inf candidates.
     s = torch.tensor([-1.0, -0.0, -2.0, 0.5, 0.0, -INF, 0.0, -1.0, -INF, 0.5, 2.0, 2.0], device=DEV)
     q_pos = torch.tensor([[10, 11, 8]], device=DEV)
@@ -205,20 +213,20 @@ def test_topk_ties_go_to_the_lower_position():
     assert torch.equal(got, ref_ops.topk_indices_ref(s.view(1, 1, -1).expand(1, 3, -1), 12, q_pos))
 
 
-def test_topk_pads_with_minus_one_never_future():
+def test_topk_pads_with_minus_one_never_future(topk_path):
     scores = torch.arange(10.0, device=DEV).view(1, 1, 10)  # the future scores best
     got = topk_triton.topk_indices(scores, 6, torch.tensor([[2]], device=DEV))
     assert got.tolist() == [[[2, 1, 0, -1, -1, -1]]] and got.dtype == torch.int32
 
 
-def test_topk_over_kernel_scores_with_minus_inf_context_padding():
+def test_topk_over_kernel_scores_with_minus_inf_context_padding(topk_path):
     args = paged_case(B=2, T=3, H=3, D=16, bs=4, MB=4, lens=[14, 6], dtype=torch.float32, fp8=False)
     scores = kern.paged_index_scores(*args, 0.25)
     q_pos = torch.tensor([[11, 12, 13], [3, 4, 5]], device=DEV)
     assert torch.equal(topk_triton.topk_indices(scores, 9, q_pos), ref_ops.topk_indices_ref(scores, 9, q_pos))
 
 
-def test_kernels_are_deterministic():
+def test_kernels_are_deterministic(topk_path):
     args = paged_case(B=2, T=3, H=5, D=60, bs=4, MB=5, lens=[19, 7], dtype=torch.float32, fp8=True)
     a, b = kern.paged_index_scores(*args, 0.1), kern.paged_index_scores(*args, 0.1)
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))

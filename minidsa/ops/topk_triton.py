@@ -30,6 +30,13 @@ digits (three passes) measured 60 us a pass at decode on the H200, 256-bin ones 
 earlier tiles plus a running sum inside the tile) and writes each selected key to its own slot: the
 keys above ``thr``, then the ``need`` lowest positions equal to it. Each slot has one writer.
 
+**Short rows** (at most ``_ROW_SORT_MAX_S`` = 2,048 positions, the size the sort below was measured
+at) skip the select: one program per row sorts all its packed keys and keeps the first ``n``, one
+launch instead of eight; small models, whose decode steps are bound by launches, have such rows.
+This path was added after this session's GPU time was spent: it is tested in the interpreter
+only, on the same ``tl.sort`` of int64 keys, at the same sizes, that the order step below runs on
+the H200.
+
 **Order.** Only the ``n`` selected keys are sorted, packed as one int64 each, ``(u << 31) | (2^31 - 1 -
 position)`` (a larger packed key is the better key), by ``tl.sort`` in one program per row; slots from
 ``n`` on get -1. Ranking every key against every other (``n^2`` comparisons, many programs per row)
@@ -56,6 +63,9 @@ _NB = 2 ** _DIGIT_BITS
 _STATE = 3  # per row and pass: prefix, keys still needed from the prefix's bin, resolved flag
 _BLOCK, _WARPS = 4096, 8  # positions and warps of a select program on the GPU (a sweep: flat at 1-8K)
 _SORT_WARPS = 16  # 2,048 int64 keys: 20 us with 16 warps, 30 us with 4 or 8
+# Rows of at most this many positions are sorted whole, one program per row, in a single launch (the
+# sort step's own size): the select's seven launches would cost more than they save on such rows.
+_ROW_SORT_MAX_S = 2048
 
 
 @triton.jit
@@ -201,6 +211,23 @@ def _sort_kernel(sel_ptr, qpos_ptr, out_ptr, T, S, topk, sp_b, sp_t, K_PAD: tl.c
     tl.store(out_ptr + base + i, pos.to(tl.int32), mask=i < topk)
 
 
+@triton.jit
+def _row_sort_kernel(scores_ptr, qpos_ptr, out_ptr, T, S, topk, ss_b, ss_t, ss_s, sp_b, sp_t,
+                     S_PAD: tl.constexpr):
+    """A short row whole: every candidate packed with its position, sorted descending; the first n
+    become the output, the rest of the topk slots -1 (non-candidates pack to -1, below every key)."""
+    row = tl.program_id(0)
+    pos = tl.arange(0, S_PAD)
+    u, cand = _keys(scores_ptr, qpos_ptr, row, pos, T, S, ss_b, ss_t, ss_s, sp_b, sp_t)
+    key = tl.where(cand, (u.to(tl.int64) << 31) | (2147483647 - pos).to(tl.int64), -1)
+    key = tl.sort(key, descending=True)
+    n = _first_need(qpos_ptr, row, T, S, topk, sp_b, sp_t)
+    base = out_ptr + row.to(tl.int64) * topk
+    tl.store(base + pos, tl.where(pos < n, 2147483647 - (key & 2147483647), -1).to(tl.int32), mask=pos < topk)
+    for j0 in range(S_PAD, topk, S_PAD):  # topk > S: the slots past the row are padding
+        tl.store(base + j0 + pos, tl.full([S_PAD], -1, tl.int32), mask=j0 + pos < topk)
+
+
 def topk_indices(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> torch.Tensor:
     """Causal top-k: the contract of ``topk_indices_ref`` (int32 [B, T, topk], ties to the lower position,
     -1 padding), by radix select and a sort of the selected keys (see the module docstring)."""
@@ -210,6 +237,11 @@ def topk_indices(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> torch.
     R = B * T
     dev = scores.device
     cuda = dev.type == "cuda"
+    if S <= _ROW_SORT_MAX_S:
+        out = torch.empty(R, topk, dtype=torch.int32, device=dev)
+        _row_sort_kernel[(R,)](scores, q_pos, out, T, S, topk, *scores.stride(), *q_pos.stride(),
+                               S_PAD=max(2, triton.next_power_of_2(S)), num_warps=_SORT_WARPS if cuda else 1)
+        return out.view(B, T, topk)
     # The interpreter pays per program instance: small tiles keep its tests to a few programs per row.
     block = min(_BLOCK if cuda else 64, max(16, triton.next_power_of_2(S)))
     n_tiles = triton.cdiv(S, block)
