@@ -85,7 +85,6 @@ import triton.language as tl
 from ._checks import acc_dtype
 from .kda import _check, kda_chunk_ref, kda_recurrent_ref
 
-_TORCH_TYPES = {tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}
 MAX_CHUNK = 64  # registers: the chunk kernels hold [BC, BC] and [BC, K] tiles
 _GPU_F32_DOT = "tf32x3"  # precision of fp32 dots on a GPU ("ieee": exact products, FMA units, slow)
 SUB_ROWS = 16  # rows per block of the WY solve; tl.dot needs at least 16
@@ -460,7 +459,7 @@ def _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, config=Non
     # Scratch that is only ever a dot operand is stored in the dots' operand type (bf16 for bf16
     # inputs): the kernels would convert it right after loading, so this halves its bytes and
     # changes no result. G, U and A_kk stay fp32 (exponents, a subtraction, the exact solve).
-    dt = dict(dtype=_TORCH_TYPES.get(dot, torch.float32), device=v.device)
+    dt = dict(dtype=v.dtype if dot != tl.float32 else torch.float32, device=v.device)  # dot: v's type
     G = torch.empty(BH, NT * BC, BK, **f32t)
     qg, kd, w = (torch.empty(BH, NT * BC, BK, **dt) for _ in range(3))
     u, v_new = torch.empty(BH, NT * BC, BVF, **f32t), torch.empty(BH, NT * BC, BVF, **dt)

@@ -84,6 +84,21 @@ def _keys(scores_ptr, qpos_ptr, row, pos, T, S, ss_b, ss_t, ss_s, sp_b, sp_t):
 
 
 @triton.jit
+def _pack(u, pos):
+    """One int64 per key, (u << 31) | (2^31 - 1 - position): a larger packed key is the better key
+    (larger u; for equal u, the lower position). Every packed key is >= 0, so -1 sorts below all."""
+    return (u.to(tl.int64) << 31) | (2147483647 - pos).to(tl.int64)
+
+
+@triton.jit
+def _sorted_positions(keys, i, n):
+    """Packed keys [N] -> their positions in descending key order (int32), -1 from slot n on
+    (i = arange(N), the slots)."""
+    keys = tl.sort(keys, descending=True)
+    return tl.where(i < n, 2147483647 - (keys & 2147483647), -1).to(tl.int32)
+
+
+@triton.jit
 def _first_need(qpos_ptr, row, T, S, topk, sp_b, sp_t):
     """n = min(topk, number of candidates 0..q_pos inside the row)."""
     q_pos = tl.load(qpos_ptr + (row // T) * sp_b + (row % T) * sp_t).to(tl.int64)
@@ -195,8 +210,7 @@ def _compact_kernel(scores_ptr, qpos_ptr, state_ptr, counts_ptr, sel_ptr, T, S, 
     equal_rank = equal_before + tl.cumsum(equal.to(tl.int32), axis=0) - 1
     slot = tl.where(above, above_before + tl.cumsum(above.to(tl.int32), axis=0) - 1,
                     tl.sum(above_t, axis=0) + equal_rank)
-    packed = (u.to(tl.int64) << 31) | (2147483647 - pos).to(tl.int64)
-    tl.store(sel_ptr + row.to(tl.int64) * topk + slot, packed, mask=above | (equal & (equal_rank < need)))
+    tl.store(sel_ptr + row.to(tl.int64) * topk + slot, _pack(u, pos), mask=above | (equal & (equal_rank < need)))
 
 
 @triton.jit
@@ -206,9 +220,8 @@ def _sort_kernel(sel_ptr, qpos_ptr, out_ptr, T, S, topk, sp_b, sp_t, K_PAD: tl.c
     n = _first_need(qpos_ptr, row, T, S, topk, sp_b, sp_t)
     base = row.to(tl.int64) * topk
     i = tl.arange(0, K_PAD)
-    key = tl.sort(tl.load(sel_ptr + base + i, mask=i < n, other=-1), descending=True)  # -1: below every key
-    pos = tl.where(i < n, 2147483647 - (key & 2147483647), -1)
-    tl.store(out_ptr + base + i, pos.to(tl.int32), mask=i < topk)
+    pos = _sorted_positions(tl.load(sel_ptr + base + i, mask=i < n, other=-1), i, n)
+    tl.store(out_ptr + base + i, pos, mask=i < topk)
 
 
 @triton.jit
@@ -219,11 +232,9 @@ def _row_sort_kernel(scores_ptr, qpos_ptr, out_ptr, T, S, topk, ss_b, ss_t, ss_s
     row = tl.program_id(0)
     pos = tl.arange(0, S_PAD)
     u, cand = _keys(scores_ptr, qpos_ptr, row, pos, T, S, ss_b, ss_t, ss_s, sp_b, sp_t)
-    key = tl.where(cand, (u.to(tl.int64) << 31) | (2147483647 - pos).to(tl.int64), -1)
-    key = tl.sort(key, descending=True)
     n = _first_need(qpos_ptr, row, T, S, topk, sp_b, sp_t)
     base = out_ptr + row.to(tl.int64) * topk
-    tl.store(base + pos, tl.where(pos < n, 2147483647 - (key & 2147483647), -1).to(tl.int32), mask=pos < topk)
+    tl.store(base + pos, _sorted_positions(tl.where(cand, _pack(u, pos), -1), pos, n), mask=pos < topk)
     for j0 in range(S_PAD, topk, S_PAD):  # topk > S: the slots past the row are padding
         tl.store(base + j0 + pos, tl.full([S_PAD], -1, tl.int32), mask=j0 + pos < topk)
 
