@@ -28,19 +28,27 @@ no Python loop over experts and no atomics:
    reproducible without atomics.
 
 *One token* (a decode step of one sequence, the common case): up and down are matrix-vector products
-instead. A program streams BLOCK_R weight rows in BLOCK_K steps and accumulates weight x activation
-products elementwise in fp32 ([BLOCK_R, BLOCK_K] in registers, reduced along K at the end), on the FMA
-units: no token lane padded to tl.dot's 16, no bf16 split of the activation, exact fp32 products. Measured
-on the H200 (16 slots of L=3584, I=3072, ``GEMV_TILES`` swept): the FP8 MLP went from 37 % to 59 % of
-4.3 TB/s on its weight bytes (0.339 -> 0.216 ms), the fused MXFP4 one from 18 % to 26 % (0.367 -> 0.254 ms),
-and the fused result moved from 1.9e-5 to 5e-7 of the fp32 reference. The MXFP4 variant stays bound by
-its in-register dequantisation (nibble split, interleave and scale per element), not by its bytes:
-Nsight Compute on the H200 puts its up and down kernels at 76-81 % of the SM's instruction
-throughput against 19-20 % of DRAM bandwidth (56 registers, 52 % occupancy). Twice the bandwidth
-needs about half the instructions per weight, i.e. packed half2 arithmetic or an E2M1 conversion
-instruction (Blackwell has one; Hopper does not), at the price of the exact fp32 products.
-(Reading the nibbles as separate even/odd tiles, with two dots and no interleave, measured no faster;
-as a GEMV with the activation read at even and odd columns and a scale load per column, 2x slower.)
+instead, on the FMA units: no token lane padded to tl.dot's 16, no bf16 split of the activation, exact
+fp32 products.
+- FP8: a program streams BLOCK_R weight rows in BLOCK_K steps and accumulates weight x activation
+  products elementwise in fp32 ([BLOCK_R, BLOCK_K] in registers, reduced along K at the end). 59 % of
+  4.3 TB/s on its weight bytes (0.216 ms for 16 slots of L=3584, I=3072).
+- MXFP4 (``_mxfp4_rows``): a program computes BLOCK_R rows, RB at a time, each over the whole K. A thread
+  owns one 32-code scale group of K: it loads that group's 32 activations once per program (the
+  activation is passed as 8 planes x[j::8], so that each is 16-byte loads) and then, per row, one 16-byte
+  load of the group's codes (4 int32 words). A word's 8 codes are decoded by ``_E2M1_PTX`` (11 integer
+  instructions per 8 codes, then one fp16 -> fp32 widening per code), multiplied into one fp32 FMA chain,
+  and the group's sum is scaled once; a reduction across the threads ends the row. The row loop is
+  software-pipelined by the compiler (``num_stages``: asynchronous copies of the next rows' words).
+  History on the H200 (bench_moe.py, 16 slots): per-element dequantisation in a [rows, K] tile (nibble
+  split, ``tl.join`` interleave, a scale multiply per element: 11.4 SASS instructions per code) ran at
+  26 % of 4.3 TB/s, bound by instruction issue (Nsight Compute: 76-81 % of the SM's instruction
+  throughput, 19-20 % of DRAM); the PTX decode cut that to ~4.5 per code but the time stayed, now bound
+  by the activation loads of that layout (one fp32 load per code per row: L1 at 78 %); one group per
+  thread with the activations held in registers and the pipelined row loop reached 39 % (0.166 ms,
+  ``GEMV_TILES`` swept over rows per program, rows per step and warps). Nsight Compute then shows
+  instruction issue binding again (67 % of issue slots, ~5.5 instructions per code: the per-row
+  reduction, scale and SiTU-GLU beside the 3.4 of the decode and FMA).
 
 *Skipping unrouted pairs.* A token lane is live only where ``gates[slot, token] != 0``: dead lanes
 load nothing and store nothing, and a program with no live lane reads no weight at all, so
@@ -54,11 +62,12 @@ placeholder slots (docs/design.md §14) cost a few gate loads. Two pair layouts,
   host sync per prefill call; a decode step never takes this path).
 
 *Dequantisation in registers.* FP8: the e4m3 byte converts to fp32 (hardware cvt on the GPU) and is
-multiplied by its group scale 2^(s-127), built from the E8M0 byte as fp32 exponent bits. MXFP4: the
-packed byte splits into the even (low) and odd (high) nibble, ``tl.join`` + reshape interleaves them
-into element order, and the E2M1 code's 3 magnitude bits are placed in fp16's exponent/mantissa
-(``(c & 7) << 9``, sign at bit 15): that fp16 is the E2M1 value times 2^-14 (0.5 lands on an fp16
-subnormal, which every conversion keeps exact), so one multiply by 2^(s-127+14) gives the weight.
+multiplied by its group scale 2^(s-127), built from the E8M0 byte as fp32 exponent bits. MXFP4 in the
+tensor-core passes (several tokens): the packed byte splits into the even (low) and odd (high)
+nibble, ``tl.join`` + reshape interleaves them into element order, and the E2M1 code's 3 magnitude
+bits are placed in fp16's exponent/mantissa (``(c & 7) << 9``, sign at bit 15): that fp16 is the
+E2M1 value times 2^-14 (0.5 lands on an fp16 subnormal, which every conversion keeps exact), so one
+multiply by 2^(s-127+14) gives the weight (the one-token path's PTX builds the same fp16).
 Every weight value is the reference's value exactly.
 
 *Precision.* Accumulation is fp32. On the GPU each weight tile is cast to bf16 (exact: e4m3 has
@@ -91,7 +100,10 @@ from .moe_experts import (check_conversion, check_fp8_mlp, check_mxfp4_mlp, expe
 CONVERT_BLOCK = {"cuda": 8192, "cpu": 2048}  # uint16 words of codes per conversion program
 CONVERT_WARPS = 4  # warps per conversion program on the GPU (benchmarks/tune_moe.py sweeps both)
 # One-token decode tiles (rows of the weight per program, K per step, warps): weight-streaming GEMV
-GEMV_TILES = {"cuda": dict(BLOCK_R=8, BLOCK_K=256, num_warps=4), "cpu": dict(BLOCK_R=16, BLOCK_K=32, num_warps=1)}
+# (MXFP4: a program computes BLOCK_R rows, RB at a time, each over the whole K; see _mxfp4_rows)
+GEMV_TILES = {"cuda": dict(BLOCK_R=8, BLOCK_K=256, num_warps=4), "cuda_mxfp4": dict(BLOCK_R=8, RB=1, num_warps=1),
+              "cpu": dict(BLOCK_R=16, BLOCK_K=32, num_warps=1),
+              "cpu_mxfp4": dict(BLOCK_R=64, RB=16, num_warps=1)}  # (64 rows: the tests' L and I leave tails)
 
 
 # ------------------------------------------------------------------------------------------ conversion
@@ -192,16 +204,117 @@ def _weight_tile(w_ptr, s_ptr, rows, row_ok, K, k0, MXFP4: tl.constexpr, ROWS: t
 
 
 @triton.jit
-def _gemv_rows(w_ptr, s_ptr, rows, row_ok, K, x_ptr, MXFP4: tl.constexpr, ROWS: tl.constexpr,
-               BK: tl.constexpr):
-    """W[rows, :] @ x for one row-major [*, K] expert matrix and one activation row x [K] -> [ROWS] fp32:
+def _gemv_rows(w_ptr, s_ptr, rows, row_ok, K, x_ptr, ROWS: tl.constexpr, BK: tl.constexpr):
+    """W[rows, :] @ x for one row-major [*, K] FP8 expert matrix and one activation row x [K] -> [ROWS] fp32:
     weight x activation products accumulated elementwise on the FMA units, reduced along K at the end."""
     acc = tl.zeros((ROWS, BK), tl.float32)
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
-        acc += _weight_tile(w_ptr, s_ptr, rows, row_ok, K, k0, MXFP4, ROWS, BK) * tl.load(
+        acc += _weight_tile(w_ptr, s_ptr, rows, row_ok, K, k0, False, ROWS, BK) * tl.load(
             x_ptr + k, mask=k < K, other=0.0)[None, :]
     return tl.sum(acc, axis=1)
+
+
+# E2M1 -> fp16 in PTX, for one 32-bit word of eight codes (code j in bits 4j..4j+3). Each code becomes
+# the high byte [sign 000 mag 0] of an fp16 whose low byte is 0, i.e. the fp16 with the code's magnitude
+# bits at 9..11 and its sign at 15: the E2M1 value times 2^-14, exactly (the same fp16 as the plain path
+# below). Even codes: (w << 1) & 0x0E (magnitude) | (w << 4) & 0x80 (sign) per byte; odd codes:
+# (w >> 3) & 0x0E | w & 0x80. One prmt then places two of those bytes as the high bytes of an fp16 pair
+# (its selector's 4s read the zero register), and a cvt per code widens it to fp32 (HADD2.F32 in SASS).
+# 11 integer instructions per 8 codes, against ~40 for the nibble split, join and shift per code.
+_E2M1_PTX = tl.constexpr("""
+{
+.reg .b32 t, u, e, o, p0, p1, p2, p3;
+.reg .b16 h0, h1, h2, h3, h4, h5, h6, h7;
+shl.b32 t, $8, 1;
+shl.b32 u, $8, 4;
+and.b32 t, t, 0x0E0E0E0E;
+and.b32 u, u, 0x80808080;
+or.b32 e, t, u;
+shr.b32 t, $8, 3;
+and.b32 t, t, 0x0E0E0E0E;
+and.b32 u, $8, 0x80808080;
+or.b32 o, t, u;
+prmt.b32 p0, e, 0, 0x1404;
+prmt.b32 p1, e, 0, 0x3424;
+prmt.b32 p2, o, 0, 0x1404;
+prmt.b32 p3, o, 0, 0x3424;
+mov.b32 {h0, h2}, p0;
+mov.b32 {h4, h6}, p1;
+mov.b32 {h1, h3}, p2;
+mov.b32 {h5, h7}, p3;
+cvt.f32.f16 $0, h0;
+cvt.f32.f16 $1, h1;
+cvt.f32.f16 $2, h2;
+cvt.f32.f16 $3, h3;
+cvt.f32.f16 $4, h4;
+cvt.f32.f16 $5, h5;
+cvt.f32.f16 $6, h6;
+cvt.f32.f16 $7, h7;
+}
+""")
+
+
+@triton.jit
+def _e2m1_code(w, J: tl.constexpr):
+    """Code J of int32 words of eight E2M1 codes -> fp32 value * 2^-14 (the fp16 trick of _weight_tile)."""
+    c = w >> (4 * J)
+    bits = ((c & 7) << 9) | ((c & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _x_planes(x_ptr, K, GP: tl.constexpr):
+    """The activation row as its 8 planes x_j = x[j::8], stored planar ([8, K/8], see _launch_mlp), each
+    loaded as [1, GP, 4] over (scale group, word of the group), zero past K: 16-byte loads, once per
+    program. Every thread keeps the 32 activations of its scale group in registers for all its rows."""
+    g = tl.arange(0, GP)
+    xo = (g * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    ok = (g < K // 32)[None, :, None]
+    plane = K // 32 * 4  # K/8, written so that the compiler sees a multiple of 4 words (16-byte loads)
+    return (tl.load(x_ptr + xo, mask=ok, other=0.0), tl.load(x_ptr + plane + xo, mask=ok, other=0.0),
+            tl.load(x_ptr + 2 * plane + xo, mask=ok, other=0.0), tl.load(x_ptr + 3 * plane + xo, mask=ok, other=0.0),
+            tl.load(x_ptr + 4 * plane + xo, mask=ok, other=0.0), tl.load(x_ptr + 5 * plane + xo, mask=ok, other=0.0),
+            tl.load(x_ptr + 6 * plane + xo, mask=ok, other=0.0), tl.load(x_ptr + 7 * plane + xo, mask=ok, other=0.0))
+
+
+@triton.jit
+def _group_scales(s_ptr, rows, row_ok, K, GP: tl.constexpr):
+    """The E8M0 scales of rows ``rows`` of one [*, K] matrix, uint8 [RB, GP] (127 = 1 outside it)."""
+    g = tl.arange(0, GP)
+    return tl.load(s_ptr + rows[:, None] * (K // 32) + g[None, :], mask=row_ok[:, None] & (g < K // 32)[None, :],
+                   other=127)
+
+
+@triton.jit
+def _mxfp4_rows(w_ptr, s, rows, row_ok, K, x, GP: tl.constexpr, PTX: tl.constexpr):
+    """W[rows, :] @ x for one row-major [*, K] MXFP4 expert matrix (K a multiple of 32) -> [RB] fp32, with x the
+    tuple of _x_planes and s the rows' _group_scales. The codes are read as int32 words, [RB, GP groups, 4
+    words]: a thread holds one scale group (16 bytes, one load) of each of the RB rows. Each word's eight
+    products are summed in one fp32 FMA chain (unscaled values times x), and the group's scale multiplies
+    the group's sum once, not each of its 32 products; a reduction across the groups (threads) ends the
+    row. The products are exact (fp16 -> fp32 widening, fp32 x)."""
+    g = tl.arange(0, GP)
+    g_ok = g < K // 32
+    words = w_ptr.to(tl.pointer_type(tl.int32))
+    q = tl.arange(0, 4)
+    w = tl.load(words + rows[:, None, None] * (K // 32 * 4) + (g * 4)[None, :, None] + q[None, None, :],
+                mask=row_ok[:, None, None] & g_ok[None, :, None], other=0)
+    if PTX:
+        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+            _E2M1_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    else:
+        c0, c1, c2, c3 = _e2m1_code(w, 0), _e2m1_code(w, 1), _e2m1_code(w, 2), _e2m1_code(w, 3)
+        c4, c5, c6, c7 = _e2m1_code(w, 4), _e2m1_code(w, 5), _e2m1_code(w, 6), _e2m1_code(w, 7)
+    p = c0 * x[0]
+    p += c1 * x[1]
+    p += c2 * x[2]
+    p += c3 * x[3]
+    p += c4 * x[4]
+    p += c5 * x[5]
+    p += c6 * x[6]
+    p += c7 * x[7]
+    return tl.sum(tl.sum(p, axis=2) * _e8m0(s, 14), axis=1)
 
 
 @triton.jit
@@ -269,7 +382,8 @@ def _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP: tl.conste
 def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_ptr, token_ptr, h_ptr,
                N, L, I, sw_e, sw_m, ss_e, ss_m, beta_gate, beta_up,
                MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, SPLIT: tl.constexpr,
-               BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GEMV: tl.constexpr):
+               BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GEMV: tl.constexpr,
+               PTX: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr):
     """h[pair, rows] = gate * SiTU-GLU(W1 z, W3 z) for one slot, BLOCK_R rows of I and one token tile."""
     slot = tl.program_id(2)
     if GEMV:  # one token: the slot's pair is row ``slot``
@@ -278,10 +392,20 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_pt
             rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
             row_ok = rows < I
             w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
-            g = _gemv_rows(w1, s1, rows, row_ok, L, z_ptr, MXFP4, BLOCK_R, BLOCK_K)
-            u = _gemv_rows(w1 + sw_m, s1 + ss_m, rows, row_ok, L, z_ptr, MXFP4, BLOCK_R, BLOCK_K)
-            h = _situ_glu(g, u, beta_gate, beta_up) * gate
-            tl.store(h_ptr + slot.to(tl.int64) * I + rows, h, mask=row_ok)
+            if MXFP4:
+                x = _x_planes(z_ptr, L, GP)
+                for r0 in tl.range(0, BLOCK_R, RB, num_stages=3):  # the compiler prefetches the weight words
+                    rb = tl.program_id(1) * BLOCK_R + r0 + tl.arange(0, RB)
+                    ok = rb < I
+                    g = _mxfp4_rows(w1, _group_scales(s1, rb, ok, L, GP), rb, ok, L, x, GP, PTX)
+                    u = _mxfp4_rows(w1 + sw_m, _group_scales(s1 + ss_m, rb, ok, L, GP), rb, ok, L, x, GP, PTX)
+                    h = _situ_glu(g, u, beta_gate, beta_up) * gate  # stored as 8 planes h[j::8] for the down GEMV
+                    tl.store(h_ptr + slot.to(tl.int64) * I + (rb % 8) * (I // 8) + rb // 8, h, mask=ok)
+            else:
+                g = _gemv_rows(w1, s1, rows, row_ok, L, z_ptr, BLOCK_R, BLOCK_K)
+                u = _gemv_rows(w1 + sw_m, s1 + ss_m, rows, row_ok, L, z_ptr, BLOCK_R, BLOCK_K)
+                h = _situ_glu(g, u, beta_gate, beta_up) * gate
+                tl.store(h_ptr + slot.to(tl.int64) * I + rows, h, mask=row_ok)
         return
     pair, token, gate, live = _pairs(slot, tl.program_id(0), gates_ptr, count_ptr, offset_ptr, token_ptr, N,
                                      DENSE, BLOCK_T)
@@ -305,7 +429,8 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_pt
 def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_ptr, token_ptr, part_ptr,
                  N, L, I, sw_e, sw_m, ss_e, ss_m,
                  MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, SPLIT: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GEMV: tl.constexpr):
+                 BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GEMV: tl.constexpr,
+               PTX: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr):
     """part[pair, rows] = W2[rows] @ h[pair] for one slot, BLOCK_R latent rows and one token tile."""
     slot = tl.program_id(2)
     if GEMV:
@@ -313,9 +438,18 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_
             rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
             row_ok = rows < L
             w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
-            part = _gemv_rows(w1 + 2 * sw_m, s1 + 2 * ss_m, rows, row_ok, I, h_ptr + slot.to(tl.int64) * I, MXFP4,
-                              BLOCK_R, BLOCK_K)
-            tl.store(part_ptr + slot.to(tl.int64) * L + rows, part, mask=row_ok)
+            x_row = h_ptr + slot.to(tl.int64) * I
+            if MXFP4:
+                x = _x_planes(x_row, I, GP)
+                for r0 in tl.range(0, BLOCK_R, RB, num_stages=3):
+                    rb = tl.program_id(1) * BLOCK_R + r0 + tl.arange(0, RB)
+                    ok = rb < L
+                    s_d = _group_scales(s1 + 2 * ss_m, rb, ok, I, GP)
+                    part = _mxfp4_rows(w1 + 2 * sw_m, s_d, rb, ok, I, x, GP, PTX)
+                    tl.store(part_ptr + slot.to(tl.int64) * L + rb, part, mask=ok)
+            else:
+                part = _gemv_rows(w1 + 2 * sw_m, s1 + 2 * ss_m, rows, row_ok, I, x_row, BLOCK_R, BLOCK_K)
+                tl.store(part_ptr + slot.to(tl.int64) * L + rows, part, mask=row_ok)
         return
     pair, token, gate, live = _pairs(slot, tl.program_id(0), gates_ptr, count_ptr, offset_ptr, token_ptr, N,
                                      DENSE, BLOCK_T)
@@ -408,13 +542,21 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
     if on_gpu:
         meta["num_stages"] = cfg["num_stages"]
     meta["GEMV"] = gemv = dense and N == 1
-    if gemv:  # one token: a matrix-vector product on the FMA units; small row blocks, long K steps
-        meta.update(GEMV_TILES["cuda" if on_gpu else "cpu"])
+    meta["PTX"] = on_gpu and triton.runtime.driver.active.get_current_target().backend == "cuda"
+    up_meta, down_meta = dict(RB=1, GP=1), dict(RB=1, GP=1)  # (used by the MXFP4 GEMV only)
+    if gemv:  # one token: a matrix-vector product on the FMA units
+        meta.update(GEMV_TILES[("cuda" if on_gpu else "cpu") + ("_mxfp4" if meta["MXFP4"] else "")])
+        meta.setdefault("BLOCK_K", 32)
+        if meta["MXFP4"]:  # activation as 8 planes z[j::8] (see _x_planes); GP spans K in scale groups
+            z = z.view(L // 8, 8).t().contiguous()
+            rb = meta.pop("RB")
+            up_meta = dict(RB=rb, GP=triton.next_power_of_2(L // 32))
+            down_meta = dict(RB=rb, GP=triton.next_power_of_2(I // 32))
         cfg = dict(cfg, BLOCK_R=meta["BLOCK_R"])
     tiles = max(1, triton.cdiv(longest, cfg["BLOCK_T"]))  # token tiles per slot
     _up_kernel[(tiles, triton.cdiv(I, cfg["BLOCK_R"]), m)](z, *shared, h, *strides, float(beta_gate),
-                                                           float(beta_up), **meta)
-    _down_kernel[(tiles, triton.cdiv(L, cfg["BLOCK_R"]), m)](h, *shared, part, *strides, **meta)
+                                                           float(beta_up), **meta, **up_meta)
+    _down_kernel[(tiles, triton.cdiv(L, cfg["BLOCK_R"]), m)](h, *shared, part, *strides, **meta, **down_meta)
     _combine_kernel[(N, triton.cdiv(L, cfg["BLOCK_L"]))](part, gates, rank, offset, out, m, N, L, DENSE=dense,
                                                          BLOCK_S=cfg["BLOCK_S"], BLOCK_L=cfg["BLOCK_L"])
     return out
