@@ -106,9 +106,10 @@ def test_fp8_and_mxfp4_mlps_match_the_reference(experts_store, N, dense):
     assert got_fp8.dtype == torch.float32 and torch.isfinite(got_fp8).all(), "the unrouted NaN slot was read"
     torch.testing.assert_close(got_fp8, want, **TOL)
     torch.testing.assert_close(got_mx, want, **TOL)
-    if N > 1:  # bitwise-identical weights through the same tensor-core passes: identical results
+    if dense is False or N > 16:  # bitwise-identical weights through the same tensor-core passes: identical
         assert torch.equal(got_fp8, got_mx)
-    # (one token: the MXFP4 GEMV sums each 32-code group before its scale, the FP8 one scales each product)
+    # (at decode sizes the MXFP4 MLP is a matrix-vector product per routed pair that sums each 32-code
+    # group before its scale; the FP8 one scales each product, in a tensor-core pass for several tokens)
 
 
 def _run_ptx(text: str, word: int) -> list[int]:
@@ -168,11 +169,14 @@ def test_public_kernels_and_unrouted_tokens(experts_store):
     got = kern.expert_mlp_mxfp4(z, *experts_store, experts, gates, 4.0, 25.0)
     assert torch.equal(got[2], torch.zeros(L, device=DEV))
     torch.testing.assert_close(got, live_reference(z, experts_store, experts, gates), **TOL)
-    assert torch.equal(kern.expert_mlp_fp8(z, els, scs, gates, 4.0, 25.0), got)
+    got_fp8 = kern.expert_mlp_fp8(z, els, scs, gates, 4.0, 25.0)
+    assert torch.equal(got_fp8[2], torch.zeros(L, device=DEV))
+    torch.testing.assert_close(got_fp8, got, **TOL)
 
 
-def test_kernels_are_deterministic(experts_store):
-    z, experts, gates, els, scs = case(experts_store, 19, seed=2)
+@pytest.mark.parametrize("N", [5, 19])  # the matrix-vector (decode) and tensor-core (prefill) paths
+def test_kernels_are_deterministic(experts_store, N):
+    z, experts, gates, els, scs = case(experts_store, N, seed=2)
     a = kern.expert_mlp_mxfp4(z, *experts_store, experts, gates, 4.0, 25.0)
     b = kern.expert_mlp_mxfp4(z, *experts_store, experts, gates, 4.0, 25.0)
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))

@@ -27,34 +27,38 @@ no Python loop over experts and no atomics:
    expert sum into per-pair rows and a separate ordered reduction is what makes the result bitwise
    reproducible without atomics.
 
-*One token* (a decode step of one sequence, the common case): up and down are matrix-vector products
-instead, on the FMA units: no token lane padded to tl.dot's 16, no bf16 split of the activation, exact
-fp32 products.
-- FP8: a program streams BLOCK_R weight rows in BLOCK_K steps and accumulates weight x activation
-  products elementwise in fp32 ([BLOCK_R, BLOCK_K] in registers, reduced along K at the end). 59 % of
-  4.3 TB/s on its weight bytes (0.216 ms for 16 slots of L=3584, I=3072).
-- MXFP4 (``_mxfp4_rows``): a program computes BLOCK_R rows, RB at a time, each over the whole K. A thread
-  owns one 32-code scale group of K: it loads that group's 32 activations once per program (the
-  activation is passed as 8 planes x[j::8], so that each is 16-byte loads) and then, per row, one 16-byte
-  load of the group's codes (4 int32 words). A word's 8 codes are decoded by ``_E2M1_PTX`` (11 integer
-  instructions per 8 codes, then one fp16 -> fp32 widening per code), multiplied into one fp32 FMA chain,
-  and the group's sum is scaled once; a reduction across the threads ends the row. The row loop is
-  software-pipelined by the compiler (``num_stages``: asynchronous copies of the next rows' words).
-  History on the H200 (bench_moe.py, 16 slots): per-element dequantisation in a [rows, K] tile (nibble
-  split, ``tl.join`` interleave, a scale multiply per element: 11.4 SASS instructions per code) ran at
-  26 % of 4.3 TB/s, bound by instruction issue (Nsight Compute: 76-81 % of the SM's instruction
-  throughput, 19-20 % of DRAM); the PTX decode cut that to ~4.5 per code but the time stayed, now bound
-  by the activation loads of that layout (one fp32 load per code per row: L1 at 78 %); one group per
-  thread with the activations held in registers and the pipelined row loop reached 39 % (0.166 ms,
-  ``GEMV_TILES`` swept over rows per program, rows per step and warps). Nsight Compute then shows
-  instruction issue binding again (67 % of issue slots, ~5.5 instructions per code: the per-row
-  reduction, scale and SiTU-GLU beside the 3.4 of the decode and FMA).
+*Decode* (the dense pair layout): matrix-vector products on the FMA units instead of tensor-core
+passes: no token lane padded to tl.dot's 16, no bf16 split of the activation, exact fp32 products.
+- FP8, one token: a program streams BLOCK_R weight rows in BLOCK_K steps and accumulates weight x
+  activation products elementwise in fp32 ([BLOCK_R, BLOCK_K] in registers, reduced along K at the
+  end). 60 % of 4.3 TB/s on its weight bytes (0.209 ms for 16 slots of L=3584, I=3072).
+- MXFP4, every decode size (``_mxfp4_rows``): a program (BLOCK_R rows of one slot) walks the slot's
+  routed tokens; per token it computes its rows, RB at a time, each over the whole K. A thread owns
+  one 32-code scale group of K: it loads that group's 32 activations once per (program, token) (the
+  activations are passed as 8 planes x[j::8], so that each is 16-byte loads) and then, per row, one
+  16-byte load of the group's codes (4 int32 words). A word's 8 codes are decoded by ``_E2M1_PTX``
+  (11 integer instructions per 8 codes, then one fp16 -> fp32 widening per code) into one fp32 FMA
+  chain, and the group's sum is scaled once; a reduction across the threads ends the row. The row loop
+  is software-pipelined by the compiler (``num_stages``: asynchronous copies of the next rows' words).
+  A slot routed by several tokens is decoded once per token (its rows come from L2 the second time).
+  History on the H200 (bench_moe.py, top-16 of 256): per-element dequantisation in a [rows, K] tile
+  (nibble split, ``tl.join`` interleave, a scale multiply per element: 11.4 SASS instructions per
+  code) ran at 26 % of 4.3 TB/s for one token, bound by instruction issue (Nsight Compute: 76-81 % of
+  the SM's instruction throughput, 19-20 % of DRAM); the PTX decode cut that to ~4.5 per code but the
+  time stayed, now bound by that layout's activation loads (one fp32 load per code per row: L1 at
+  78 %); one group per thread with the activations in registers and the pipelined row loop reached
+  42 % (0.156 ms; ``GEMV_TILES`` swept over rows per program, rows per step and warps: one warp of 8
+  rows is best). Nsight Compute then shows instruction issue binding again (67 % of issue slots,
+  ~5.5 instructions per code: the per-row reduction, scale and SiTU-GLU beside the 3.4 of the decode
+  and the FMA). At 4 and 16 tokens this path took 1.28 -> 0.56 ms and 3.44 -> 2.24 ms from the
+  tensor-core passes, which are now used for prefill only.
 
 *Skipping unrouted pairs.* A token lane is live only where ``gates[slot, token] != 0``: dead lanes
 load nothing and store nothing, and a program with no live lane reads no weight at all, so
 placeholder slots (docs/design.md §14) cost a few gate loads. Two pair layouts, chosen by shape:
 - dense (N <= BLOCK_T, every decode step): pair (slot, token) is row ``slot * N + token``; the whole
-  step is one token tile, so nothing is to be gained from compaction, and no host sync is needed.
+  step is one token tile (or, MXFP4, one walk over the slot's tokens), so nothing is to be gained from
+  compaction, and no host sync is needed.
 - compact (prefill): each slot's routed tokens are listed in ascending order (rank = cumsum of the
   routed mask, offsets = cumsum of the counts, a scatter of token ids), and token tiles walk those
   lists, so compute scales with the routed pairs, not with slots x tokens. The buffers are sized by
@@ -77,10 +81,11 @@ product, against 2^-24 for fp32) instead of the 8 of a single bf16 dot. The inte
 fp32 dots with ``input_precision="ieee"`` (its bf16 tl.dot is wrong: docs/design.md §12).
 
 *Bytes moved* per routed expert with I*L elements per matrix (K3: I*L = 11.0 M):
-- fused MXFP4 MLP: 3 * I*L * (1/2 + 1/32) = 17.6 MB of weights, read once per launch at decode;
+- fused MXFP4 MLP: 3 * I*L * (1/2 + 1/32) = 17.6 MB of weights, read from DRAM once per launch at
+  decode (a second routed token of the slot re-reads them, mostly from L2);
 - workspace path: conversion (51.6 MB, above) + MLP over FP8, 3 * I*L * (1 + 1/32) = 34.1 MB;
 - bf16 weights (the plain-torch peer): 3 * I*L * 2 = 66.1 MB.
-At decode (one token tile) every weight byte of a routed slot is read exactly once; the h and
+At decode (one token tile) every weight byte of a routed slot is read from DRAM once; the h and
 per-pair buffers (N*(I+L)*4 bytes per slot) are small beside them. At prefill each token tile of a
 slot re-reads that slot's tile rows; consecutive programs share them (token tile is the fastest grid
 axis), so most repeats hit L2.
@@ -386,26 +391,31 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_pt
                PTX: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr):
     """h[pair, rows] = gate * SiTU-GLU(W1 z, W3 z) for one slot, BLOCK_R rows of I and one token tile."""
     slot = tl.program_id(2)
-    if GEMV:  # one token: the slot's pair is row ``slot``
-        gate = tl.load(gates_ptr + slot).to(tl.float32)
-        if gate != 0.0:
-            rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-            row_ok = rows < I
-            w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
-            if MXFP4:
-                x = _x_planes(z_ptr, L, GP)
+    if GEMV and MXFP4:  # decode, MXFP4: a matrix-vector product per routed (slot, token) pair
+        w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
+        for t in range(N):  # the slot's routed tokens, one after another (the rows re-read hit L2)
+            gate = tl.load(gates_ptr + slot * N + t).to(tl.float32)
+            if gate != 0.0:
+                pair = slot.to(tl.int64) * N + t
+                x = _x_planes(z_ptr + t * L, L, GP)
                 for r0 in tl.range(0, BLOCK_R, RB, num_stages=3):  # the compiler prefetches the weight words
                     rb = tl.program_id(1) * BLOCK_R + r0 + tl.arange(0, RB)
                     ok = rb < I
                     g = _mxfp4_rows(w1, _group_scales(s1, rb, ok, L, GP), rb, ok, L, x, GP, PTX)
                     u = _mxfp4_rows(w1 + sw_m, _group_scales(s1 + ss_m, rb, ok, L, GP), rb, ok, L, x, GP, PTX)
                     h = _situ_glu(g, u, beta_gate, beta_up) * gate  # stored as 8 planes h[j::8] for the down GEMV
-                    tl.store(h_ptr + slot.to(tl.int64) * I + (rb % 8) * (I // 8) + rb // 8, h, mask=ok)
-            else:
-                g = _gemv_rows(w1, s1, rows, row_ok, L, z_ptr, BLOCK_R, BLOCK_K)
-                u = _gemv_rows(w1 + sw_m, s1 + ss_m, rows, row_ok, L, z_ptr, BLOCK_R, BLOCK_K)
-                h = _situ_glu(g, u, beta_gate, beta_up) * gate
-                tl.store(h_ptr + slot.to(tl.int64) * I + rows, h, mask=row_ok)
+                    tl.store(h_ptr + pair * I + (rb % 8) * (I // 8) + rb // 8, h, mask=ok)
+        return
+    if GEMV:  # one token, FP8: the slot's pair is row ``slot``
+        gate = tl.load(gates_ptr + slot).to(tl.float32)
+        if gate != 0.0:
+            rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+            row_ok = rows < I
+            w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
+            g = _gemv_rows(w1, s1, rows, row_ok, L, z_ptr, BLOCK_R, BLOCK_K)
+            u = _gemv_rows(w1 + sw_m, s1 + ss_m, rows, row_ok, L, z_ptr, BLOCK_R, BLOCK_K)
+            h = _situ_glu(g, u, beta_gate, beta_up) * gate
+            tl.store(h_ptr + slot.to(tl.int64) * I + rows, h, mask=row_ok)
         return
     pair, token, gate, live = _pairs(slot, tl.program_id(0), gates_ptr, count_ptr, offset_ptr, token_ptr, N,
                                      DENSE, BLOCK_T)
@@ -433,23 +443,27 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_
                PTX: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr):
     """part[pair, rows] = W2[rows] @ h[pair] for one slot, BLOCK_R latent rows and one token tile."""
     slot = tl.program_id(2)
-    if GEMV:
-        if tl.load(gates_ptr + slot).to(tl.float32) != 0.0:
-            rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-            row_ok = rows < L
-            w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
-            x_row = h_ptr + slot.to(tl.int64) * I
-            if MXFP4:
-                x = _x_planes(x_row, I, GP)
+    if GEMV and MXFP4:
+        w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
+        for t in range(N):
+            if tl.load(gates_ptr + slot * N + t).to(tl.float32) != 0.0:
+                pair = slot.to(tl.int64) * N + t
+                x = _x_planes(h_ptr + pair * I, I, GP)
                 for r0 in tl.range(0, BLOCK_R, RB, num_stages=3):
                     rb = tl.program_id(1) * BLOCK_R + r0 + tl.arange(0, RB)
                     ok = rb < L
                     s_d = _group_scales(s1 + 2 * ss_m, rb, ok, I, GP)
                     part = _mxfp4_rows(w1 + 2 * sw_m, s_d, rb, ok, I, x, GP, PTX)
-                    tl.store(part_ptr + slot.to(tl.int64) * L + rb, part, mask=ok)
-            else:
-                part = _gemv_rows(w1 + 2 * sw_m, s1 + 2 * ss_m, rows, row_ok, I, x_row, BLOCK_R, BLOCK_K)
-                tl.store(part_ptr + slot.to(tl.int64) * L + rows, part, mask=row_ok)
+                    tl.store(part_ptr + pair * L + rb, part, mask=ok)
+        return
+    if GEMV:
+        if tl.load(gates_ptr + slot).to(tl.float32) != 0.0:
+            rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+            row_ok = rows < L
+            w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
+            part = _gemv_rows(w1 + 2 * sw_m, s1 + 2 * ss_m, rows, row_ok, I, h_ptr + slot.to(tl.int64) * I, BLOCK_R,
+                              BLOCK_K)
+            tl.store(part_ptr + slot.to(tl.int64) * L + rows, part, mask=row_ok)
         return
     pair, token, gate, live = _pairs(slot, tl.program_id(0), gates_ptr, count_ptr, offset_ptr, token_ptr, N,
                                      DENSE, BLOCK_T)
@@ -541,14 +555,15 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
                 BLOCK_T=cfg["BLOCK_T"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
     if on_gpu:
         meta["num_stages"] = cfg["num_stages"]
-    meta["GEMV"] = gemv = dense and N == 1
+    # matrix-vector products: the FP8 MLP for one token, the MXFP4 one per routed pair at every decode size
+    meta["GEMV"] = gemv = dense and (N == 1 or w.dtype == torch.uint8)
     meta["PTX"] = on_gpu and triton.runtime.driver.active.get_current_target().backend == "cuda"
     up_meta, down_meta = dict(RB=1, GP=1), dict(RB=1, GP=1)  # (used by the MXFP4 GEMV only)
-    if gemv:  # one token: a matrix-vector product on the FMA units
+    if gemv:  # matrix-vector products on the FMA units
         meta.update(GEMV_TILES[("cuda" if on_gpu else "cpu") + ("_mxfp4" if meta["MXFP4"] else "")])
         meta.setdefault("BLOCK_K", 32)
-        if meta["MXFP4"]:  # activation as 8 planes z[j::8] (see _x_planes); GP spans K in scale groups
-            z = z.view(L // 8, 8).t().contiguous()
+        if meta["MXFP4"]:  # activations as 8 planes z[n, j::8] (see _x_planes); GP spans K in scale groups
+            z = z.view(N, L // 8, 8).transpose(1, 2).contiguous()
             rb = meta.pop("RB")
             up_meta = dict(RB=rb, GP=triton.next_power_of_2(L // 32))
             down_meta = dict(RB=rb, GP=triton.next_power_of_2(I // 32))
