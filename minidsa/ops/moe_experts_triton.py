@@ -40,7 +40,10 @@ passes: no token lane padded to tl.dot's 16, no bf16 split of the activation, ex
   (11 integer instructions per 8 codes, then one fp16 -> fp32 widening per code) into one fp32 FMA
   chain, and the group's sum is scaled once; a reduction across the threads ends the row. The row loop
   is software-pipelined by the compiler (``num_stages``: asynchronous copies of the next rows' words).
-  A slot routed by several tokens is decoded once per token (its rows come from L2 the second time).
+  A slot routed by several tokens is decoded once per token (its rows come from L2 the second time):
+  decoding the rows once for two tokens per pass (both activation sets in registers: 231 registers at
+  two warps, where one token's pass fits one warp) measured 2x slower at 4 and 16 tokens (1.17 and
+  3.73 ms against 0.56 and 2.24).
   History on the H200 (bench_moe.py, top-16 of 256): per-element dequantisation in a [rows, K] tile
   (nibble split, ``tl.join`` interleave, a scale multiply per element: 11.4 SASS instructions per
   code) ran at 26 % of 4.3 TB/s for one token, bound by instruction issue (Nsight Compute: 76-81 % of
