@@ -111,7 +111,7 @@ CONVERT_WARPS = 4  # warps per conversion program on the GPU (benchmarks/tune_mo
 # (MXFP4: a program computes BLOCK_R rows, RB at a time, each over the whole K; see _mxfp4_rows)
 GEMV_TILES = {"cuda": dict(BLOCK_R=8, BLOCK_K=256, num_warps=4), "cuda_mxfp4": dict(BLOCK_R=8, RB=1, num_warps=1),
               "cpu": dict(BLOCK_R=16, BLOCK_K=32, num_warps=1),
-              "cpu_mxfp4": dict(BLOCK_R=64, RB=16, num_warps=1)}  # (64 rows: the tests' L and I leave tails)
+              "cpu_mxfp4": dict(BLOCK_R=64, RB=32, num_warps=1)}  # (64 rows: the tests' L and I leave tails)
 
 
 # ------------------------------------------------------------------------------------------ conversion
