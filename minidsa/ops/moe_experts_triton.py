@@ -43,7 +43,11 @@ passes: no token lane padded to tl.dot's 16, no bf16 split of the activation, ex
   A slot routed by several tokens is decoded once per token (its rows come from L2 the second time):
   decoding the rows once for two tokens per pass (both activation sets in registers: 231 registers at
   two warps, where one token's pass fits one warp) measured 2x slower at 4 and 16 tokens (1.17 and
-  3.73 ms against 0.56 and 2.24).
+  3.73 ms against 0.56 and 2.24): every program then paid the two-token register count.
+  ``PAIR_MIN_TOKENS`` switches on the other arrangement: a launch for pairs of routed tokens (MODE 1,
+  its own tiles) and one for the odd token left (MODE 2), so the single-token program keeps its
+  registers; per token it does the single-token arithmetic exactly (a test checks equality). It was
+  written after the session's device time was spent: it is off on the GPU until it is timed there.
   History on the H200 (bench_moe.py, top-16 of 256): per-element dequantisation in a [rows, K] tile
   (nibble split, ``tl.join`` interleave, a scale multiply per element: 11.4 SASS instructions per
   code) ran at 26 % of 4.3 TB/s for one token, bound by instruction issue (Nsight Compute: 76-81 % of
@@ -60,8 +64,8 @@ passes: no token lane padded to tl.dot's 16, no bf16 split of the activation, ex
 load nothing and store nothing, and a program with no live lane reads no weight at all, so
 placeholder slots (docs/design.md §14) cost a few gate loads. Two pair layouts, chosen by shape:
 - dense (N <= BLOCK_T, every decode step): pair (slot, token) is row ``slot * N + token``; the whole
-  step is one token tile (or, MXFP4, one walk over the slot's tokens), so nothing is to be gained from
-  compaction, and no host sync is needed.
+  step is one token tile (or, MXFP4, one walk over the slot's routed tokens), so nothing is to be gained
+  from compaction, and no host sync is needed.
 - compact (prefill): each slot's routed tokens are listed in ascending order (rank = cumsum of the
   routed mask, offsets = cumsum of the counts, a scatter of token ids), and token tiles walk those
   lists, so compute scales with the routed pairs, not with slots x tokens. The buffers are sized by
@@ -107,11 +111,20 @@ from .moe_experts import (check_conversion, check_fp8_mlp, check_mxfp4_mlp, expe
 
 CONVERT_BLOCK = {"cuda": 8192, "cpu": 2048}  # uint16 words of codes per conversion program
 CONVERT_WARPS = 4  # warps per conversion program on the GPU (benchmarks/tune_moe.py sweeps both)
-# One-token decode tiles (rows of the weight per program, K per step, warps): weight-streaming GEMV
-# (MXFP4: a program computes BLOCK_R rows, RB at a time, each over the whole K; see _mxfp4_rows)
+# Decode tiles of the matrix-vector path: FP8 (one token): rows per program, K per step, warps; MXFP4
+# (every decode size): a program computes BLOCK_R rows, RB at a time, each over the whole K (see
+# _mxfp4_rows); "_pairs": the same for two tokens at once (128 registers at 4 warps, 255 at 2).
 GEMV_TILES = {"cuda": dict(BLOCK_R=8, BLOCK_K=256, num_warps=4), "cuda_mxfp4": dict(BLOCK_R=8, RB=1, num_warps=1),
+              "cuda_mxfp4_pairs": dict(BLOCK_R=8, RB=1, num_warps=4),
               "cpu": dict(BLOCK_R=16, BLOCK_K=32, num_warps=1),
-              "cpu_mxfp4": dict(BLOCK_R=64, RB=32, num_warps=1)}  # (64 rows: the tests' L and I leave tails)
+              "cpu_mxfp4": dict(BLOCK_R=64, RB=32, num_warps=1),  # (64 rows: the tests' L and I leave tails)
+              "cpu_mxfp4_pairs": dict(BLOCK_R=64, RB=32, num_warps=1)}
+# Decode batches from which the MXFP4 matrix-vector path decodes a slot's rows once for two of its routed
+# tokens (a second launch pair; few slots are routed twice in small batches). None: never. Off on the GPU
+# until it is timed there (written after this session's device time was spent; a single-launch version
+# that held both tokens' activations in every program measured 2x slower, see the module docstring).
+# The interpreter takes it early, so that the tests' small batches cover it.
+PAIR_MIN_TOKENS = {"cuda": None, "cpu": 2}  # (64 rows: the tests' L and I leave tails)
 
 
 # ------------------------------------------------------------------------------------------ conversion
@@ -295,6 +308,37 @@ def _group_scales(s_ptr, rows, row_ok, K, GP: tl.constexpr):
 
 
 @triton.jit
+def _codes(w_ptr, rows, row_ok, K, GP: tl.constexpr, PTX: tl.constexpr):
+    """The E2M1 values * 2^-14 of rows ``rows`` of one row-major [*, K] MXFP4 matrix: 8 fp32 tensors
+    [RB, GP, 4], code j of word (row, group, word) each, read as int32 words (one 16-byte load per group)."""
+    g = tl.arange(0, GP)
+    words = w_ptr.to(tl.pointer_type(tl.int32))
+    q = tl.arange(0, 4)
+    w = tl.load(words + rows[:, None, None] * (K // 32 * 4) + (g * 4)[None, :, None] + q[None, None, :],
+                mask=row_ok[:, None, None] & (g < K // 32)[None, :, None], other=0)
+    if PTX:
+        return tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 8,
+                                         is_pure=True, pack=1)
+    else:
+        return (_e2m1_code(w, 0), _e2m1_code(w, 1), _e2m1_code(w, 2), _e2m1_code(w, 3),
+                _e2m1_code(w, 4), _e2m1_code(w, 5), _e2m1_code(w, 6), _e2m1_code(w, 7))
+
+
+@triton.jit
+def _chain(c, x):
+    """sum_j c_j * x_j for the 8 codes of each word: one fp32 FMA chain per word, [RB, GP, 4]."""
+    p = c[0] * x[0]
+    p += c[1] * x[1]
+    p += c[2] * x[2]
+    p += c[3] * x[3]
+    p += c[4] * x[4]
+    p += c[5] * x[5]
+    p += c[6] * x[6]
+    p += c[7] * x[7]
+    return p
+
+
+@triton.jit
 def _mxfp4_rows(w_ptr, s, rows, row_ok, K, x, GP: tl.constexpr, PTX: tl.constexpr):
     """W[rows, :] @ x for one row-major [*, K] MXFP4 expert matrix (K a multiple of 32) -> [RB] fp32, with x the
     tuple of _x_planes and s the rows' _group_scales. The codes are read as int32 words, [RB, GP groups, 4
@@ -302,27 +346,89 @@ def _mxfp4_rows(w_ptr, s, rows, row_ok, K, x, GP: tl.constexpr, PTX: tl.constexp
     products are summed in one fp32 FMA chain (unscaled values times x), and the group's scale multiplies
     the group's sum once, not each of its 32 products; a reduction across the groups (threads) ends the
     row. The products are exact (fp16 -> fp32 widening, fp32 x)."""
-    g = tl.arange(0, GP)
-    g_ok = g < K // 32
-    words = w_ptr.to(tl.pointer_type(tl.int32))
-    q = tl.arange(0, 4)
-    w = tl.load(words + rows[:, None, None] * (K // 32 * 4) + (g * 4)[None, :, None] + q[None, None, :],
-                mask=row_ok[:, None, None] & g_ok[None, :, None], other=0)
-    if PTX:
-        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-            _E2M1_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-    else:
-        c0, c1, c2, c3 = _e2m1_code(w, 0), _e2m1_code(w, 1), _e2m1_code(w, 2), _e2m1_code(w, 3)
-        c4, c5, c6, c7 = _e2m1_code(w, 4), _e2m1_code(w, 5), _e2m1_code(w, 6), _e2m1_code(w, 7)
-    p = c0 * x[0]
-    p += c1 * x[1]
-    p += c2 * x[2]
-    p += c3 * x[3]
-    p += c4 * x[4]
-    p += c5 * x[5]
-    p += c6 * x[6]
-    p += c7 * x[7]
-    return tl.sum(tl.sum(p, axis=2) * _e8m0(s, 14), axis=1)
+    return tl.sum(tl.sum(_chain(_codes(w_ptr, rows, row_ok, K, GP, PTX), x), axis=2) * _e8m0(s, 14), axis=1)
+
+
+@triton.jit
+def _mxfp4_rows_pair(w_ptr, s, rows, row_ok, K, xa, xb, GP: tl.constexpr, PTX: tl.constexpr):
+    """``_mxfp4_rows`` for two tokens' activations at once: the rows are decoded once for both, and each
+    token's arithmetic is the single-token path's, operation for operation. -> ([RB], [RB])"""
+    c = _codes(w_ptr, rows, row_ok, K, GP, PTX)
+    sc = _e8m0(s, 14)
+    return tl.sum(tl.sum(_chain(c, xa), axis=2) * sc, axis=1), tl.sum(tl.sum(_chain(c, xb), axis=2) * sc, axis=1)
+
+
+@triton.jit
+def _routed(gates_ptr, slot, N, NT: tl.constexpr):
+    """The slot's gate row at decode: (token lanes [NT], gates fp32 [NT], rank of each routed token among
+    the slot's routed tokens [NT], their count)."""
+    t = tl.arange(0, NT)
+    gates = tl.load(gates_ptr + slot * N + t, mask=t < N, other=0.0).to(tl.float32)
+    live = gates != 0.0
+    return t, gates, tl.cumsum(live.to(tl.int32), axis=0) - 1, tl.sum(live.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _pick(t, gates, rank, r):
+    """(token, gate) of the routed token of rank r."""
+    hit = (rank == r) & (gates != 0.0)
+    return tl.sum(tl.where(hit, t, 0), axis=0), tl.sum(tl.where(hit, gates, 0.0), axis=0)
+
+
+@triton.jit
+def _up_token(z_ptr, w1, s1, sw_m, ss_m, h_ptr, pair, t, gate, L, I, beta_gate, beta_up,
+              BLOCK_R: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr, PTX: tl.constexpr):
+    """h[pair, rows] of the program's BLOCK_R rows for one routed token t (decode, MXFP4)."""
+    x = _x_planes(z_ptr + t * L, L, GP)
+    for r0 in tl.range(0, BLOCK_R, RB, num_stages=3):  # the compiler prefetches the weight words
+        rb = tl.program_id(1) * BLOCK_R + r0 + tl.arange(0, RB)
+        ok = rb < I
+        g = _mxfp4_rows(w1, _group_scales(s1, rb, ok, L, GP), rb, ok, L, x, GP, PTX)
+        u = _mxfp4_rows(w1 + sw_m, _group_scales(s1 + ss_m, rb, ok, L, GP), rb, ok, L, x, GP, PTX)
+        h = _situ_glu(g, u, beta_gate, beta_up) * gate  # stored as 8 planes h[j::8] for the down GEMV
+        tl.store(h_ptr + pair * I + (rb % 8) * (I // 8) + rb // 8, h, mask=ok)
+
+
+@triton.jit
+def _up_pair(z_ptr, w1, s1, sw_m, ss_m, h_ptr, pa, ta, ga, pb, tb, gb, L, I, beta_gate, beta_up,
+             BLOCK_R: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr, PTX: tl.constexpr):
+    """``_up_token`` for two routed tokens of the slot, each row decoded once."""
+    xa = _x_planes(z_ptr + ta * L, L, GP)
+    xb = _x_planes(z_ptr + tb * L, L, GP)
+    for r0 in tl.range(0, BLOCK_R, RB, num_stages=3):
+        rb = tl.program_id(1) * BLOCK_R + r0 + tl.arange(0, RB)
+        ok = rb < I
+        g_a, g_b = _mxfp4_rows_pair(w1, _group_scales(s1, rb, ok, L, GP), rb, ok, L, xa, xb, GP, PTX)
+        u_a, u_b = _mxfp4_rows_pair(w1 + sw_m, _group_scales(s1 + ss_m, rb, ok, L, GP), rb, ok, L, xa, xb, GP, PTX)
+        planar = (rb % 8) * (I // 8) + rb // 8
+        tl.store(h_ptr + pa * I + planar, _situ_glu(g_a, u_a, beta_gate, beta_up) * ga, mask=ok)
+        tl.store(h_ptr + pb * I + planar, _situ_glu(g_b, u_b, beta_gate, beta_up) * gb, mask=ok)
+
+
+@triton.jit
+def _down_token(h_ptr, w2, s2, part_ptr, pair, L, I, BLOCK_R: tl.constexpr, RB: tl.constexpr,
+                GP: tl.constexpr, PTX: tl.constexpr):
+    """part[pair, rows] of the program's BLOCK_R latent rows for one routed (slot, token) pair."""
+    x = _x_planes(h_ptr + pair * I, I, GP)
+    for r0 in tl.range(0, BLOCK_R, RB, num_stages=3):
+        rb = tl.program_id(1) * BLOCK_R + r0 + tl.arange(0, RB)
+        ok = rb < L
+        part = _mxfp4_rows(w2, _group_scales(s2, rb, ok, I, GP), rb, ok, I, x, GP, PTX)
+        tl.store(part_ptr + pair * L + rb, part, mask=ok)
+
+
+@triton.jit
+def _down_pair(h_ptr, w2, s2, part_ptr, pa, pb, L, I, BLOCK_R: tl.constexpr, RB: tl.constexpr,
+               GP: tl.constexpr, PTX: tl.constexpr):
+    """``_down_token`` for two pairs of the slot, each row decoded once."""
+    xa = _x_planes(h_ptr + pa * I, I, GP)
+    xb = _x_planes(h_ptr + pb * I, I, GP)
+    for r0 in tl.range(0, BLOCK_R, RB, num_stages=3):
+        rb = tl.program_id(1) * BLOCK_R + r0 + tl.arange(0, RB)
+        ok = rb < L
+        part_a, part_b = _mxfp4_rows_pair(w2, _group_scales(s2, rb, ok, I, GP), rb, ok, I, xa, xb, GP, PTX)
+        tl.store(part_ptr + pa * L + rb, part_a, mask=ok)
+        tl.store(part_ptr + pb * L + rb, part_b, mask=ok)
 
 
 @triton.jit
@@ -391,23 +497,30 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_pt
                N, L, I, sw_e, sw_m, ss_e, ss_m, beta_gate, beta_up,
                MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, SPLIT: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GEMV: tl.constexpr,
-               PTX: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr):
+               PTX: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr,
+               MODE: tl.constexpr, NT: tl.constexpr):
     """h[pair, rows] = gate * SiTU-GLU(W1 z, W3 z) for one slot, BLOCK_R rows of I and one token tile."""
     slot = tl.program_id(2)
-    if GEMV and MXFP4:  # decode, MXFP4: a matrix-vector product per routed (slot, token) pair
+    if GEMV and MXFP4:  # decode, MXFP4: matrix-vector products over the slot's routed tokens
         w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
-        for t in range(N):  # the slot's routed tokens, one after another (the rows re-read hit L2)
-            gate = tl.load(gates_ptr + slot * N + t).to(tl.float32)
-            if gate != 0.0:
-                pair = slot.to(tl.int64) * N + t
-                x = _x_planes(z_ptr + t * L, L, GP)
-                for r0 in tl.range(0, BLOCK_R, RB, num_stages=3):  # the compiler prefetches the weight words
-                    rb = tl.program_id(1) * BLOCK_R + r0 + tl.arange(0, RB)
-                    ok = rb < I
-                    g = _mxfp4_rows(w1, _group_scales(s1, rb, ok, L, GP), rb, ok, L, x, GP, PTX)
-                    u = _mxfp4_rows(w1 + sw_m, _group_scales(s1 + ss_m, rb, ok, L, GP), rb, ok, L, x, GP, PTX)
-                    h = _situ_glu(g, u, beta_gate, beta_up) * gate  # stored as 8 planes h[j::8] for the down GEMV
-                    tl.store(h_ptr + pair * I + (rb % 8) * (I // 8) + rb // 8, h, mask=ok)
+        if MODE == 0:  # every routed token on its own (the rows re-read for a second token hit L2)
+            for t in range(N):
+                gate = tl.load(gates_ptr + slot * N + t).to(tl.float32)
+                if gate != 0.0:
+                    _up_token(z_ptr, w1, s1, sw_m, ss_m, h_ptr, slot.to(tl.int64) * N + t, t, gate, L, I, beta_gate,
+                              beta_up, BLOCK_R, RB, GP, PTX)
+        else:
+            t, gates, rank, count = _routed(gates_ptr, slot, N, NT)
+            if MODE == 1:  # routed tokens two at a time, ranks (0, 1), (2, 3), ...
+                for r in range(0, count - 1, 2):
+                    ta, ga = _pick(t, gates, rank, r)
+                    tb, gb = _pick(t, gates, rank, r + 1)
+                    _up_pair(z_ptr, w1, s1, sw_m, ss_m, h_ptr, slot.to(tl.int64) * N + ta, ta, ga,
+                             slot.to(tl.int64) * N + tb, tb, gb, L, I, beta_gate, beta_up, BLOCK_R, RB, GP, PTX)
+            elif count % 2 == 1:  # MODE 2: the odd one left by a MODE 1 launch
+                to, go = _pick(t, gates, rank, count - 1)
+                _up_token(z_ptr, w1, s1, sw_m, ss_m, h_ptr, slot.to(tl.int64) * N + to, to, go, L, I, beta_gate,
+                          beta_up, BLOCK_R, RB, GP, PTX)
         return
     if GEMV:  # one token, FP8: the slot's pair is row ``slot``
         gate = tl.load(gates_ptr + slot).to(tl.float32)
@@ -443,21 +556,28 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_
                  N, L, I, sw_e, sw_m, ss_e, ss_m,
                  MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GEMV: tl.constexpr,
-               PTX: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr):
+               PTX: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr,
+               MODE: tl.constexpr, NT: tl.constexpr):
     """part[pair, rows] = W2[rows] @ h[pair] for one slot, BLOCK_R latent rows and one token tile."""
     slot = tl.program_id(2)
     if GEMV and MXFP4:
         w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
-        for t in range(N):
-            if tl.load(gates_ptr + slot * N + t).to(tl.float32) != 0.0:
-                pair = slot.to(tl.int64) * N + t
-                x = _x_planes(h_ptr + pair * I, I, GP)
-                for r0 in tl.range(0, BLOCK_R, RB, num_stages=3):
-                    rb = tl.program_id(1) * BLOCK_R + r0 + tl.arange(0, RB)
-                    ok = rb < L
-                    s_d = _group_scales(s1 + 2 * ss_m, rb, ok, I, GP)
-                    part = _mxfp4_rows(w1 + 2 * sw_m, s_d, rb, ok, I, x, GP, PTX)
-                    tl.store(part_ptr + pair * L + rb, part, mask=ok)
+        w2, s2 = w1 + 2 * sw_m, s1 + 2 * ss_m
+        if MODE == 0:
+            for t in range(N):
+                if tl.load(gates_ptr + slot * N + t).to(tl.float32) != 0.0:
+                    _down_token(h_ptr, w2, s2, part_ptr, slot.to(tl.int64) * N + t, L, I, BLOCK_R, RB, GP, PTX)
+        else:
+            t, gates, rank, count = _routed(gates_ptr, slot, N, NT)
+            if MODE == 1:
+                for r in range(0, count - 1, 2):
+                    ta, _ = _pick(t, gates, rank, r)
+                    tb, _ = _pick(t, gates, rank, r + 1)
+                    _down_pair(h_ptr, w2, s2, part_ptr, slot.to(tl.int64) * N + ta, slot.to(tl.int64) * N + tb, L, I,
+                               BLOCK_R, RB, GP, PTX)
+            elif count % 2 == 1:
+                to, _ = _pick(t, gates, rank, count - 1)
+                _down_token(h_ptr, w2, s2, part_ptr, slot.to(tl.int64) * N + to, L, I, BLOCK_R, RB, GP, PTX)
         return
     if GEMV:
         if tl.load(gates_ptr + slot).to(tl.float32) != 0.0:
@@ -561,20 +681,32 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
     # matrix-vector products: the FP8 MLP for one token, the MXFP4 one per routed pair at every decode size
     meta["GEMV"] = gemv = dense and (N == 1 or w.dtype == torch.uint8)
     meta["PTX"] = on_gpu and triton.runtime.driver.active.get_current_target().backend == "cuda"
-    up_meta, down_meta = dict(RB=1, GP=1), dict(RB=1, GP=1)  # (used by the MXFP4 GEMV only)
+    passes = [dict(MODE=0)]  # (up, down) launches: MODE 0 every routed pair; MXFP4 decode may split it
     if gemv:  # matrix-vector products on the FMA units
-        meta.update(GEMV_TILES[("cuda" if on_gpu else "cpu") + ("_mxfp4" if meta["MXFP4"] else "")])
+        dev = "cuda" if on_gpu else "cpu"
+        meta.update(GEMV_TILES[dev + ("_mxfp4" if meta["MXFP4"] else "")])
         meta.setdefault("BLOCK_K", 32)
         if meta["MXFP4"]:  # activations as 8 planes z[n, j::8] (see _x_planes); GP spans K in scale groups
             z = z.view(N, L // 8, 8).transpose(1, 2).contiguous()
-            rb = meta.pop("RB")
-            up_meta = dict(RB=rb, GP=triton.next_power_of_2(L // 32))
-            down_meta = dict(RB=rb, GP=triton.next_power_of_2(I // 32))
-        cfg = dict(cfg, BLOCK_R=meta["BLOCK_R"])
+            pair_min = PAIR_MIN_TOKENS[dev]
+            if pair_min is not None and N >= pair_min:  # slots routed by several tokens: pairs, then the odd one
+                passes = [dict(GEMV_TILES[dev + "_mxfp4_pairs"], MODE=1), dict(MODE=2)]
     tiles = max(1, triton.cdiv(longest, cfg["BLOCK_T"]))  # token tiles per slot
-    _up_kernel[(tiles, triton.cdiv(I, cfg["BLOCK_R"]), m)](z, *shared, h, *strides, float(beta_gate),
-                                                           float(beta_up), **meta, **up_meta)
-    _down_kernel[(tiles, triton.cdiv(L, cfg["BLOCK_R"]), m)](h, *shared, part, *strides, **meta, **down_meta)
+    mx_gemv = gemv and meta["MXFP4"]
+    launches = []
+    for extra in passes:  # constexprs of other paths stay fixed (one compiled variant per model shape)
+        pm = dict(meta, NT=1)
+        pm.setdefault("RB", 1)  # (the MXFP4 GEMV tiles set it; a MODE 1 pass brings its own tiles)
+        pm.update(extra)
+        if extra["MODE"]:
+            pm["NT"] = triton.next_power_of_2(N)
+        launches.append((pm, triton.next_power_of_2(L // 32) if mx_gemv else 1,
+                         triton.next_power_of_2(I // 32) if mx_gemv else 1))
+    for pm, gp_up, _ in launches:
+        _up_kernel[(tiles, triton.cdiv(I, pm["BLOCK_R"]), m)](z, *shared, h, *strides, float(beta_gate),
+                                                              float(beta_up), **pm, GP=gp_up)
+    for pm, _, gp_down in launches:  # after every up launch: they write the h rows the down passes read
+        _down_kernel[(tiles, triton.cdiv(L, pm["BLOCK_R"]), m)](h, *shared, part, *strides, **pm, GP=gp_down)
     _combine_kernel[(N, triton.cdiv(L, cfg["BLOCK_L"]))](part, gates, rank, offset, out, m, N, L, DENSE=dense,
                                                          BLOCK_S=cfg["BLOCK_S"], BLOCK_L=cfg["BLOCK_L"])
     return out
