@@ -71,7 +71,12 @@ query and two stages of gathered [64, 576] rows), one program of 8 warps per SM 
 of 48 more tilings (BLOCK_H 32/64, BLOCK_N 32/64, 2-8 splits, 4-16 warps, 1-3 stages) found none
 faster than 159 us; reaching the roofline needs the query in shared memory with the accumulator
 split across warp groups that overlap loads, softmax and dots (FlashMLA's structure), which this
-kernel does not have.
+kernel does not have. The SASS of that configuration (compiled for sm_90 with triton 3.6, no GPU
+needed) shows two costs a next attempt should remove first: the main loop spills (32 local stores and
+32 local loads per iteration, 2,967 instructions in all), and the positions' indices and block-table
+entries are copied per thread, not per row (32 four-byte asynchronous copies per thread per
+iteration: the [BLOCK_N] index vectors live in the row slice of a tile whose columns span all 256
+threads, so every thread fetches every row's index and block).
 """
 
 from __future__ import annotations
