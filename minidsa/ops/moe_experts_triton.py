@@ -493,6 +493,52 @@ def _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP: tl.conste
 
 
 @triton.jit
+def _up_decode(z_ptr, w1, s1, sw_m, ss_m, gates_ptr, h_ptr, slot, N, L, I, beta_gate, beta_up,
+               BLOCK_R: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, NT: tl.constexpr,
+               PTX: tl.constexpr):
+    """The up pass at decode (MXFP4): matrix-vector products over the slot's routed tokens."""
+    if MODE == 0:  # every routed token on its own (the rows re-read for a second token hit L2)
+        for t in range(N):
+            gate = tl.load(gates_ptr + slot * N + t).to(tl.float32)
+            if gate != 0.0:
+                _up_token(z_ptr, w1, s1, sw_m, ss_m, h_ptr, slot.to(tl.int64) * N + t, t, gate, L, I, beta_gate,
+                          beta_up, BLOCK_R, RB, GP, PTX)
+    else:
+        t, gates, rank, count = _routed(gates_ptr, slot, N, NT)
+        if MODE == 1:  # routed tokens two at a time, ranks (0, 1), (2, 3), ...
+            for r in range(0, count - 1, 2):
+                ta, ga = _pick(t, gates, rank, r)
+                tb, gb = _pick(t, gates, rank, r + 1)
+                _up_pair(z_ptr, w1, s1, sw_m, ss_m, h_ptr, slot.to(tl.int64) * N + ta, ta, ga,
+                         slot.to(tl.int64) * N + tb, tb, gb, L, I, beta_gate, beta_up, BLOCK_R, RB, GP, PTX)
+        elif count % 2 == 1:  # MODE 2: the odd one left by a MODE 1 launch
+            to, go = _pick(t, gates, rank, count - 1)
+            _up_token(z_ptr, w1, s1, sw_m, ss_m, h_ptr, slot.to(tl.int64) * N + to, to, go, L, I, beta_gate,
+                      beta_up, BLOCK_R, RB, GP, PTX)
+
+
+@triton.jit
+def _down_decode(h_ptr, w2, s2, gates_ptr, part_ptr, slot, N, L, I, BLOCK_R: tl.constexpr, RB: tl.constexpr,
+                 GP: tl.constexpr, MODE: tl.constexpr, NT: tl.constexpr, PTX: tl.constexpr):
+    """The down pass at decode (MXFP4), over the slot's routed tokens like _up_decode."""
+    if MODE == 0:
+        for t in range(N):
+            if tl.load(gates_ptr + slot * N + t).to(tl.float32) != 0.0:
+                _down_token(h_ptr, w2, s2, part_ptr, slot.to(tl.int64) * N + t, L, I, BLOCK_R, RB, GP, PTX)
+    else:
+        t, gates, rank, count = _routed(gates_ptr, slot, N, NT)
+        if MODE == 1:
+            for r in range(0, count - 1, 2):
+                ta, _ = _pick(t, gates, rank, r)
+                tb, _ = _pick(t, gates, rank, r + 1)
+                _down_pair(h_ptr, w2, s2, part_ptr, slot.to(tl.int64) * N + ta, slot.to(tl.int64) * N + tb, L, I,
+                           BLOCK_R, RB, GP, PTX)
+        elif count % 2 == 1:
+            to, _ = _pick(t, gates, rank, count - 1)
+            _down_token(h_ptr, w2, s2, part_ptr, slot.to(tl.int64) * N + to, L, I, BLOCK_R, RB, GP, PTX)
+
+
+@triton.jit
 def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_ptr, token_ptr, h_ptr,
                N, L, I, sw_e, sw_m, ss_e, ss_m, beta_gate, beta_up,
                MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, SPLIT: tl.constexpr,
@@ -503,24 +549,8 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_pt
     slot = tl.program_id(2)
     if GEMV and MXFP4:  # decode, MXFP4: matrix-vector products over the slot's routed tokens
         w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
-        if MODE == 0:  # every routed token on its own (the rows re-read for a second token hit L2)
-            for t in range(N):
-                gate = tl.load(gates_ptr + slot * N + t).to(tl.float32)
-                if gate != 0.0:
-                    _up_token(z_ptr, w1, s1, sw_m, ss_m, h_ptr, slot.to(tl.int64) * N + t, t, gate, L, I, beta_gate,
-                              beta_up, BLOCK_R, RB, GP, PTX)
-        else:
-            t, gates, rank, count = _routed(gates_ptr, slot, N, NT)
-            if MODE == 1:  # routed tokens two at a time, ranks (0, 1), (2, 3), ...
-                for r in range(0, count - 1, 2):
-                    ta, ga = _pick(t, gates, rank, r)
-                    tb, gb = _pick(t, gates, rank, r + 1)
-                    _up_pair(z_ptr, w1, s1, sw_m, ss_m, h_ptr, slot.to(tl.int64) * N + ta, ta, ga,
-                             slot.to(tl.int64) * N + tb, tb, gb, L, I, beta_gate, beta_up, BLOCK_R, RB, GP, PTX)
-            elif count % 2 == 1:  # MODE 2: the odd one left by a MODE 1 launch
-                to, go = _pick(t, gates, rank, count - 1)
-                _up_token(z_ptr, w1, s1, sw_m, ss_m, h_ptr, slot.to(tl.int64) * N + to, to, go, L, I, beta_gate,
-                          beta_up, BLOCK_R, RB, GP, PTX)
+        _up_decode(z_ptr, w1, s1, sw_m, ss_m, gates_ptr, h_ptr, slot, N, L, I, beta_gate, beta_up, BLOCK_R, RB, GP,
+                   MODE, NT, PTX)
         return
     if GEMV:  # one token, FP8: the slot's pair is row ``slot``
         gate = tl.load(gates_ptr + slot).to(tl.float32)
@@ -562,22 +592,8 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_
     slot = tl.program_id(2)
     if GEMV and MXFP4:
         w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
-        w2, s2 = w1 + 2 * sw_m, s1 + 2 * ss_m
-        if MODE == 0:
-            for t in range(N):
-                if tl.load(gates_ptr + slot * N + t).to(tl.float32) != 0.0:
-                    _down_token(h_ptr, w2, s2, part_ptr, slot.to(tl.int64) * N + t, L, I, BLOCK_R, RB, GP, PTX)
-        else:
-            t, gates, rank, count = _routed(gates_ptr, slot, N, NT)
-            if MODE == 1:
-                for r in range(0, count - 1, 2):
-                    ta, _ = _pick(t, gates, rank, r)
-                    tb, _ = _pick(t, gates, rank, r + 1)
-                    _down_pair(h_ptr, w2, s2, part_ptr, slot.to(tl.int64) * N + ta, slot.to(tl.int64) * N + tb, L, I,
-                               BLOCK_R, RB, GP, PTX)
-            elif count % 2 == 1:
-                to, _ = _pick(t, gates, rank, count - 1)
-                _down_token(h_ptr, w2, s2, part_ptr, slot.to(tl.int64) * N + to, L, I, BLOCK_R, RB, GP, PTX)
+        _down_decode(h_ptr, w1 + 2 * sw_m, s1 + 2 * ss_m, gates_ptr, part_ptr, slot, N, L, I, BLOCK_R, RB, GP, MODE,
+                     NT, PTX)
         return
     if GEMV:
         if tl.load(gates_ptr + slot).to(tl.float32) != 0.0:
@@ -653,6 +669,27 @@ def _compact(gates: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return rank, count, offset, token, pairs, longest
 
 
+def _passes(meta: dict, on_gpu: bool, N: int, L: int, I: int) -> list[tuple[dict, int, int]]:
+    """The (up, down) launch pairs as (constexprs, GP of up, GP of down). MODE 0 covers every routed pair;
+    the MXFP4 decode path may split it into pairs of tokens (MODE 1) and the odd one (MODE 2). Constexprs
+    of other paths stay fixed, so each model shape compiles one variant."""
+    gemv, mxfp4 = meta["GEMV"], meta["MXFP4"]
+    passes = [dict(MODE=0)]
+    meta = dict(meta, NT=1)
+    if gemv:  # matrix-vector products on the FMA units
+        dev = "cuda" if on_gpu else "cpu"
+        meta.update(GEMV_TILES[dev + ("_mxfp4" if mxfp4 else "")])
+        meta.setdefault("BLOCK_K", 32)
+        pair_min = PAIR_MIN_TOKENS[dev]
+        if mxfp4 and pair_min is not None and N >= pair_min:  # slots routed by several tokens
+            passes = [dict(GEMV_TILES[dev + "_mxfp4_pairs"], MODE=1), dict(MODE=2)]
+    meta.setdefault("RB", 1)  # (the MXFP4 GEMV tiles set it; a MODE 1 pass brings its own tiles)
+    gp_up = triton.next_power_of_2(L // 32) if gemv and mxfp4 else 1  # GP spans K in scale groups
+    gp_down = triton.next_power_of_2(I // 32) if gemv and mxfp4 else 1
+    return [(dict(meta, **extra, **({"NT": triton.next_power_of_2(N)} if extra["MODE"] else {})), gp_up, gp_down)
+            for extra in passes]
+
+
 def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool | None = None) -> torch.Tensor:
     """The three passes; ``experts`` None means slot j is storage row j (the FP8 workspace)."""
     N, m = z.shape[0], gates.shape[0]
@@ -679,29 +716,13 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
     if on_gpu:
         meta["num_stages"] = cfg["num_stages"]
     # matrix-vector products: the FP8 MLP for one token, the MXFP4 one per routed pair at every decode size
-    meta["GEMV"] = gemv = dense and (N == 1 or w.dtype == torch.uint8)
+    meta["GEMV"] = dense and (N == 1 or w.dtype == torch.uint8)
     meta["PTX"] = on_gpu and triton.runtime.driver.active.get_current_target().backend == "cuda"
-    passes = [dict(MODE=0)]  # (up, down) launches: MODE 0 every routed pair; MXFP4 decode may split it
-    if gemv:  # matrix-vector products on the FMA units
-        dev = "cuda" if on_gpu else "cpu"
-        meta.update(GEMV_TILES[dev + ("_mxfp4" if meta["MXFP4"] else "")])
-        meta.setdefault("BLOCK_K", 32)
-        if meta["MXFP4"]:  # activations as 8 planes z[n, j::8] (see _x_planes); GP spans K in scale groups
-            z = z.view(N, L // 8, 8).transpose(1, 2).contiguous()
-            pair_min = PAIR_MIN_TOKENS[dev]
-            if pair_min is not None and N >= pair_min:  # slots routed by several tokens: pairs, then the odd one
-                passes = [dict(GEMV_TILES[dev + "_mxfp4_pairs"], MODE=1), dict(MODE=2)]
+    gemv = meta["GEMV"]
+    if gemv and meta["MXFP4"]:  # activations as 8 planes z[n, j::8] (see _x_planes)
+        z = z.view(N, L // 8, 8).transpose(1, 2).contiguous()
     tiles = max(1, triton.cdiv(longest, cfg["BLOCK_T"]))  # token tiles per slot
-    mx_gemv = gemv and meta["MXFP4"]
-    launches = []
-    for extra in passes:  # constexprs of other paths stay fixed (one compiled variant per model shape)
-        pm = dict(meta, NT=1)
-        pm.setdefault("RB", 1)  # (the MXFP4 GEMV tiles set it; a MODE 1 pass brings its own tiles)
-        pm.update(extra)
-        if extra["MODE"]:
-            pm["NT"] = triton.next_power_of_2(N)
-        launches.append((pm, triton.next_power_of_2(L // 32) if mx_gemv else 1,
-                         triton.next_power_of_2(I // 32) if mx_gemv else 1))
+    launches = _passes(meta, on_gpu, N, L, I)
     for pm, gp_up, _ in launches:
         _up_kernel[(tiles, triton.cdiv(I, pm["BLOCK_R"]), m)](z, *shared, h, *strides, float(beta_gate),
                                                               float(beta_up), **pm, GP=gp_up)
