@@ -17,8 +17,8 @@ no Python loop over experts and no atomics:
 
 1. *up*: grid ``(token tile, block of BLOCK_R rows of I, slot)``. A program walks L in BLOCK_K steps,
    dequantises a [BLOCK_R, BLOCK_K] tile of w1 and of w3 in registers, and accumulates
-   ``g, u [BLOCK_R, BLOCK_T] += W @ z^T`` in fp32 (weights are the dot's M: 64-128 rows, while a decode
-   step has only 1-16 tokens, padded to BLOCK_T = 16 >= tl.dot's minimum by masked lanes). It then
+   ``g, u [BLOCK_R, BLOCK_T] += W @ z^T`` in fp32 (weights are the dot's M: 64-128 rows; a token tile
+   short of BLOCK_T is padded by masked lanes; decode steps take the *Decode* path below). It then
    applies SiTU-GLU and the gate and writes ``h = gate * SiTU-GLU(g, u)`` [BLOCK_T, BLOCK_R] rows.
 2. *down*: grid ``(token tile, block of BLOCK_R rows of L, slot)``: ``part = h @ W2^T`` per
    (slot, token) pair, written to a per-pair buffer [pairs, L].
@@ -40,7 +40,7 @@ passes: no token lane padded to tl.dot's 16, no bf16 split of the activation, ex
   (11 integer instructions per 8 codes, then one fp16 -> fp32 widening per code) into one fp32 FMA
   chain, and the group's sum is scaled once; a reduction across the threads ends the row. The row loop
   is software-pipelined by the compiler (``num_stages``: asynchronous copies of the next rows' words).
-  A slot routed by several tokens is decoded once per token (its rows come from L2 the second time):
+  A slot routed by several tokens is decoded once per token (the second read of its rows can hit L2):
   decoding the rows once for two tokens per pass (both activation sets in registers: 231 registers at
   two warps, where one token's pass fits one warp) measured 2x slower at 4 and 16 tokens (1.17 and
   3.73 ms against 0.56 and 2.24): every program then paid the two-token register count.
