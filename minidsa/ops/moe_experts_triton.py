@@ -682,12 +682,12 @@ def _passes(meta: dict, on_gpu: bool, N: int, L: int, I: int) -> list[tuple[dict
         meta.setdefault("BLOCK_K", 32)
         pair_min = PAIR_MIN_TOKENS[dev]
         if mxfp4 and pair_min is not None and N >= pair_min:  # slots routed by several tokens
-            passes = [dict(GEMV_TILES[dev + "_mxfp4_pairs"], MODE=1), dict(MODE=2)]
+            nt = triton.next_power_of_2(N)  # lanes of the slot's gate row, to rank its routed tokens
+            passes = [dict(GEMV_TILES[dev + "_mxfp4_pairs"], MODE=1, NT=nt), dict(MODE=2, NT=nt)]
     meta.setdefault("RB", 1)  # (the MXFP4 GEMV tiles set it; a MODE 1 pass brings its own tiles)
     gp_up = triton.next_power_of_2(L // 32) if gemv and mxfp4 else 1  # GP spans K in scale groups
     gp_down = triton.next_power_of_2(I // 32) if gemv and mxfp4 else 1
-    return [(dict(meta, **extra, **({"NT": triton.next_power_of_2(N)} if extra["MODE"] else {})), gp_up, gp_down)
-            for extra in passes]
+    return [(dict(meta, **extra), gp_up, gp_down) for extra in passes]
 
 
 def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool | None = None) -> torch.Tensor:
