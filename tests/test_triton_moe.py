@@ -162,19 +162,6 @@ def test_gpu_e2m1_ptx_decodes_every_code():
         assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), hex(word)
 
 
-def test_decode_pairs_equal_single_tokens(experts_store, monkeypatch):
-    # From PAIR_MIN_TOKENS tokens on, the MXFP4 decode path decodes a slot's rows once for two of its
-    # routed tokens, then handles the odd one alone; per token it must do exactly the single-token
-    # arithmetic. Slot 3 is routed by all 5 tokens (pairs (0, 1), (2, 3), then token 4).
-    z, experts, gates, _, _ = case(experts_store, 5, seed=3)
-    runs = []
-    for start in (2, 10**6):  # pairs on, pairs off
-        monkeypatch.setitem(kern.PAIR_MIN_TOKENS, DEV if DEV == "cpu" else "cuda", start)
-        runs.append(kern._launch_mlp(z, *experts_store, experts, gates, 4.0, 25.0, L, I))
-    assert torch.equal(runs[0], runs[1])
-    torch.testing.assert_close(runs[0], live_reference(z, experts_store, experts, gates), **TOL)
-
-
 def test_public_kernels_and_unrouted_tokens(experts_store):
     # A token routed nowhere gets exactly 0; the public entry points pick the layout themselves.
     z, experts, gates, els, scs = case(experts_store, 4, seed=1)

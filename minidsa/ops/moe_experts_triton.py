@@ -44,10 +44,8 @@ passes: no token lane padded to tl.dot's 16, no bf16 split of the activation, ex
   decoding the rows once for two tokens per pass (both activation sets in registers: 231 registers at
   two warps, where one token's pass fits one warp) measured 2x slower at 4 and 16 tokens (1.17 and
   3.73 ms against 0.56 and 2.24): every program then paid the two-token register count.
-  ``PAIR_MIN_TOKENS`` switches on the other arrangement: a launch for pairs of routed tokens (MODE 1,
-  its own tiles) and one for the odd token left (MODE 2), so the single-token program keeps its
-  registers; per token it does the single-token arithmetic exactly (a test checks equality). It was
-  written after the session's device time was spent: it is off on the GPU until it is timed there.
+  Two launches (one for pairs of routed tokens, one for the odd token left) would keep the
+  single-token program's registers; that arrangement is not built.
   History on the H200 (bench_moe.py, top-16 of 256): per-element dequantisation in a [rows, K] tile
   (nibble split, ``tl.join`` interleave, a scale multiply per element: 11.4 SASS instructions per
   code) ran at 26 % of 4.3 TB/s for one token, bound by instruction issue (Nsight Compute: 76-81 % of
@@ -113,18 +111,10 @@ CONVERT_BLOCK = {"cuda": 8192, "cpu": 2048}  # uint16 words of codes per convers
 CONVERT_WARPS = 4  # warps per conversion program on the GPU (benchmarks/tune_moe.py sweeps both)
 # Decode tiles of the matrix-vector path: FP8 (one token): rows per program, K per step, warps; MXFP4
 # (every decode size): a program computes BLOCK_R rows, RB at a time, each over the whole K (see
-# _mxfp4_rows); "_pairs": the same for two tokens at once (128 registers at 4 warps, 255 at 2).
+# _mxfp4_rows).
 GEMV_TILES = {"cuda": dict(BLOCK_R=8, BLOCK_K=256, num_warps=4), "cuda_mxfp4": dict(BLOCK_R=8, RB=1, num_warps=1),
-              "cuda_mxfp4_pairs": dict(BLOCK_R=8, RB=1, num_warps=4),
               "cpu": dict(BLOCK_R=16, BLOCK_K=32, num_warps=1),
-              "cpu_mxfp4": dict(BLOCK_R=64, RB=32, num_warps=1),  # (64 rows: the tests' L and I leave tails)
-              "cpu_mxfp4_pairs": dict(BLOCK_R=64, RB=32, num_warps=1)}
-# Decode batches from which the MXFP4 matrix-vector path decodes a slot's rows once for two of its routed
-# tokens (a second launch pair; few slots are routed twice in small batches). None: never. Off on the GPU
-# until it is timed there (written after this session's device time was spent; a single-launch version
-# that held both tokens' activations in every program measured 2x slower, see the module docstring).
-# The interpreter takes it early, so that the tests' small batches cover it.
-PAIR_MIN_TOKENS = {"cuda": None, "cpu": 2}  # (64 rows: the tests' L and I leave tails)
+              "cpu_mxfp4": dict(BLOCK_R=64, RB=32, num_warps=1)}  # (64 rows: the tests' L and I leave tails)
 
 
 # ------------------------------------------------------------------------------------------ conversion
@@ -325,20 +315,6 @@ def _codes(w_ptr, rows, row_ok, K, GP: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
-def _chain(c, x):
-    """sum_j c_j * x_j for the 8 codes of each word: one fp32 FMA chain per word, [RB, GP, 4]."""
-    p = c[0] * x[0]
-    p += c[1] * x[1]
-    p += c[2] * x[2]
-    p += c[3] * x[3]
-    p += c[4] * x[4]
-    p += c[5] * x[5]
-    p += c[6] * x[6]
-    p += c[7] * x[7]
-    return p
-
-
-@triton.jit
 def _mxfp4_rows(w_ptr, s, rows, row_ok, K, x, GP: tl.constexpr, PTX: tl.constexpr):
     """W[rows, :] @ x for one row-major [*, K] MXFP4 expert matrix (K a multiple of 32) -> [RB] fp32, with x the
     tuple of _x_planes and s the rows' _group_scales. The codes are read as int32 words, [RB, GP groups, 4
@@ -346,33 +322,16 @@ def _mxfp4_rows(w_ptr, s, rows, row_ok, K, x, GP: tl.constexpr, PTX: tl.constexp
     products are summed in one fp32 FMA chain (unscaled values times x), and the group's scale multiplies
     the group's sum once, not each of its 32 products; a reduction across the groups (threads) ends the
     row. The products are exact (fp16 -> fp32 widening, fp32 x)."""
-    return tl.sum(tl.sum(_chain(_codes(w_ptr, rows, row_ok, K, GP, PTX), x), axis=2) * _e8m0(s, 14), axis=1)
-
-
-@triton.jit
-def _mxfp4_rows_pair(w_ptr, s, rows, row_ok, K, xa, xb, GP: tl.constexpr, PTX: tl.constexpr):
-    """``_mxfp4_rows`` for two tokens' activations at once: the rows are decoded once for both, and each
-    token's arithmetic is the single-token path's, operation for operation. -> ([RB], [RB])"""
     c = _codes(w_ptr, rows, row_ok, K, GP, PTX)
-    sc = _e8m0(s, 14)
-    return tl.sum(tl.sum(_chain(c, xa), axis=2) * sc, axis=1), tl.sum(tl.sum(_chain(c, xb), axis=2) * sc, axis=1)
-
-
-@triton.jit
-def _routed(gates_ptr, slot, N, NT: tl.constexpr):
-    """The slot's gate row at decode: (token lanes [NT], gates fp32 [NT], rank of each routed token among
-    the slot's routed tokens [NT], their count)."""
-    t = tl.arange(0, NT)
-    gates = tl.load(gates_ptr + slot * N + t, mask=t < N, other=0.0).to(tl.float32)
-    live = gates != 0.0
-    return t, gates, tl.cumsum(live.to(tl.int32), axis=0) - 1, tl.sum(live.to(tl.int32), axis=0)
-
-
-@triton.jit
-def _pick(t, gates, rank, r):
-    """(token, gate) of the routed token of rank r."""
-    hit = (rank == r) & (gates != 0.0)
-    return tl.sum(tl.where(hit, t, 0), axis=0), tl.sum(tl.where(hit, gates, 0.0), axis=0)
+    p = c[0] * x[0]  # one fp32 FMA chain per word
+    p += c[1] * x[1]
+    p += c[2] * x[2]
+    p += c[3] * x[3]
+    p += c[4] * x[4]
+    p += c[5] * x[5]
+    p += c[6] * x[6]
+    p += c[7] * x[7]
+    return tl.sum(tl.sum(p, axis=2) * _e8m0(s, 14), axis=1)
 
 
 @triton.jit
@@ -390,22 +349,6 @@ def _up_token(z_ptr, w1, s1, sw_m, ss_m, h_ptr, pair, t, gate, L, I, beta_gate, 
 
 
 @triton.jit
-def _up_pair(z_ptr, w1, s1, sw_m, ss_m, h_ptr, pa, ta, ga, pb, tb, gb, L, I, beta_gate, beta_up,
-             BLOCK_R: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr, PTX: tl.constexpr):
-    """``_up_token`` for two routed tokens of the slot, each row decoded once."""
-    xa = _x_planes(z_ptr + ta * L, L, GP)
-    xb = _x_planes(z_ptr + tb * L, L, GP)
-    for r0 in tl.range(0, BLOCK_R, RB, num_stages=3):
-        rb = tl.program_id(1) * BLOCK_R + r0 + tl.arange(0, RB)
-        ok = rb < I
-        g_a, g_b = _mxfp4_rows_pair(w1, _group_scales(s1, rb, ok, L, GP), rb, ok, L, xa, xb, GP, PTX)
-        u_a, u_b = _mxfp4_rows_pair(w1 + sw_m, _group_scales(s1 + ss_m, rb, ok, L, GP), rb, ok, L, xa, xb, GP, PTX)
-        planar = (rb % 8) * (I // 8) + rb // 8
-        tl.store(h_ptr + pa * I + planar, _situ_glu(g_a, u_a, beta_gate, beta_up) * ga, mask=ok)
-        tl.store(h_ptr + pb * I + planar, _situ_glu(g_b, u_b, beta_gate, beta_up) * gb, mask=ok)
-
-
-@triton.jit
 def _down_token(h_ptr, w2, s2, part_ptr, pair, L, I, BLOCK_R: tl.constexpr, RB: tl.constexpr,
                 GP: tl.constexpr, PTX: tl.constexpr):
     """part[pair, rows] of the program's BLOCK_R latent rows for one routed (slot, token) pair."""
@@ -415,20 +358,6 @@ def _down_token(h_ptr, w2, s2, part_ptr, pair, L, I, BLOCK_R: tl.constexpr, RB: 
         ok = rb < L
         part = _mxfp4_rows(w2, _group_scales(s2, rb, ok, I, GP), rb, ok, I, x, GP, PTX)
         tl.store(part_ptr + pair * L + rb, part, mask=ok)
-
-
-@triton.jit
-def _down_pair(h_ptr, w2, s2, part_ptr, pa, pb, L, I, BLOCK_R: tl.constexpr, RB: tl.constexpr,
-               GP: tl.constexpr, PTX: tl.constexpr):
-    """``_down_token`` for two pairs of the slot, each row decoded once."""
-    xa = _x_planes(h_ptr + pa * I, I, GP)
-    xb = _x_planes(h_ptr + pb * I, I, GP)
-    for r0 in tl.range(0, BLOCK_R, RB, num_stages=3):
-        rb = tl.program_id(1) * BLOCK_R + r0 + tl.arange(0, RB)
-        ok = rb < L
-        part_a, part_b = _mxfp4_rows_pair(w2, _group_scales(s2, rb, ok, I, GP), rb, ok, I, xa, xb, GP, PTX)
-        tl.store(part_ptr + pa * L + rb, part_a, mask=ok)
-        tl.store(part_ptr + pb * L + rb, part_b, mask=ok)
 
 
 @triton.jit
@@ -494,48 +423,23 @@ def _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP: tl.conste
 
 @triton.jit
 def _up_decode(z_ptr, w1, s1, sw_m, ss_m, gates_ptr, h_ptr, slot, N, L, I, beta_gate, beta_up,
-               BLOCK_R: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr, MODE: tl.constexpr, NT: tl.constexpr,
-               PTX: tl.constexpr):
-    """The up pass at decode (MXFP4): matrix-vector products over the slot's routed tokens."""
-    if MODE == 0:  # every routed token on its own (the rows re-read for a second token hit L2)
-        for t in range(N):
-            gate = tl.load(gates_ptr + slot * N + t).to(tl.float32)
-            if gate != 0.0:
-                _up_token(z_ptr, w1, s1, sw_m, ss_m, h_ptr, slot.to(tl.int64) * N + t, t, gate, L, I, beta_gate,
-                          beta_up, BLOCK_R, RB, GP, PTX)
-    else:
-        t, gates, rank, count = _routed(gates_ptr, slot, N, NT)
-        if MODE == 1:  # routed tokens two at a time, ranks (0, 1), (2, 3), ...
-            for r in range(0, count - 1, 2):
-                ta, ga = _pick(t, gates, rank, r)
-                tb, gb = _pick(t, gates, rank, r + 1)
-                _up_pair(z_ptr, w1, s1, sw_m, ss_m, h_ptr, slot.to(tl.int64) * N + ta, ta, ga,
-                         slot.to(tl.int64) * N + tb, tb, gb, L, I, beta_gate, beta_up, BLOCK_R, RB, GP, PTX)
-        elif count % 2 == 1:  # MODE 2: the odd one left by a MODE 1 launch
-            to, go = _pick(t, gates, rank, count - 1)
-            _up_token(z_ptr, w1, s1, sw_m, ss_m, h_ptr, slot.to(tl.int64) * N + to, to, go, L, I, beta_gate,
-                      beta_up, BLOCK_R, RB, GP, PTX)
+               BLOCK_R: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr, PTX: tl.constexpr):
+    """The up pass at decode (MXFP4): each of the slot's routed tokens on its own (a second token's read
+    of the rows can hit L2)."""
+    for t in range(N):
+        gate = tl.load(gates_ptr + slot * N + t).to(tl.float32)
+        if gate != 0.0:
+            _up_token(z_ptr, w1, s1, sw_m, ss_m, h_ptr, slot.to(tl.int64) * N + t, t, gate, L, I, beta_gate, beta_up,
+                      BLOCK_R, RB, GP, PTX)
 
 
 @triton.jit
 def _down_decode(h_ptr, w2, s2, gates_ptr, part_ptr, slot, N, L, I, BLOCK_R: tl.constexpr, RB: tl.constexpr,
-                 GP: tl.constexpr, MODE: tl.constexpr, NT: tl.constexpr, PTX: tl.constexpr):
+                 GP: tl.constexpr, PTX: tl.constexpr):
     """The down pass at decode (MXFP4), over the slot's routed tokens like _up_decode."""
-    if MODE == 0:
-        for t in range(N):
-            if tl.load(gates_ptr + slot * N + t).to(tl.float32) != 0.0:
-                _down_token(h_ptr, w2, s2, part_ptr, slot.to(tl.int64) * N + t, L, I, BLOCK_R, RB, GP, PTX)
-    else:
-        t, gates, rank, count = _routed(gates_ptr, slot, N, NT)
-        if MODE == 1:
-            for r in range(0, count - 1, 2):
-                ta, _ = _pick(t, gates, rank, r)
-                tb, _ = _pick(t, gates, rank, r + 1)
-                _down_pair(h_ptr, w2, s2, part_ptr, slot.to(tl.int64) * N + ta, slot.to(tl.int64) * N + tb, L, I,
-                           BLOCK_R, RB, GP, PTX)
-        elif count % 2 == 1:
-            to, _ = _pick(t, gates, rank, count - 1)
-            _down_token(h_ptr, w2, s2, part_ptr, slot.to(tl.int64) * N + to, L, I, BLOCK_R, RB, GP, PTX)
+    for t in range(N):
+        if tl.load(gates_ptr + slot * N + t).to(tl.float32) != 0.0:
+            _down_token(h_ptr, w2, s2, part_ptr, slot.to(tl.int64) * N + t, L, I, BLOCK_R, RB, GP, PTX)
 
 
 @triton.jit
@@ -543,14 +447,13 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_pt
                N, L, I, sw_e, sw_m, ss_e, ss_m, beta_gate, beta_up,
                MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, SPLIT: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GEMV: tl.constexpr,
-               PTX: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr,
-               MODE: tl.constexpr, NT: tl.constexpr):
+               PTX: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr):
     """h[pair, rows] = gate * SiTU-GLU(W1 z, W3 z) for one slot, BLOCK_R rows of I and one token tile."""
     slot = tl.program_id(2)
     if GEMV and MXFP4:  # decode, MXFP4: matrix-vector products over the slot's routed tokens
         w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
         _up_decode(z_ptr, w1, s1, sw_m, ss_m, gates_ptr, h_ptr, slot, N, L, I, beta_gate, beta_up, BLOCK_R, RB, GP,
-                   MODE, NT, PTX)
+                   PTX)
         return
     if GEMV:  # one token, FP8: the slot's pair is row ``slot``
         gate = tl.load(gates_ptr + slot).to(tl.float32)
@@ -586,14 +489,12 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_
                  N, L, I, sw_e, sw_m, ss_e, ss_m,
                  MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GEMV: tl.constexpr,
-               PTX: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr,
-               MODE: tl.constexpr, NT: tl.constexpr):
+               PTX: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr):
     """part[pair, rows] = W2[rows] @ h[pair] for one slot, BLOCK_R latent rows and one token tile."""
     slot = tl.program_id(2)
     if GEMV and MXFP4:
         w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
-        _down_decode(h_ptr, w1 + 2 * sw_m, s1 + 2 * ss_m, gates_ptr, part_ptr, slot, N, L, I, BLOCK_R, RB, GP, MODE,
-                     NT, PTX)
+        _down_decode(h_ptr, w1 + 2 * sw_m, s1 + 2 * ss_m, gates_ptr, part_ptr, slot, N, L, I, BLOCK_R, RB, GP, PTX)
         return
     if GEMV:
         if tl.load(gates_ptr + slot).to(tl.float32) != 0.0:
@@ -669,25 +570,17 @@ def _compact(gates: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return rank, count, offset, token, pairs, longest
 
 
-def _passes(meta: dict, on_gpu: bool, N: int, L: int, I: int) -> list[tuple[dict, int, int]]:
-    """The (up, down) launch pairs as (constexprs, GP of up, GP of down). MODE 0 covers every routed pair;
-    the MXFP4 decode path may split it into pairs of tokens (MODE 1) and the odd one (MODE 2). Constexprs
-    of other paths stay fixed, so each model shape compiles one variant."""
+def _gemv_meta(meta: dict, on_gpu: bool, L: int, I: int) -> tuple[dict, int, int]:
+    """The launch constexprs with the matrix-vector tiles, and the up and down passes' GP (scale groups
+    spanned by K, MXFP4 decode only; 1 elsewhere, so each model shape compiles one variant)."""
     gemv, mxfp4 = meta["GEMV"], meta["MXFP4"]
-    passes = [dict(MODE=0)]
-    meta = dict(meta, NT=1)
     if gemv:  # matrix-vector products on the FMA units
-        dev = "cuda" if on_gpu else "cpu"
-        meta.update(GEMV_TILES[dev + ("_mxfp4" if mxfp4 else "")])
+        meta = dict(meta, **GEMV_TILES[("cuda" if on_gpu else "cpu") + ("_mxfp4" if mxfp4 else "")])
         meta.setdefault("BLOCK_K", 32)
-        pair_min = PAIR_MIN_TOKENS[dev]
-        if mxfp4 and pair_min is not None and N >= pair_min:  # slots routed by several tokens
-            nt = triton.next_power_of_2(N)  # lanes of the slot's gate row, to rank its routed tokens
-            passes = [dict(GEMV_TILES[dev + "_mxfp4_pairs"], MODE=1, NT=nt), dict(MODE=2, NT=nt)]
-    meta.setdefault("RB", 1)  # (the MXFP4 GEMV tiles set it; a MODE 1 pass brings its own tiles)
-    gp_up = triton.next_power_of_2(L // 32) if gemv and mxfp4 else 1  # GP spans K in scale groups
-    gp_down = triton.next_power_of_2(I // 32) if gemv and mxfp4 else 1
-    return [(dict(meta, **extra), gp_up, gp_down) for extra in passes]
+    meta.setdefault("RB", 1)
+    if not (gemv and mxfp4):
+        return meta, 1, 1
+    return meta, triton.next_power_of_2(L // 32), triton.next_power_of_2(I // 32)
 
 
 def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool | None = None) -> torch.Tensor:
@@ -718,16 +611,13 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
     # matrix-vector products: the FP8 MLP for one token, the MXFP4 one per routed pair at every decode size
     meta["GEMV"] = dense and (N == 1 or w.dtype == torch.uint8)
     meta["PTX"] = on_gpu and triton.runtime.driver.active.get_current_target().backend == "cuda"
-    gemv = meta["GEMV"]
-    if gemv and meta["MXFP4"]:  # activations as 8 planes z[n, j::8] (see _x_planes)
+    if meta["GEMV"] and meta["MXFP4"]:  # activations as 8 planes z[n, j::8] (see _x_planes)
         z = z.view(N, L // 8, 8).transpose(1, 2).contiguous()
     tiles = max(1, triton.cdiv(longest, cfg["BLOCK_T"]))  # token tiles per slot
-    launches = _passes(meta, on_gpu, N, L, I)
-    for pm, gp_up, _ in launches:
-        _up_kernel[(tiles, triton.cdiv(I, pm["BLOCK_R"]), m)](z, *shared, h, *strides, float(beta_gate),
-                                                              float(beta_up), **pm, GP=gp_up)
-    for pm, _, gp_down in launches:  # after every up launch: they write the h rows the down passes read
-        _down_kernel[(tiles, triton.cdiv(L, pm["BLOCK_R"]), m)](h, *shared, part, *strides, **pm, GP=gp_down)
+    meta, gp_up, gp_down = _gemv_meta(meta, on_gpu, L, I)
+    _up_kernel[(tiles, triton.cdiv(I, meta["BLOCK_R"]), m)](z, *shared, h, *strides, float(beta_gate),
+                                                            float(beta_up), **meta, GP=gp_up)
+    _down_kernel[(tiles, triton.cdiv(L, meta["BLOCK_R"]), m)](h, *shared, part, *strides, **meta, GP=gp_down)
     _combine_kernel[(N, triton.cdiv(L, cfg["BLOCK_L"]))](part, gates, rank, offset, out, m, N, L, DENSE=dense,
                                                          BLOCK_S=cfg["BLOCK_S"], BLOCK_L=cfg["BLOCK_L"])
     return out
