@@ -68,7 +68,7 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 @triton.jit
 def _paged_scores_kernel(
     q_ptr, w_ptr, k_ptr, ks_ptr, table_ptr, ctx_ptr, out_ptr,
-    T, H, D, S, block_size, keys_per_program, scale,
+    T, H, D, S, block_size: tl.constexpr, keys_per_program, scale,  # constexpr: // and % by it become shifts
     sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
     sk_blk, sk_row, sk_d, ss_blk, ss_row, st_b, st_m, so_b, so_t, so_s,
     BLOCK_T: tl.constexpr, H_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -91,7 +91,7 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _chunk_rows(idx_row_ptr, table_row_ptr, n0, end, block_size, max_blocks, s_kv0, s_kv1, s_pe0, s_pe1,
+def _chunk_rows(idx_row_ptr, table_row_ptr, n0, end, BS: tl.constexpr, max_blocks, s_kv0, s_kv1, s_pe0, s_pe1,
                 BLOCK_N: tl.constexpr):
     """Positions n0 .. n0+BLOCK_N of one query -> (valid [BLOCK_N], row offsets in both planes, int64).
 
@@ -99,12 +99,15 @@ def _chunk_rows(idx_row_ptr, table_row_ptr, n0, end, block_size, max_blocks, s_k
     invalid; neither the table entry nor the plane row of an invalid position is ever loaded."""
     n = n0 + tl.arange(0, BLOCK_N)
     idx = tl.load(idx_row_ptr + n, mask=n < end, other=-1)
-    blk = tl.where(idx >= 0, idx, 0) // block_size
+    # The cache block size BS is a compile-time constant: // and % by a runtime int cost ~20 integer
+    # instructions per row of every gathered tile (they were most of the loop's instructions).
+    pos = tl.where(idx >= 0, idx, 0).to(tl.uint32)
+    blk = (pos // BS).to(tl.int32)
     valid = (idx >= 0) & (blk < max_blocks)
     phys = tl.load(table_row_ptr + blk, mask=valid, other=-1)
     valid = valid & (phys >= 0)
     phys = phys.to(tl.int64)  # int64: a large cache passes 2^31 elements
-    off = (idx % block_size).to(tl.int64)
+    off = (pos % BS).to(tl.int64)
     return valid, phys * s_kv0 + off * s_kv1, phys * s_pe0 + off * s_pe1
 
 
@@ -136,9 +139,38 @@ def _softmax_step(s, m_i, l_i):
 
 
 @triton.jit
+def _attend_selected(q_ptr, qpe_ptr, kv_ptr, pe_ptr, idx_row, table_row, hoff, head_ok, start, end, BS: tl.constexpr,
+                max_blocks, qk_scale, s_qh, s_ph, s_kv0, s_kv1, s_pe0, s_pe1,
+                R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The loop over the selected positions, heads as the dots' M: s = q @ kv^T [BLOCK_H, BLOCK_N] and
+    acc += p @ kv. Returns (acc [BLOCK_H, BLOCK_R], m [BLOCK_H], l [BLOCK_H])."""
+    dot_dtype = kv_ptr.dtype.element_ty  # bf16 planes -> bf16 tensor-core dots; fp32 -> ieee fp32
+    # The query block stays in registers for the whole loop (padded heads: q = 0, never stored).
+    q = _gather_rows(q_ptr, hoff * s_qh, head_ok, R, BLOCK_R).to(dot_dtype)
+    qpe = _gather_rows(qpe_ptr, hoff * s_ph, head_ok, DR, BLOCK_DR).to(dot_dtype)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of log2-scaled scores
+    l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of 2^(s - m_i)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        valid, row_kv, row_pe = _chunk_rows(idx_row, table_row, n0, end, BS, max_blocks, s_kv0, s_kv1,
+                                            s_pe0, s_pe1, BLOCK_N)
+        # One load per row serves as key (transposed view) and as value: the tile is read once. (Loading
+        # it a second time as [BLOCK_R, BLOCK_N] for the key measured 1.3-4x slower on the H200.)
+        kv = _gather_rows(kv_ptr, row_kv, valid, R, BLOCK_R)  # [BLOCK_N, BLOCK_R]
+        pe = _gather_rows(pe_ptr, row_pe, valid, DR, BLOCK_DR).to(dot_dtype)  # [BLOCK_N, BLOCK_DR]
+        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
+        s = tl.dot(qpe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # qk_scale = scale * log2(e)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        acc = tl.dot(p.to(dot_dtype), kv, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _latent_attn_fwd(
     q_ptr, qpe_ptr, kv_ptr, pe_ptr, table_ptr, idx_ptr, o_ptr, m_ptr, l_ptr,
-    T, H, K, block_size, max_blocks, keys_per_split, qk_scale,
+    T, H, K, BS: tl.constexpr, max_blocks, keys_per_split, qk_scale,
     s_qb, s_qt, s_qh, s_pb, s_pt, s_ph,  # q_latent / q_pe strides (last dim contiguous)
     s_kv0, s_kv1, s_pe0, s_pe1,  # plane strides: per block, per row in a block
     s_tb, s_ib, s_it,  # block table row stride, indices strides (last dim contiguous)
@@ -153,32 +185,16 @@ def _latent_attn_fwd(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < H
     hoff = heads.to(tl.int64)  # head offsets in the head-major prefill layout are large too
-    dot_dtype = kv_ptr.dtype.element_ty  # bf16 planes -> bf16 tensor-core dots; fp32 -> ieee fp32
-    # The query block stays in registers for the whole loop (padded heads: q = 0, never stored).
-    q = _gather_rows(q_ptr + b * s_qb + t * s_qt, hoff * s_qh, head_ok, R, BLOCK_R).to(dot_dtype)
-    qpe = _gather_rows(qpe_ptr + b * s_pb + t * s_pt, hoff * s_ph, head_ok, DR, BLOCK_DR).to(dot_dtype)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of log2-scaled scores
-    l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of 2^(s - m_i)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, K)
-    for n0 in range(start, end, BLOCK_N):
-        valid, row_kv, row_pe = _chunk_rows(idx_ptr + b * s_ib + t * s_it, table_ptr + b * s_tb, n0, end,
-                                            block_size, max_blocks, s_kv0, s_kv1, s_pe0, s_pe1, BLOCK_N)
-        # One load per row serves as key (transposed view) and as value: the tile is read once. (Loading
-        # it a second time as [BLOCK_R, BLOCK_N] for the key measured 1.3-4x slower on the H200.)
-        kv = _gather_rows(kv_ptr, row_kv, valid, R, BLOCK_R)  # [BLOCK_N, BLOCK_R]
-        pe = _gather_rows(pe_ptr, row_pe, valid, DR, BLOCK_DR).to(dot_dtype)  # [BLOCK_N, BLOCK_DR]
-        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
-        s = tl.dot(qpe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # qk_scale = scale * log2(e)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-        acc = tl.dot(p.to(dot_dtype), kv, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
-
+    q_row, qpe_row = q_ptr + b * s_qb + t * s_qt, qpe_ptr + b * s_pb + t * s_pt
+    idx_row, table_row = idx_ptr + b * s_ib + t * s_it, table_ptr + b * s_tb
+    acc, m_i, l_i = _attend_selected(q_row, qpe_row, kv_ptr, pe_ptr, idx_row, table_row, hoff, head_ok, start, end,
+                                BS, max_blocks, qk_scale, s_qh, s_ph, s_kv0, s_kv1, s_pe0, s_pe1, R, DR,
+                                BLOCK_H, BLOCK_N, BLOCK_R, BLOCK_DR, DOT_PRECISION)
     cols_r = tl.arange(0, BLOCK_R)
-    out_mask = head_ok[:, None] & (cols_r[None, :] < R)
     o_ptrs = o_ptr + b * s_ob + t * s_ot + split * s_os + hoff[:, None] * s_oh + cols_r[None, :]
+    out_mask = head_ok[:, None] & (cols_r < R)[None, :]
     if NUM_SPLITS == 1:  # empty rows (l = 0, acc = 0) divide by 1 and stay zero
         tl.store(o_ptrs, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(o_ptr.dtype.element_ty), mask=out_mask)
     else:
