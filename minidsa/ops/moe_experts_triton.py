@@ -44,8 +44,13 @@ passes: no token lane padded to tl.dot's 16, no bf16 split of the activation, ex
   decoding the rows once for two tokens per pass (both activation sets in registers: 231 registers at
   two warps, where one token's pass fits one warp) measured 2x slower at 4 and 16 tokens (1.17 and
   3.73 ms against 0.56 and 2.24): every program then paid the two-token register count.
-  Two launches (one for pairs of routed tokens, one for the odd token left) would keep the
-  single-token program's registers; that arrangement is not built.
+  Two launches (one for pairs of a slot's routed tokens, decoding each row once for both, one for the
+  odd token left) keep the single-token program's registers, and measured slower too (H200, one run):
+  N=4, 8, 16 took 0.598, 1.157, 2.351 ms against 0.573, 1.117, 2.250 ms for one launch (pair program
+  of one warp; two and four warps were slower still, 0.61-2.62 ms). With two tokens a thread holds
+  twice the activations, so the pair program spreads the groups over more threads or registers, and the
+  per-row reductions, scales and SiTU-GLU grow with it: 3.7 instructions per code and token at two
+  warps (255 registers) against 4.6, not enough to pay for half the occupancy and the extra launches.
   History on the H200 (bench_moe.py, top-16 of 256): per-element dequantisation in a [rows, K] tile
   (nibble split, ``tl.join`` interleave, a scale multiply per element: 11.4 SASS instructions per
   code) ran at 26 % of 4.3 TB/s for one token, bound by instruction issue (Nsight Compute: 76-81 % of
