@@ -66,14 +66,16 @@ passes: no token lane padded to tl.dot's 16, no bf16 split of the activation, ex
 *Skipping unrouted pairs.* A token lane is live only where ``gates[slot, token] != 0``: dead lanes
 load nothing and store nothing, and a program with no live lane reads no weight at all, so
 placeholder slots (docs/design.md §14) cost a few gate loads. Two pair layouts, chosen by shape:
-- dense (N <= BLOCK_T, every decode step): pair (slot, token) is row ``slot * N + token``; the whole
-  step is one token tile (or, MXFP4, one walk over the slot's routed tokens), so nothing is to be gained
-  from compaction, and no host sync is needed.
+- dense (decode: N <= BLOCK_T, or up to ``DENSE_MAX_TOKENS`` while its buffers stay under
+  ``DENSE_PAIR_BYTES``): pair (slot, token) is row ``slot * N + token``; a step is one or a few token
+  tiles (or, MXFP4, one walk over the slot's routed tokens), so little is to be gained from
+  compaction, and no host sync is needed (docs/design.md §14: a decode step of batch 32 once took this
+  layout's sibling below and synchronised in every MoE layer, 24 times per step of the small config).
 - compact (prefill): each slot's routed tokens are listed in ascending order (rank = cumsum of the
   routed mask, offsets = cumsum of the counts, a scatter of token ids), and token tiles walk those
   lists, so compute scales with the routed pairs, not with slots x tokens. The buffers are sized by
   the number of routed pairs and the grid by the longest list: both are read back together (one
-  host sync per prefill call; a decode step never takes this path).
+  host sync per call; decode batches within the dense limits never take this path).
 
 *Dequantisation in registers.* FP8: the e4m3 byte converts to fp32 (hardware cvt on the GPU) and is
 multiplied by its group scale 2^(s-127), built from the E8M0 byte as fp32 exponent bits. MXFP4 in the
@@ -112,6 +114,11 @@ import triton.language as tl
 from .moe_experts import (check_conversion, check_fp8_mlp, check_mxfp4_mlp, expert_mlp_fp8_ref,
                           expert_mlp_mxfp4_ref)
 
+# Calls of up to DENSE_MAX_TOKENS tokens (decode batches) use the dense pair layout, which needs no host
+# sync, while its two pair buffers (slots x tokens rows of I and L fp32) fit in DENSE_PAIR_BYTES: every
+# decode batch of the scaled configs, and K3's up to 16 tokens (256 slots: 109 MB). Larger calls compact.
+DENSE_MAX_TOKENS = 64
+DENSE_PAIR_BYTES = 256 * 2**20
 CONVERT_BLOCK = {"cuda": 8192, "cpu": 2048}  # uint16 words of codes per conversion program
 CONVERT_WARPS = 4  # warps per conversion program on the GPU (benchmarks/tune_moe.py sweeps both)
 # Decode tiles of the matrix-vector path: FP8 (one token): rows per program, K per step, warps; MXFP4
@@ -595,7 +602,9 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
     if N == 0 or m == 0:
         return out
     on_gpu = z.is_cuda
-    dense = N <= _config(on_gpu, True)["BLOCK_T"] if dense is None else dense
+    if dense is None:
+        fits = N <= DENSE_MAX_TOKENS and m * N * (I + L) * 4 <= DENSE_PAIR_BYTES
+        dense = N <= _config(on_gpu, True)["BLOCK_T"] or fits
     cfg = _config(on_gpu, dense)
     z, gates = z.float().contiguous(), gates.float().contiguous()
     if dense:
