@@ -4,7 +4,10 @@
 
 For each batch size: the same seeded prompts are prefilled into two caches, one per backend, then
 ``--steps`` cached decode steps run on each. Printed: decode tokens/s per backend and their ratio,
-prefill time, and how far the logits of the two backends are apart. Compared in the config's dtype
+eager (what ``model(...)`` costs, host launch overhead included: a small model's step is hundreds of
+launches) and with one decode step captured in a CUDA graph and replayed (the GPU work alone, which
+is what a serving loop that replays graphs pays), prefill time, and how far the logits of the two
+backends are apart. Compared in the config's dtype
 (bf16 for small), the logits differ by rounding, and a rounding difference can flip a discrete choice
 (a DSA key or an expert near a tie), so the script also reports how many rows pick the same next
 token. A second comparison in fp32 (same seed) shows the agreement without bf16 rounding.
@@ -43,13 +46,46 @@ def run(model, batch_prompts, steps: int, device: str) -> dict:
         ids = torch.full((len(sids), 1), 5, device=device)  # the same input for both backends
         first = model(ids, cache=cache, seq_ids=sids)[:, -1]  # warm-up step, and the compared logits
         ids = first.argmax(-1, keepdim=True)
+        for _ in range(8):  # untimed: kernel variants that a growing context specialises on compile here
+            ids = model(ids, cache=cache, seq_ids=sids)[:, -1].argmax(-1, keepdim=True)
         sync(device)
         t0 = time.perf_counter()
         for _ in range(steps):
             ids = model(ids, cache=cache, seq_ids=sids)[:, -1].argmax(-1, keepdim=True)
         sync(device)
         t_decode = time.perf_counter() - t0
-    return {"prefill_s": t_prefill, "decode_s": t_decode, "first": first.float().cpu()}
+    return {"prefill_s": t_prefill, "decode_s": t_decode, "first": first.float().cpu(),
+            "graph_s": graph_step_s(model, cache, sids, device) if device == "cuda" else float("nan")}
+
+
+def graph_step_s(model, cache, sids, device: str, reps: int = 20) -> float:
+    """Seconds per decode step replayed from a CUDA graph (the step of benchmarks/decode_sync_gpu.py:
+    the forward on a prepared context; replays rewrite the same cache rows, which is fine for timing)."""
+    ids = torch.full((len(sids), 1), 5, device=device)
+    ctx = cache.prepare(sids, 1, device)
+    lm = model.language_model
+
+    def step():
+        with minidsa.ops.use_backend(model.backend):
+            return lm.lm_head(lm.model(lm.model.embed_tokens(ids), ctx, None))
+
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture stream (compiles, allocator)
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            graph.replay()
+        sync(device)
+    return (time.perf_counter() - t0) / reps
 
 
 def compare(config: minidsa.ModelConfig, batch: int, steps: int, device: str) -> None:
@@ -63,8 +99,10 @@ def compare(config: minidsa.ModelConfig, batch: int, steps: int, device: str) ->
     a, b = out["torch"]["first"], out["triton"]["first"]
     same = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     tps = {k: batch * steps / v["decode_s"] for k, v in out.items()}
+    gps = {k: batch / v["graph_s"] for k, v in out.items()}
     print(f"{config.name} {config.dtype} batch {batch}: decode {tps['torch']:.0f} tok/s torch, "
-          f"{tps['triton']:.0f} tok/s triton ({tps['triton'] / tps['torch']:.2f}x); prefill "
+          f"{tps['triton']:.0f} tok/s triton ({tps['triton'] / tps['torch']:.2f}x); in a CUDA graph "
+          f"{gps['torch']:.0f} / {gps['triton']:.0f} tok/s ({gps['triton'] / gps['torch']:.2f}x); prefill "
           f"{out['torch']['prefill_s'] * 1e3:.0f} / {out['triton']['prefill_s'] * 1e3:.0f} ms; first decode "
           f"logits max|diff| {(a - b).abs().max().item():.3g} (logit scale {a.abs().max().item():.3g}), "
           f"same next token in {same:.0%} of rows")

@@ -51,31 +51,42 @@ decompresses them; for top-2048 selections spread over a long causal prefix a 64
 missed by one query with probability (1 - 2048/p)^64 (0.016 at p = 32k), so the union is nearly
 the whole prefix and that form costs about dense causal attention plus decompression. It can only
 win when selections are local. Measured on the H200 (benchmarks/bench_mla.py, bf16, random causal
-top-k), triton 3.6:
+top-k), triton 3.6; decode in GPU time (a CUDA graph replay: an eager call also pays about 0.1 ms of
+host launch cost, more than the kernel):
 
-  decode  B=32, 65,536 cached, top-k 2048, H=96:  0.159 ms = 12.5 % of the memory roofline (19.9 us);
-          plain-torch gather + bmm 0.418 ms, dense SDPA over all keys 6.06 ms, reference 37.5 ms
-          (on a freshly started machine 0.25 ms, and the plain-torch peer 0.67 ms: ratios hold)
-  prefill T=32,768, top-k 2048, H=16, dn=128, dr=64, dv=128:  18.6 ms (2.40 TFLOP absorbed, 129 TFLOP/s);
-          dense causal SDPA (decompressed) 9.12 ms (603 TFLOP/s), plain-torch sparse 183 ms,
-          reference about 6.7 s
+  decode  B=32, 65,536 cached, top-k 2048, H=96:  0.120 ms = 16.6 % of the memory roofline (19.9 us);
+          0.157 ms (12.7 %) before the block size became a compile-time constant (same process);
+          plain-torch gather + bmm 0.39-0.42 ms, dense SDPA over all keys 6.09 ms, reference 37.3 ms
+  prefill T=32,768, top-k 2048, H=16, dn=128, dr=64, dv=128:  18.0 ms (2.40 TFLOP absorbed, 134 TFLOP/s);
+          dense causal SDPA (decompressed) 9.29 ms (592 TFLOP/s), plain-torch sparse 183 ms,
+          reference about 6.6 s
 
 The prefill floor (2x faster than dense SDPA, i.e. <= 4.6 ms) is NOT met: it would need about 520
 TFLOP/s of absorbed work, while M = 16 heads per query limits each gathered row to 16 rows of an
-mma and the kernel is bound by its gathered loads (75 GB at 4 TB/s from L2). Decode is likewise far
-from the bandwidth roofline: registers hold a [BLOCK_H, 512] fp32 accumulator and the query, so one
-program runs per SM and the gathers' latency is poorly hidden (tile sweep in ``_config``). Nsight
-Compute on the H200 (decode shape above): 255 registers and 222 KB of shared memory per program (the
-query and two stages of gathered [64, 576] rows), one program of 8 warps per SM (12.5 % occupancy),
-32 % of memory throughput, 9 % of DRAM and 33 % of SM throughput: neither bound, latency is. A sweep
-of 48 more tilings (BLOCK_H 32/64, BLOCK_N 32/64, 2-8 splits, 4-16 warps, 1-3 stages) found none
-faster than 159 us; reaching the roofline needs the query in shared memory with the accumulator
-split across warp groups that overlap loads, softmax and dots (FlashMLA's structure), which this
-kernel does not have. The SASS of that configuration (compiled for sm_90 with triton 3.6, no GPU
-needed) shows the main loop spilling (32 local stores and 32 local loads per iteration, 2,967
-instructions in all) and 32 four-byte asynchronous copies per thread per iteration (the positions'
-indices and block-table entries, fetched by every thread). Neither is what binds: BLOCK_N = 32 compiles
-without spills, at the same instructions per key and half the copies, and measured slower (177 us).
+mma and the kernel is bound by its gathered loads (75 GB at 4 TB/s from L2).
+
+What binds decode (floor 35 %, not met). Not memory: the time is the same, 120-122 us, for random,
+sorted and contiguous selections, an identity block table, and a 4,096-token cache that sits in L2.
+The loop is bound by instruction issue at low occupancy: one program of 8 warps per SM (255
+registers: the [64, 512] fp32 accumulator; 222 KB of shared memory: the query and two stages of
+gathered [64, 576] rows), and Nsight Compute shows 0.36 instructions issued per cycle per scheduler,
+its top stall a fixed-latency dependency. Per iteration (64 positions) a warp issues 1,936 SASS
+instructions, of which 76 are wgmma: the position -> row arithmetic (every thread loads and converts
+the indices and block-table entries of its own rows, once per plane layout) and the load masks are
+most of the rest. Dividing by the block size as a runtime int cost another ~1,000 per iteration
+(2,967 in all); BS is a compile-time constant now. The 8 warps form two warp groups that split the
+accumulator's columns, and each computes the whole [64, 64] score tile for itself (the SASS shows 72
+m64n32k16 wgmma per group per iteration), so the score dots run twice. Tried and rejected:
+- the transposed loop (s^T = kv @ q^T, acc^T += kv^T @ p^T: the query becomes a shared-memory B
+  operand and 96 heads split into three blocks of 32 without padding): measured 134 us at 64 heads
+  per program and 163-199 us at 32, in the run that timed this loop at 121 us;
+- BLOCK_N = 32 (no spills, half the index copies): 143-154 us; earlier, 48 more tilings (BLOCK_H
+  32/64, BLOCK_N 32/64, 2-8 splits, 4-16 warps, 1-3 stages): none faster;
+- a lazy rescale (the accumulator rescaled only when a running max grows by more than 2^8): compiled
+  but not timed, since it makes the loop longer (2,163 instructions) and spills more.
+Reaching 35 % needs FlashMLA's structure: warp groups that each own half of the accumulator,
+exchange one score tile through shared memory and overlap loads, softmax and dots; Triton gives no
+control over which warp group computes what.
 """
 
 from __future__ import annotations
@@ -146,7 +157,8 @@ def _attend_selected(q_ptr, qpe_ptr, kv_ptr, pe_ptr, idx_row, table_row, hoff, h
     """The loop over the selected positions, heads as the dots' M: s = q @ kv^T [BLOCK_H, BLOCK_N] and
     acc += p @ kv. Returns (acc [BLOCK_H, BLOCK_R], m [BLOCK_H], l [BLOCK_H])."""
     dot_dtype = kv_ptr.dtype.element_ty  # bf16 planes -> bf16 tensor-core dots; fp32 -> ieee fp32
-    # The query block stays in registers for the whole loop (padded heads: q = 0, never stored).
+    # The query block is loaded once (padded heads: q = 0, never stored); on Hopper the compiler keeps it
+    # in shared memory, where the score wgmma reads it.
     q = _gather_rows(q_ptr, hoff * s_qh, head_ok, R, BLOCK_R).to(dot_dtype)
     qpe = _gather_rows(qpe_ptr, hoff * s_ph, head_ok, DR, BLOCK_DR).to(dot_dtype)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of log2-scaled scores
@@ -236,14 +248,16 @@ def _config(H: int, R: int, K: int, queries: int, device: torch.device, num_spli
     """Tile sizes and split count for the kernel (``elt``: bytes per plane element).
 
     Returns (BLOCK_H, BLOCK_N, NUM_SPLITS, num_warps, num_stages). Measured on the H200 with r=512,
-    dr=64, bf16 (benchmarks/bench_mla.py; registers are the limit: the [BLOCK_H, r] fp32 accumulator
-    and the [BLOCK_H, r] query live in them):
-      decode B=32, H=96, K=2048:  BLOCK_H=64, BLOCK_N=64, 2 splits, 8 warps   157 us
-                                  BLOCK_H=64, BLOCK_N=32, 2 splits, 8 warps   177 us
-                                  BLOCK_H=32, BLOCK_N=64, 4 splits, 8 warps   192 us
-                                  BLOCK_H=16, BLOCK_N=32, 4 splits, 4 warps   257 us
-      prefill T=32768, H=16:      BLOCK_H=16, BLOCK_N=128, 4 warps  18.2 ms;  BLOCK_N=32: 36.7 ms;
-                                  BLOCK_N=64 (4 or 8 warps): 41-43 ms;  BLOCK_N=128, 8 warps: 40 ms
+    dr=64, bf16 (benchmarks/bench_mla.py, GPU time; registers are the limit: the [BLOCK_H, r] fp32
+    accumulator lives in them, while the query is a shared-memory operand of the score wgmma):
+      decode B=32, H=96, K=2048 (one run, 2026-12-01):
+                                  BLOCK_H=64, BLOCK_N=64, 2 splits, 8 warps, 2 stages   121 us
+                                  BLOCK_H=64, BLOCK_N=64, 4 or 3 splits                 131, 173 us
+                                  BLOCK_H=64, BLOCK_N=32, 2 splits, 3 stages            143 us
+                                  BLOCK_H=64, BLOCK_N=32, 4 splits                      154 us
+                                  BLOCK_H=32, BLOCK_N=64, 4 splits                      157 us
+      prefill T=32768, H=16:      BLOCK_H=16, BLOCK_N=128, 4 warps  17.9 ms;  BLOCK_N=32, 3 stages: 26.2 ms;
+                                  BLOCK_N=128, 8 warps: 28.4 ms;  BLOCK_N=64, 3 stages: 37.9 ms
     """
     BLOCK_H = min(64, max(16, triton.next_power_of_2(H)))
     BLOCK_R = max(16, triton.next_power_of_2(R))
