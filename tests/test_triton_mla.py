@@ -64,8 +64,12 @@ def test_signatures_match_the_references():
     assert inspect.signature(mt.sparse_mla_prefill) == inspect.signature(sparse_mla_prefill_ref)
 
 
-@pytest.mark.parametrize("r, dr", [(60, 12), (32, 16)])  # masked columns; power-of-two widths (no column mask)
-def test_decode_matches_reference_on_odd_shapes_with_nan_in_unselected_rows(r, dr):
+@pytest.mark.parametrize("r, dr, offsets", [(60, 12, "int32"), (32, 16, "int32"), (60, 12, "int64")])
+def test_decode_matches_reference_on_odd_shapes_with_nan_in_unselected_rows(r, dr, offsets, monkeypatch):
+    # r = 60: masked columns; 32: power-of-two widths (no column mask). Planes this small take int32 row
+    # offsets; forcing the int64 ones (a cache past 2^31 elements) must give the same answer.
+    if offsets == "int64":
+        monkeypatch.setattr(mt, "INT32_OFFSETS_BELOW", 0)
     dev = kernel_device()
     B, T, H, K, bs = 2, 2, 3, 24, 8
     kv, pe, table, idx = paged_case(B, T, K, r, dr, bs, contexts=[37, 21], device=dev)

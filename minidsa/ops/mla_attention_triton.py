@@ -54,27 +54,31 @@ win when selections are local. Measured on the H200 (benchmarks/bench_mla.py, bf
 top-k), triton 3.6; decode in GPU time (a CUDA graph replay: an eager call also pays about 0.1 ms of
 host launch cost, more than the kernel):
 
-  decode  B=32, 65,536 cached, top-k 2048, H=96:  0.120 ms = 16.6 % of the memory roofline (19.9 us);
-          0.157 ms (12.7 %) before the block size became a compile-time constant (same process);
-          plain-torch gather + bmm 0.39-0.42 ms, dense SDPA over all keys 6.09 ms, reference 37.3 ms
-  prefill T=32,768, top-k 2048, H=16, dn=128, dr=64, dv=128:  18.0 ms (2.40 TFLOP absorbed, 134 TFLOP/s);
-          dense causal SDPA (decompressed) 9.29 ms (592 TFLOP/s), plain-torch sparse 183 ms,
-          reference about 6.6 s
+  decode  B=32, 65,536 cached, top-k 2048, H=96:  0.112 ms = 17.7 % of the memory roofline (19.9 us);
+          before (each step timed against the previous one in one process): 0.157 ms with the block
+          size a runtime int, 0.119 ms with int64 row offsets;
+          plain-torch gather + bmm 0.32 ms in a CUDA graph (0.39-0.45 eager), dense SDPA over all
+          keys 6.06 ms, reference 37.3 ms
+  prefill T=32,768, top-k 2048, H=16, dn=128, dr=64, dv=128:  17.5 ms (2.40 TFLOP absorbed, 137 TFLOP/s;
+          18.0 ms with int64 offsets); dense causal SDPA (decompressed) 9.2-9.3 ms (592-597 TFLOP/s),
+          plain-torch sparse 183 ms, reference about 6.6-6.8 s
 
 The prefill floor (2x faster than dense SDPA, i.e. <= 4.6 ms) is NOT met: it would need about 520
 TFLOP/s of absorbed work, while M = 16 heads per query limits each gathered row to 16 rows of an
 mma and the kernel is bound by its gathered loads (75 GB at 4 TB/s from L2).
 
-What binds decode (floor 35 %, not met). Not memory: the time is the same, 120-122 us, for random,
-sorted and contiguous selections, an identity block table, and a 4,096-token cache that sits in L2.
+What binds decode (floor 35 %, not met). Not memory: the time (int64 offsets then) was the same,
+120-122 us, for random, sorted and contiguous selections, an identity block table, and a 4,096-token
+cache that sits in L2.
 The loop is bound by instruction issue at low occupancy: one program of 8 warps per SM (255
 registers: the [64, 512] fp32 accumulator; 222 KB of shared memory: the query and two stages of
 gathered [64, 576] rows), and Nsight Compute shows 0.36 instructions issued per cycle per scheduler,
-its top stall a fixed-latency dependency. Per iteration (64 positions) a warp issues 1,936 SASS
+its top stall a fixed-latency dependency. Per iteration (64 positions) a warp issues 1,738 SASS
 instructions, of which 76 are wgmma: the position -> row arithmetic (every thread loads and converts
 the indices and block-table entries of its own rows, once per plane layout) and the load masks are
 most of the rest. Dividing by the block size as a runtime int cost another ~1,000 per iteration
-(2,967 in all); BS is a compile-time constant now. The 8 warps form two warp groups that split the
+(2,967 in all), int64 row offsets another ~200 (1,936); BS is a compile-time constant now, and planes
+under 2^31 elements take int32 offsets. The 8 warps form two warp groups that split the
 accumulator's columns, and each computes the whole [64, 64] score tile for itself (the SASS shows 72
 m64n32k16 wgmma per group per iteration), so the score dots run twice. Tried and rejected:
 - the transposed loop (s^T = kv @ q^T, acc^T += kv^T @ p^T: the query becomes a shared-memory B
@@ -99,12 +103,16 @@ import triton.language as tl
 from .mla_attention import check_decode_args, check_prefill_args, sparse_mla_decode_ref, sparse_mla_prefill_ref
 
 _LOG2E = 1.4426950408889634
+# Planes with fewer elements than this are addressed with int32 row offsets (the loop shrinks from 1,936
+# to 1,738 SASS instructions per iteration: decode 0.119 -> 0.112 ms on the H200); larger ones with int64.
+INT32_OFFSETS_BELOW = 2**31
 
 
 @triton.jit
 def _chunk_rows(idx_row_ptr, table_row_ptr, n0, end, BS: tl.constexpr, max_blocks, s_kv0, s_kv1, s_pe0, s_pe1,
-                BLOCK_N: tl.constexpr):
-    """Positions n0 .. n0+BLOCK_N of one query -> (valid [BLOCK_N], row offsets in both planes, int64).
+                BLOCK_N: tl.constexpr, OFF64: tl.constexpr):
+    """Positions n0 .. n0+BLOCK_N of one query -> (valid [BLOCK_N], row offsets in both planes): int64
+    when OFF64, else int32 (planes under 2^31 elements: half the address arithmetic of every row).
 
     Padding (-1), positions past the block table, table entries of -1 and positions >= end are all
     invalid; neither the table entry nor the plane row of an invalid position is ever loaded."""
@@ -117,8 +125,11 @@ def _chunk_rows(idx_row_ptr, table_row_ptr, n0, end, BS: tl.constexpr, max_block
     valid = (idx >= 0) & (blk < max_blocks)
     phys = tl.load(table_row_ptr + blk, mask=valid, other=-1)
     valid = valid & (phys >= 0)
-    phys = phys.to(tl.int64)  # int64: a large cache passes 2^31 elements
-    off = (pos % BS).to(tl.int64)
+    if OFF64:  # a large cache passes 2^31 elements
+        phys = phys.to(tl.int64)
+        off = (pos % BS).to(tl.int64)
+    else:
+        off = (pos % BS).to(tl.int32)
     return valid, phys * s_kv0 + off * s_kv1, phys * s_pe0 + off * s_pe1
 
 
@@ -153,7 +164,7 @@ def _softmax_step(s, m_i, l_i):
 def _attend_selected(q_ptr, qpe_ptr, kv_ptr, pe_ptr, idx_row, table_row, hoff, head_ok, start, end, BS: tl.constexpr,
                 max_blocks, qk_scale, s_qh, s_ph, s_kv0, s_kv1, s_pe0, s_pe1,
                 R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, DOT_PRECISION: tl.constexpr, OFF64: tl.constexpr):
     """The loop over the selected positions, heads as the dots' M: s = q @ kv^T [BLOCK_H, BLOCK_N] and
     acc += p @ kv. Returns (acc [BLOCK_H, BLOCK_R], m [BLOCK_H], l [BLOCK_H])."""
     dot_dtype = kv_ptr.dtype.element_ty  # bf16 planes -> bf16 tensor-core dots; fp32 -> ieee fp32
@@ -166,7 +177,7 @@ def _attend_selected(q_ptr, qpe_ptr, kv_ptr, pe_ptr, idx_row, table_row, hoff, h
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         valid, row_kv, row_pe = _chunk_rows(idx_row, table_row, n0, end, BS, max_blocks, s_kv0, s_kv1,
-                                            s_pe0, s_pe1, BLOCK_N)
+                                            s_pe0, s_pe1, BLOCK_N, OFF64)
         # One load per row serves as key (transposed view) and as value: the tile is read once. (Loading
         # it a second time as [BLOCK_R, BLOCK_N] for the key measured 1.3-4x slower on the H200.)
         kv = _gather_rows(kv_ptr, row_kv, valid, R, BLOCK_R)  # [BLOCK_N, BLOCK_R]
@@ -190,7 +201,7 @@ def _latent_attn_fwd(
     s_mbt, s_ms,  # m / l partials [B*T, NUM_SPLITS, H] (only used when NUM_SPLITS > 1)
     R: tl.constexpr, DR: tl.constexpr,  # compile-time widths: a full-width row needs no column mask
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, OFF64: tl.constexpr,
 ):
     bt = tl.program_id(0).to(tl.int64)  # int64 offsets: a long prefill's [H, B*T, r] output passes 2^31
     b, t, split = bt // T, bt % T, tl.program_id(2)
@@ -203,7 +214,7 @@ def _latent_attn_fwd(
     idx_row, table_row = idx_ptr + b * s_ib + t * s_it, table_ptr + b * s_tb
     acc, m_i, l_i = _attend_selected(q_row, qpe_row, kv_ptr, pe_ptr, idx_row, table_row, hoff, head_ok, start, end,
                                 BS, max_blocks, qk_scale, s_qh, s_ph, s_kv0, s_kv1, s_pe0, s_pe1, R, DR,
-                                BLOCK_H, BLOCK_N, BLOCK_R, BLOCK_DR, DOT_PRECISION)
+                                BLOCK_H, BLOCK_N, BLOCK_R, BLOCK_DR, DOT_PRECISION, OFF64)
     cols_r = tl.arange(0, BLOCK_R)
     o_ptrs = o_ptr + b * s_ob + t * s_ot + split * s_os + hoff[:, None] * s_oh + cols_r[None, :]
     out_mask = head_ok[:, None] & (cols_r < R)[None, :]
@@ -252,6 +263,7 @@ def _config(H: int, R: int, K: int, queries: int, device: torch.device, num_spli
     accumulator lives in them, while the query is a shared-memory operand of the score wgmma):
       decode B=32, H=96, K=2048 (one run, 2026-12-01):
                                   BLOCK_H=64, BLOCK_N=64, 2 splits, 8 warps, 2 stages   121 us
+                                  (112 us with the int32 offsets that came after this sweep)
                                   BLOCK_H=64, BLOCK_N=64, 4 or 3 splits                 131, 173 us
                                   BLOCK_H=64, BLOCK_N=32, 2 splits, 3 stages            143 us
                                   BLOCK_H=64, BLOCK_N=32, 4 splits                      154 us
@@ -302,7 +314,8 @@ def _latent_attention(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, 
              q_pe.stride(2), kv_latent_plane.stride(0), kv_latent_plane.stride(1), k_pe_plane.stride(0),
              k_pe_plane.stride(1), block_table.stride(0), indices.stride(0), indices.stride(1))
     meta = dict(R=R, DR=DR, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, BLOCK_DR=BLOCK_DR, NUM_SPLITS=splits,
-                DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
+                DOT_PRECISION=precision, OFF64=max(kv_latent_plane.numel(), k_pe_plane.numel()) >= INT32_OFFSETS_BELOW,
+                num_warps=num_warps, num_stages=num_stages)
     if splits == 1:
         sb, st, sh = out_strides
         return _latent_attn_fwd[grid](*common, out, out, out, *sizes, sb, st, 0, sh, 0, 0, **meta)
