@@ -39,12 +39,7 @@ passes: no token lane padded to tl.dot's 16, no bf16 split of the activation, ex
   16-byte load of the group's codes (4 int32 words). A word's 8 codes are decoded by ``_E2M1_PTX``
   (11 integer instructions per 8 codes, then one fp16 -> fp32 widening per code) into one fp32 FMA
   chain, and the group's sum is scaled once; a reduction across the threads ends the row. The row loop
-  is software-pipelined by the compiler (``num_stages``: asynchronous copies of the next rows' words);
-  the group scales (uint8, which it does not prefetch) are loaded a step ahead by hand, and the up
-  pass's SiTU-GLU runs once on all the program's rows after the loop, not per step on one row's value.
-  Those two took the loop from 1,192 to 1,114 SASS instructions per step (with 227 registers instead
-  of 167) and the time from 0.157 / 0.563 / 2.241 ms to 0.142 / 0.524 / 2.162 ms at 1 / 4 / 16 tokens
-  (46 %, 46 %, 31 % of 4.3 TB/s; H200, same process; each change alone gained about half as much).
+  is software-pipelined by the compiler (``num_stages``: asynchronous copies of the next rows' words).
   A slot routed by several tokens is decoded once per token (the second read of its rows can hit L2):
   decoding the rows once for two tokens per pass (both activation sets in registers: 231 registers at
   two warps, where one token's pass fits one warp) measured 2x slower at 4 and 16 tokens (1.17 and
@@ -354,49 +349,27 @@ def _mxfp4_rows(w_ptr, s, rows, row_ok, K, x, GP: tl.constexpr, PTX: tl.constexp
 @triton.jit
 def _up_token(z_ptr, w1, s1, sw_m, ss_m, h_ptr, pair, t, gate, L, I, beta_gate, beta_up,
               BLOCK_R: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr, PTX: tl.constexpr):
-    """h[pair, rows] of the program's BLOCK_R rows for one routed token t (decode, MXFP4).
-
-    The row loop only collects the rows' two sums; SiTU-GLU then runs once on all BLOCK_R rows (inside
-    the loop its ~100 instructions ran per step for one row's value), and each step's group scales are
-    loaded a step ahead (uint8 loads are not prefetched by the compiler)."""
+    """h[pair, rows] of the program's BLOCK_R rows for one routed token t (decode, MXFP4)."""
     x = _x_planes(z_ptr + t * L, L, GP)
-    row0 = tl.program_id(1) * BLOCK_R
-    steps = tl.arange(0, BLOCK_R // RB)
-    g_rows = tl.zeros([BLOCK_R // RB, RB], tl.float32)
-    u_rows = tl.zeros([BLOCK_R // RB, RB], tl.float32)
-    rb = row0 + tl.arange(0, RB)
-    sg, su = _group_scales(s1, rb, rb < I, L, GP), _group_scales(s1 + ss_m, rb, rb < I, L, GP)
     for r0 in tl.range(0, BLOCK_R, RB, num_stages=3):  # the compiler prefetches the weight words
-        rb = row0 + r0 + tl.arange(0, RB)
+        rb = tl.program_id(1) * BLOCK_R + r0 + tl.arange(0, RB)
         ok = rb < I
-        nxt = rb + RB
-        sg_next = _group_scales(s1, nxt, nxt < I, L, GP)
-        su_next = _group_scales(s1 + ss_m, nxt, nxt < I, L, GP)
-        here = (steps == r0 // RB)[:, None]
-        g_rows = tl.where(here, _mxfp4_rows(w1, sg, rb, ok, L, x, GP, PTX)[None, :], g_rows)
-        u_rows = tl.where(here, _mxfp4_rows(w1 + sw_m, su, rb, ok, L, x, GP, PTX)[None, :], u_rows)
-        sg, su = sg_next, su_next
-    rows = row0 + tl.arange(0, BLOCK_R)
-    h = _situ_glu(tl.reshape(g_rows, [BLOCK_R]), tl.reshape(u_rows, [BLOCK_R]), beta_gate, beta_up) * gate
-    tl.store(h_ptr + pair * I + (rows % 8) * (I // 8) + rows // 8, h, mask=rows < I)  # 8 planes h[j::8]
+        g = _mxfp4_rows(w1, _group_scales(s1, rb, ok, L, GP), rb, ok, L, x, GP, PTX)
+        u = _mxfp4_rows(w1 + sw_m, _group_scales(s1 + ss_m, rb, ok, L, GP), rb, ok, L, x, GP, PTX)
+        h = _situ_glu(g, u, beta_gate, beta_up) * gate  # stored as 8 planes h[j::8] for the down GEMV
+        tl.store(h_ptr + pair * I + (rb % 8) * (I // 8) + rb // 8, h, mask=ok)
 
 
 @triton.jit
 def _down_token(h_ptr, w2, s2, part_ptr, pair, L, I, BLOCK_R: tl.constexpr, RB: tl.constexpr,
                 GP: tl.constexpr, PTX: tl.constexpr):
-    """part[pair, rows] of the program's BLOCK_R latent rows for one routed (slot, token) pair (group
-    scales loaded a step ahead, as in _up_token)."""
+    """part[pair, rows] of the program's BLOCK_R latent rows for one routed (slot, token) pair."""
     x = _x_planes(h_ptr + pair * I, I, GP)
-    row0 = tl.program_id(1) * BLOCK_R
-    rb = row0 + tl.arange(0, RB)
-    sc = _group_scales(s2, rb, rb < L, I, GP)
     for r0 in tl.range(0, BLOCK_R, RB, num_stages=3):
-        rb = row0 + r0 + tl.arange(0, RB)
+        rb = tl.program_id(1) * BLOCK_R + r0 + tl.arange(0, RB)
         ok = rb < L
-        nxt = rb + RB
-        sc_next = _group_scales(s2, nxt, nxt < L, I, GP)
-        tl.store(part_ptr + pair * L + rb, _mxfp4_rows(w2, sc, rb, ok, I, x, GP, PTX), mask=ok)
-        sc = sc_next
+        part = _mxfp4_rows(w2, _group_scales(s2, rb, ok, I, GP), rb, ok, I, x, GP, PTX)
+        tl.store(part_ptr + pair * L + rb, part, mask=ok)
 
 
 @triton.jit
