@@ -40,6 +40,12 @@ passes: no token lane padded to tl.dot's 16, no bf16 split of the activation, ex
   (11 integer instructions per 8 codes, then one fp16 -> fp32 widening per code) into one fp32 FMA
   chain, and the group's sum is scaled once; a reduction across the threads ends the row. The row loop
   is software-pipelined by the compiler (``num_stages``: asynchronous copies of the next rows' words).
+  Pending: a version that loads the group scales a step ahead (uint8 loads are not prefetched) and
+  runs SiTU-GLU once on the program's rows after the loop measured 0.142 / 0.524 / 2.162 ms at 1 / 4 /
+  16 tokens against 0.157 / 0.563 / 2.241 (H200, one process; 1,114 SASS instructions per step
+  instead of 1,192, 227 registers instead of 167). It is commit 8335f2b, reverted until its compiled
+  output has been checked against the reference on the GPU (kernels join only after that, §12 of
+  docs/design.md); in the interpreter, with the GPU's tile shape, it passes.
   A slot routed by several tokens is decoded once per token (the second read of its rows can hit L2):
   decoding the rows once for two tokens per pass (both activation sets in registers: 231 registers at
   two warps, where one token's pass fits one warp) measured 2x slower at 4 and 16 tokens (1.17 and
