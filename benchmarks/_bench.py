@@ -47,6 +47,22 @@ def timer(device: str, warmup: int = 25):
     return run
 
 
+def cuda_graph(fn, warmups: int = 1):
+    """``fn`` captured in a CUDA graph, after ``warmups`` calls on a side stream (kernel compiles and the
+    allocator's first requests happen there, outside the capture). Replay it to time the GPU work
+    without the host's launch cost."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def write_results(name: str, results) -> None:
     """results as JSON to $OUT/<name>.json when OUT is set (the device tool brings $OUT back)."""
     if os.environ.get("OUT"):

@@ -31,7 +31,7 @@ if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
 import torch  # noqa: E402
-from _bench import pick_device, timer, warm_up, write_results  # noqa: E402
+from _bench import cuda_graph, pick_device, timer, warm_up, write_results  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (SPEC §11)
@@ -111,20 +111,10 @@ def report(name: str, t: float, peers: dict[str, float]) -> dict:
     return {"kernel_ms": t * 1e3, **{f"{k}_ms": (None if v is None else v * 1e3) for k, v in peers.items()}}
 
 
-def graph_time(bench, fn) -> float | None:
+def graph_time(bench, fn, dev: str) -> float | None:
     """Seconds per call of ``fn`` replayed from a CUDA graph: the GPU time without the host's launch cost
     (about 0.1 ms per eager call of the decode op, more than its GPU time); None off the GPU."""
-    if not torch.cuda.is_available() or not torch.is_tensor(fn()):
-        return None
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return bench(graph.replay)
+    return bench(cuda_graph(fn).replay) if dev == "cuda" else None
 
 
 def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
@@ -154,8 +144,7 @@ def bench_decode(dev: str, dry: bool, results: dict) -> bool:
 
     out = mt.sparse_mla_decode(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale)
     t_eager = bench(lambda: mt.sparse_mla_decode(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale))
-    t_graph = graph_time(bench, lambda: mt.sparse_mla_decode(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale)) \
-        if dev == "cuda" else None
+    t_graph = graph_time(bench, lambda: mt.sparse_mla_decode(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale), dev)
     t_kernel = t_graph or t_eager  # the GPU time where it can be measured: the eager call is host bound
     ref = sparse_mla_decode_ref(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale)
     t_ref = bench(lambda: sparse_mla_decode_ref(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale))
@@ -175,7 +164,7 @@ def bench_decode(dev: str, dry: bool, results: dict) -> bool:
         t_dense = None
     del kd
     t_peer_graph = graph_time(bench, lambda: torch_sparse_decode(q_lat[:, 0], q_pe[:, 0], kv_plane, pe_plane, table,
-                                                                idx[:, 0], scale)) if dev == "cuda" else None
+                                                                idx[:, 0], scale), dev)
     print(f"  (kernel: {t_eager * 1e3:.3f} ms eager, host launch cost included; "
           f"{'n/a' if t_graph is None else f'{t_graph * 1e3:.3f} ms'} replayed from a CUDA graph, used below)")
     res = report("sparse_mla_decode (triton)", t_kernel, {"reference op (torch)": t_ref,

@@ -19,6 +19,7 @@ import argparse
 import time
 
 import torch
+from _bench import cuda_graph
 
 import minidsa
 
@@ -70,15 +71,7 @@ def graph_step_s(model, cache, sids, device: str, reps: int = 20) -> float:
             return lm.lm_head(lm.model(lm.model.embed_tokens(ids), ctx, None))
 
     with torch.inference_mode():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture stream (compiles, allocator)
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = cuda_graph(step, warmups=2)
         graph.replay()
         sync(device)
         t0 = time.perf_counter()
