@@ -63,6 +63,12 @@ def cuda_graph(fn, warmups: int = 1):
     return graph
 
 
+def graph_time(bench, fn, dev: str) -> float | None:
+    """Seconds per call of ``fn`` replayed from a CUDA graph: the GPU time without the host's launch cost
+    (an eager call of a decode op can cost more host time than its kernels take); None off the GPU."""
+    return bench(cuda_graph(fn).replay) if dev == "cuda" else None
+
+
 def write_results(name: str, results) -> None:
     """results as JSON to $OUT/<name>.json when OUT is set (the device tool brings $OUT back)."""
     if os.environ.get("OUT"):

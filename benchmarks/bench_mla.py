@@ -31,7 +31,7 @@ if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
 import torch  # noqa: E402
-from _bench import cuda_graph, pick_device, timer, warm_up, write_results  # noqa: E402
+from _bench import graph_time, pick_device, timer, warm_up, write_results  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (SPEC §11)
@@ -109,12 +109,6 @@ def report(name: str, t: float, peers: dict[str, float]) -> dict:
         else:
             print(f"  {peer:<34s} {tp * 1e3:10.3f} ms   kernel is {tp / t:6.2f}x faster")
     return {"kernel_ms": t * 1e3, **{f"{k}_ms": (None if v is None else v * 1e3) for k, v in peers.items()}}
-
-
-def graph_time(bench, fn, dev: str) -> float | None:
-    """Seconds per call of ``fn`` replayed from a CUDA graph: the GPU time without the host's launch cost
-    (about 0.1 ms per eager call of the decode op, more than its GPU time); None off the GPU."""
-    return bench(cuda_graph(fn).replay) if dev == "cuda" else None
 
 
 def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:

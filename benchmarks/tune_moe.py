@@ -22,7 +22,7 @@ def main() -> None:
     run = timer(dev)
     L, I, E, slots = 3584, 3072, 256, 16
     gen = torch.Generator().manual_seed(0)
-    packed, scales = make_experts(E, L, I, dev, gen)
+    packed, scales = make_experts(E, L, I, dev, torch.Generator(dev).manual_seed(0))
     experts = torch.randperm(E, generator=gen)[:slots].to(dev)
     elements = torch.empty(slots, 3, I * L, dtype=torch.float8_e4m3fn, device=dev)
     ws_scales = torch.empty(slots, 3, I * L // 32, dtype=torch.uint8, device=dev)

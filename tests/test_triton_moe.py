@@ -115,6 +115,37 @@ def test_fp8_and_mxfp4_mlps_match_the_reference(experts_store, N, dense, monkeyp
     # group before its scale; the FP8 one scales each product, in a tensor-core pass for several tokens)
 
 
+@pytest.mark.parametrize("K", [32 * g for g in range(1, 130)])
+def test_k_parts_cover_every_group_once(K):
+    # The decode kernel cuts K into part A (GA groups), part B (GB groups) and a tail of HC half-group
+    # units: each a power of two (a tensor dimension), together at least every group, the tail less than
+    # one part-B group past K (padding only there), so that a warp's threads idle on no padding for
+    # group counts with at most three set bits (K3's 112 and 96).
+    parts = kern._k_parts(K)
+    ga, gb, hc = parts["GA"], parts["GB"], parts["HC"]
+    groups = K // 32
+    assert ga & (ga - 1) == 0 and gb & (gb - 1) == 0 and hc & (hc - 1) == 0 and ga >= 1
+    assert ga + gb <= groups <= ga + gb + hc / 2 and (gb == 0 or gb < ga)
+    if bin(groups).count("1") <= 3:
+        assert 2 * (ga + gb) + hc == 2 * groups, (groups, parts)
+
+
+def test_mxfp4_decode_with_a_half_group_tail():
+    # I = 224 is 7 scale groups, 4 + 2 + 1: the down pass's third part is 1 group as 2 half-group units
+    # (L = 96 is 2 + 1 groups, no tail). Random experts, 3 tokens routed to 2 slots.
+    i_tail = 224
+    g = torch.Generator().manual_seed(3)
+    packed, scales = mxfp4.quantize(torch.randn(2, 3, i_tail * L, generator=g) * 0.1)
+    packed, scales = packed.to(DEV), scales.to(DEV)
+    assert kern._k_parts(i_tail) == dict(GA=4, GB=2, HC=2)
+    experts = torch.tensor([1, 0], device=DEV)
+    gates = (torch.rand(2, 3, generator=g) + 0.1).to(DEV)
+    z = torch.randn(3, L, generator=g).to(DEV)
+    want = ref.expert_mlp_mxfp4_ref(z, packed, scales, experts, gates, 4.0, 25.0)
+    got = kern._launch_mlp(z, packed, scales, experts, gates, 4.0, 25.0, L, i_tail, dense=True)
+    torch.testing.assert_close(got, want, **TOL)
+
+
 def _run_ptx(text: str, word: int) -> list[int]:
     """Execute the straight-line PTX of ``_E2M1_PTX`` on one 32-bit input word; returns the eight outputs'
     fp16 bit patterns (the operands of its cvt.f32.f16 lines). Only the opcodes the program uses."""

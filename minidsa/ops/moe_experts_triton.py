@@ -34,18 +34,26 @@ passes: no token lane padded to tl.dot's 16, no bf16 split of the activation, ex
   end). 60 % of 4.3 TB/s on its weight bytes (0.209 ms for 16 slots of L=3584, I=3072).
 - MXFP4, every decode size (``_mxfp4_rows``): a program (BLOCK_R rows of one slot) walks the slot's
   routed tokens; per token it computes its rows, RB at a time, each over the whole K. A thread owns
-  one 32-code scale group of K: it loads that group's 32 activations once per (program, token) (the
-  activations are passed as 8 planes x[j::8], so that each is 16-byte loads) and then, per row, one
-  16-byte load of the group's codes (4 int32 words). A word's 8 codes are decoded by ``_E2M1_PTX``
+  whole scale groups of K (32 codes, 4 int32 words; or half groups, see below): it loads their
+  activations once per (program, token) (passed as 8 planes x[j::8], so that each is a vector load)
+  and then, per row, one 16-byte load per group of codes. A word's 8 codes are decoded by ``_E2M1_PTX``
   (11 integer instructions per 8 codes, then one fp16 -> fp32 widening per code) into one fp32 FMA
-  chain, and the group's sum is scaled once; a reduction across the threads ends the row. The row loop
-  is software-pipelined by the compiler (``num_stages``: asynchronous copies of the next rows' words).
-  Pending: a version that loads the group scales a step ahead (uint8 loads are not prefetched) and
-  runs SiTU-GLU once on the program's rows after the loop measured 0.142 / 0.524 / 2.162 ms at 1 / 4 /
-  16 tokens against 0.157 / 0.563 / 2.241 (H200, one process; 1,114 SASS instructions per step
-  instead of 1,192, 227 registers instead of 167). It is commit 8335f2b, reverted until its compiled
-  output has been checked against the reference on the GPU (kernels join only after that, §12 of
-  docs/design.md); in the interpreter, with the GPU's tile shape, it passes.
+  chain, each group's sum is scaled once, and one reduction across the threads ends the row. The row
+  loop is software-pipelined by the compiler (``num_stages``: asynchronous copies of the next rows'
+  words); the group scales (uint8, which it does not prefetch) are loaded a step ahead by hand, and the
+  up pass's SiTU-GLU runs once on all the program's rows after the loop.
+  No thread idles on padding: K is cut into power-of-two parts (``_k_parts``: K3's 3584 = 64 + 32
+  groups + 16 groups as 32 half-group units; 3072 = 64 + 32), where one [128-group] tile padded the
+  112 and 96 groups, so that 12.5 % and 25 % of every warp instruction's lanes were masked in an
+  instruction-bound loop. Measured on the H200 (one process, GPU time of CUDA-graph replays where
+  marked, top-16 of 256; SASS instructions per step for the up / down pass compiled for sm_90):
+    scales a step ahead + SiTU-GLU after the loop (1,192 -> 1,114 / 603, 167 -> 227 registers):
+      0.157 / 0.563 / 2.241 -> 0.142 / 0.524 / 2.162 ms at 1 / 4 / 16 tokens (eager);
+    power-of-two parts, partial sums folded before the reduction (1,002 / 447, 168 registers):
+      0.125 / 0.448 / 1.836 ms (eager);
+    BLOCK_R 16 instead of 8 (GPU time; the activation loads serve twice the rows):
+      0.123 / 0.427 / 1.70-1.72 ms = 53 / 54.5 / 39 % of 4.3 TB/s (8 rows: 0.121 / 0.447 / 1.833);
+      at K3's 896 experts (16 / 59-62 / 224 routed slots): 53 / 59.6 / 51.5 %.
   A slot routed by several tokens is decoded once per token (the second read of its rows can hit L2):
   decoding the rows once for two tokens per pass (both activation sets in registers: 231 registers at
   two warps, where one token's pass fits one warp) measured 2x slower at 4 and 16 tokens (1.17 and
@@ -64,7 +72,8 @@ passes: no token lane padded to tl.dot's 16, no bf16 split of the activation, ex
   time stayed, now bound by that layout's activation loads (one fp32 load per code per row: L1 at
   78 %); one group per thread with the activations in registers and the pipelined row loop reached
   42 % (0.156 ms; ``GEMV_TILES`` swept over rows per program, rows per step and warps: one warp of 8
-  rows is best). Nsight Compute then shows instruction issue binding again (67 % of issue slots,
+  rows was best then; with the parts, one warp of 16 rows, RB 1: 32 rows or RB 2 or two warps
+  measured 0-20 % slower). Nsight Compute then shows instruction issue binding again (67 % of issue slots,
   ~5.5 instructions per code: the per-row reduction, scale and SiTU-GLU beside the 3.4 of the decode
   and the FMA). At 4 and 16 tokens this path took 1.28 -> 0.56 ms and 3.44 -> 2.24 ms from the
   tensor-core passes, which are now used for prefill only.
@@ -130,7 +139,7 @@ CONVERT_WARPS = 4  # warps per conversion program on the GPU (benchmarks/tune_mo
 # Decode tiles of the matrix-vector path: FP8 (one token): rows per program, K per step, warps; MXFP4
 # (every decode size): a program computes BLOCK_R rows, RB at a time, each over the whole K (see
 # _mxfp4_rows).
-GEMV_TILES = {"cuda": dict(BLOCK_R=8, BLOCK_K=256, num_warps=4), "cuda_mxfp4": dict(BLOCK_R=8, RB=1, num_warps=1),
+GEMV_TILES = {"cuda": dict(BLOCK_R=8, BLOCK_K=256, num_warps=4), "cuda_mxfp4": dict(BLOCK_R=16, RB=1, num_warps=1),
               "cpu": dict(BLOCK_R=16, BLOCK_K=32, num_warps=1),
               "cpu_mxfp4": dict(BLOCK_R=64, RB=32, num_warps=1)}  # (64 rows: the tests' L and I leave tails)
 
@@ -293,54 +302,79 @@ def _e2m1_code(w, J: tl.constexpr):
 
 
 @triton.jit
-def _x_planes(x_ptr, K, GP: tl.constexpr):
-    """The activation row as its 8 planes x_j = x[j::8], stored planar ([8, K/8], see _launch_mlp), each
-    loaded as [1, GP, 4] over (scale group, word of the group), zero past K: 16-byte loads, once per
-    program. Every thread keeps the 32 activations of its scale group in registers for all its rows."""
-    g = tl.arange(0, GP)
-    xo = (g * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]
-    ok = (g < K // 32)[None, :, None]
-    plane = K // 32 * 4  # K/8, written so that the compiler sees a multiple of 4 words (16-byte loads)
-    return (tl.load(x_ptr + xo, mask=ok, other=0.0), tl.load(x_ptr + plane + xo, mask=ok, other=0.0),
-            tl.load(x_ptr + 2 * plane + xo, mask=ok, other=0.0), tl.load(x_ptr + 3 * plane + xo, mask=ok, other=0.0),
-            tl.load(x_ptr + 4 * plane + xo, mask=ok, other=0.0), tl.load(x_ptr + 5 * plane + xo, mask=ok, other=0.0),
-            tl.load(x_ptr + 6 * plane + xo, mask=ok, other=0.0), tl.load(x_ptr + 7 * plane + xo, mask=ok, other=0.0))
+def _words(G0, UNITS: tl.constexpr, WPU: tl.constexpr):
+    """Word offsets [1, UNITS, WPU] of one part of a K row: UNITS units of WPU words from group G0."""
+    return G0 * 4 + (tl.arange(0, UNITS) * WPU)[None, :, None] + tl.arange(0, WPU)[None, None, :]
 
 
 @triton.jit
-def _group_scales(s_ptr, rows, row_ok, K, GP: tl.constexpr):
-    """The E8M0 scales of rows ``rows`` of one [*, K] matrix, uint8 [RB, GP] (127 = 1 outside it)."""
-    g = tl.arange(0, GP)
+def _x_part(x_ptr, K, G0, UNITS: tl.constexpr, WPU: tl.constexpr):
+    """One part of the activation row as its 8 planes x_j = x[j::8] (stored planar, [8, K/8], see
+    _launch_mlp), [1, UNITS, WPU] each, zero past K: vector loads, once per program and token."""
+    wo = _words(G0, UNITS, WPU)
+    ok = wo < K // 8
+    plane = K // 32 * 4  # K/8, written so that the compiler sees a multiple of 4 words (16-byte loads)
+    return (tl.load(x_ptr + wo, mask=ok, other=0.0), tl.load(x_ptr + plane + wo, mask=ok, other=0.0),
+            tl.load(x_ptr + 2 * plane + wo, mask=ok, other=0.0), tl.load(x_ptr + 3 * plane + wo, mask=ok, other=0.0),
+            tl.load(x_ptr + 4 * plane + wo, mask=ok, other=0.0), tl.load(x_ptr + 5 * plane + wo, mask=ok, other=0.0),
+            tl.load(x_ptr + 6 * plane + wo, mask=ok, other=0.0), tl.load(x_ptr + 7 * plane + wo, mask=ok, other=0.0))
+
+
+@triton.jit
+def _x_parts(x_ptr, K, GA: tl.constexpr, GB: tl.constexpr, HC: tl.constexpr):
+    """The activation planes of the three parts of K (see _mxfp4_rows); an absent part repeats part A."""
+    xa = _x_part(x_ptr, K, 0, GA, 4)
+    xb = xa
+    xc = xa
+    if GB > 0:
+        xb = _x_part(x_ptr, K, GA, GB, 4)
+    if HC > 0:
+        xc = _x_part(x_ptr, K, GA + GB, HC, 2)
+    return xa, xb, xc
+
+
+@triton.jit
+def _part_scales(s_ptr, rows, row_ok, K, G0, UNITS: tl.constexpr, WPU: tl.constexpr):
+    """The E8M0 scales of a part's units for rows ``rows`` of one [*, K] matrix, uint8 [RB, UNITS] (a
+    half-group unit repeats its group's scale; 127 = 1 past K)."""
+    g = G0 + tl.arange(0, UNITS) * WPU // 4
     return tl.load(s_ptr + rows[:, None] * (K // 32) + g[None, :], mask=row_ok[:, None] & (g < K // 32)[None, :],
                    other=127)
 
 
 @triton.jit
-def _codes(w_ptr, rows, row_ok, K, GP: tl.constexpr, PTX: tl.constexpr):
-    """The E2M1 values * 2^-14 of rows ``rows`` of one row-major [*, K] MXFP4 matrix: 8 fp32 tensors
-    [RB, GP, 4], code j of word (row, group, word) each, read as int32 words (one 16-byte load per group)."""
-    g = tl.arange(0, GP)
-    words = w_ptr.to(tl.pointer_type(tl.int32))
-    q = tl.arange(0, 4)
-    w = tl.load(words + rows[:, None, None] * (K // 32 * 4) + (g * 4)[None, :, None] + q[None, None, :],
-                mask=row_ok[:, None, None] & (g < K // 32)[None, :, None], other=0)
-    if PTX:
-        return tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 8,
-                                         is_pure=True, pack=1)
-    else:
-        return (_e2m1_code(w, 0), _e2m1_code(w, 1), _e2m1_code(w, 2), _e2m1_code(w, 3),
-                _e2m1_code(w, 4), _e2m1_code(w, 5), _e2m1_code(w, 6), _e2m1_code(w, 7))
+def _row_scales(s_ptr, rows, row_ok, K, GA: tl.constexpr, GB: tl.constexpr, HC: tl.constexpr):
+    """(part A, part B, part C) scales of rows ``rows``; an absent part repeats part A."""
+    sa = _part_scales(s_ptr, rows, row_ok, K, 0, GA, 4)
+    sb = sa
+    sc = sa
+    if GB > 0:
+        sb = _part_scales(s_ptr, rows, row_ok, K, GA, GB, 4)
+    if HC > 0:
+        sc = _part_scales(s_ptr, rows, row_ok, K, GA + GB, HC, 2)
+    return sa, sb, sc
 
 
 @triton.jit
-def _mxfp4_rows(w_ptr, s, rows, row_ok, K, x, GP: tl.constexpr, PTX: tl.constexpr):
-    """W[rows, :] @ x for one row-major [*, K] MXFP4 expert matrix (K a multiple of 32) -> [RB] fp32, with x the
-    tuple of _x_planes and s the rows' _group_scales. The codes are read as int32 words, [RB, GP groups, 4
-    words]: a thread holds one scale group (16 bytes, one load) of each of the RB rows. Each word's eight
-    products are summed in one fp32 FMA chain (unscaled values times x), and the group's scale multiplies
-    the group's sum once, not each of its 32 products; a reduction across the groups (threads) ends the
-    row. The products are exact (fp16 -> fp32 widening, fp32 x)."""
-    c = _codes(w_ptr, rows, row_ok, K, GP, PTX)
+def _part_dot(w_ptr, s, rows, row_ok, K, G0, x, UNITS: tl.constexpr, WPU: tl.constexpr, TAIL: tl.constexpr,
+              PTX: tl.constexpr):
+    """W[rows, part] @ x[part] -> [RB] fp32 for one part of a row-major [*, K] MXFP4 matrix. The codes are
+    read as int32 words, [RB, UNITS, WPU]: a thread holds whole units (one vector load each). Each word's
+    eight products are summed in one fp32 FMA chain (unscaled values times x), the unit's scale multiplies
+    the unit's sum once, and a reduction across the units (threads) ends the part. The products are exact
+    (fp16 -> fp32 widening, fp32 x). Only the tail part (TAIL) masks words past K."""
+    words = w_ptr.to(tl.pointer_type(tl.int32))
+    wo = _words(G0, UNITS, WPU)
+    mask = row_ok[:, None, None]
+    if TAIL:
+        mask = mask & (wo < K // 8)
+    w = tl.load(words + rows[:, None, None] * (K // 32 * 4) + wo, mask=mask, other=0)
+    if PTX:
+        c = tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 8,
+                                      is_pure=True, pack=1)
+    else:
+        c = (_e2m1_code(w, 0), _e2m1_code(w, 1), _e2m1_code(w, 2), _e2m1_code(w, 3),
+             _e2m1_code(w, 4), _e2m1_code(w, 5), _e2m1_code(w, 6), _e2m1_code(w, 7))
     p = c[0] * x[0]  # one fp32 FMA chain per word
     p += c[1] * x[1]
     p += c[2] * x[2]
@@ -349,33 +383,84 @@ def _mxfp4_rows(w_ptr, s, rows, row_ok, K, x, GP: tl.constexpr, PTX: tl.constexp
     p += c[5] * x[5]
     p += c[6] * x[6]
     p += c[7] * x[7]
-    return tl.sum(tl.sum(p, axis=2) * _e8m0(s, 14), axis=1)
+    return tl.sum(p, axis=2) * _e8m0(s, 14)
+
+
+@triton.jit
+def _fold(v, UNITS: tl.constexpr, M: tl.constexpr):
+    """[RB, UNITS] -> [RB, M] (M divides UNITS): unit u is added into u % M."""
+    if UNITS == M:
+        return v
+    return tl.sum(tl.reshape(v, [v.shape[0], UNITS // M, M]), axis=1)
+
+
+@triton.jit
+def _mxfp4_rows(w_ptr, s, rows, row_ok, K, x, GA: tl.constexpr, GB: tl.constexpr, HC: tl.constexpr,
+                PTX: tl.constexpr):
+    """W[rows, :] @ x for one row-major [*, K] MXFP4 expert matrix (K a multiple of 32) -> [RB] fp32, with x
+    and s the tuples of _x_parts and _row_scales.
+
+    K is cut into parts whose sizes are powers of two, so that no thread of the warp idles on padding: part
+    A holds the first GA groups (2^a, the largest that fits), part B the next GB (the next bit of the group
+    count, or 0), and part C the remaining groups as HC half-group units of 2 words (padded to a power of
+    two and masked). K = 3584 (112 groups) is 64 + 32 + 16 groups, 14 words per thread of a warp, where
+    a single padded [128 groups] tile gave every thread 16 (12.5 % of them masked; 25 % for K = 3072)."""
+    M: tl.constexpr = min(GA, GB if GB > 0 else GA, HC if HC > 0 else GA)
+    acc = _fold(_part_dot(w_ptr, s[0], rows, row_ok, K, 0, x[0], GA, 4, False, PTX), GA, M)
+    if GB > 0:
+        acc += _fold(_part_dot(w_ptr, s[1], rows, row_ok, K, GA, x[1], GB, 4, False, PTX), GB, M)
+    if HC > 0:
+        acc += _fold(_part_dot(w_ptr, s[2], rows, row_ok, K, GA + GB, x[2], HC, 2, True, PTX), HC, M)
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
 def _up_token(z_ptr, w1, s1, sw_m, ss_m, h_ptr, pair, t, gate, L, I, beta_gate, beta_up,
-              BLOCK_R: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr, PTX: tl.constexpr):
-    """h[pair, rows] of the program's BLOCK_R rows for one routed token t (decode, MXFP4)."""
-    x = _x_planes(z_ptr + t * L, L, GP)
+              BLOCK_R: tl.constexpr, RB: tl.constexpr, GA: tl.constexpr, GB: tl.constexpr, HC: tl.constexpr,
+              PTX: tl.constexpr):
+    """h[pair, rows] of the program's BLOCK_R rows for one routed token t (decode, MXFP4).
+
+    The row loop only collects the rows' two sums; SiTU-GLU then runs once on all BLOCK_R rows (inside
+    the loop its ~100 instructions ran per step for one row's value), and each step's group scales are
+    loaded a step ahead (uint8 loads are not prefetched by the compiler)."""
+    x = _x_parts(z_ptr + t * L, L, GA, GB, HC)
+    row0 = tl.program_id(1) * BLOCK_R
+    steps = tl.arange(0, BLOCK_R // RB)
+    g_rows = tl.zeros([BLOCK_R // RB, RB], tl.float32)
+    u_rows = tl.zeros([BLOCK_R // RB, RB], tl.float32)
+    rb = row0 + tl.arange(0, RB)
+    sg, su = _row_scales(s1, rb, rb < I, L, GA, GB, HC), _row_scales(s1 + ss_m, rb, rb < I, L, GA, GB, HC)
     for r0 in tl.range(0, BLOCK_R, RB, num_stages=3):  # the compiler prefetches the weight words
-        rb = tl.program_id(1) * BLOCK_R + r0 + tl.arange(0, RB)
+        rb = row0 + r0 + tl.arange(0, RB)
         ok = rb < I
-        g = _mxfp4_rows(w1, _group_scales(s1, rb, ok, L, GP), rb, ok, L, x, GP, PTX)
-        u = _mxfp4_rows(w1 + sw_m, _group_scales(s1 + ss_m, rb, ok, L, GP), rb, ok, L, x, GP, PTX)
-        h = _situ_glu(g, u, beta_gate, beta_up) * gate  # stored as 8 planes h[j::8] for the down GEMV
-        tl.store(h_ptr + pair * I + (rb % 8) * (I // 8) + rb // 8, h, mask=ok)
+        nxt = rb + RB
+        sg_next = _row_scales(s1, nxt, nxt < I, L, GA, GB, HC)
+        su_next = _row_scales(s1 + ss_m, nxt, nxt < I, L, GA, GB, HC)
+        here = (steps == r0 // RB)[:, None]
+        g_rows = tl.where(here, _mxfp4_rows(w1, sg, rb, ok, L, x, GA, GB, HC, PTX)[None, :], g_rows)
+        u_rows = tl.where(here, _mxfp4_rows(w1 + sw_m, su, rb, ok, L, x, GA, GB, HC, PTX)[None, :], u_rows)
+        sg, su = sg_next, su_next
+    rows = row0 + tl.arange(0, BLOCK_R)
+    h = _situ_glu(tl.reshape(g_rows, [BLOCK_R]), tl.reshape(u_rows, [BLOCK_R]), beta_gate, beta_up) * gate
+    tl.store(h_ptr + pair * I + (rows % 8) * (I // 8) + rows // 8, h, mask=rows < I)  # 8 planes h[j::8]
 
 
 @triton.jit
 def _down_token(h_ptr, w2, s2, part_ptr, pair, L, I, BLOCK_R: tl.constexpr, RB: tl.constexpr,
-                GP: tl.constexpr, PTX: tl.constexpr):
-    """part[pair, rows] of the program's BLOCK_R latent rows for one routed (slot, token) pair."""
-    x = _x_planes(h_ptr + pair * I, I, GP)
+                GA: tl.constexpr, GB: tl.constexpr, HC: tl.constexpr, PTX: tl.constexpr):
+    """part[pair, rows] of the program's BLOCK_R latent rows for one routed (slot, token) pair (group
+    scales loaded a step ahead, as in _up_token)."""
+    x = _x_parts(h_ptr + pair * I, I, GA, GB, HC)
+    row0 = tl.program_id(1) * BLOCK_R
+    rb = row0 + tl.arange(0, RB)
+    sc = _row_scales(s2, rb, rb < L, I, GA, GB, HC)
     for r0 in tl.range(0, BLOCK_R, RB, num_stages=3):
-        rb = tl.program_id(1) * BLOCK_R + r0 + tl.arange(0, RB)
+        rb = row0 + r0 + tl.arange(0, RB)
         ok = rb < L
-        part = _mxfp4_rows(w2, _group_scales(s2, rb, ok, I, GP), rb, ok, I, x, GP, PTX)
-        tl.store(part_ptr + pair * L + rb, part, mask=ok)
+        nxt = rb + RB
+        sc_next = _row_scales(s2, nxt, nxt < L, I, GA, GB, HC)
+        tl.store(part_ptr + pair * L + rb, _mxfp4_rows(w2, sc, rb, ok, I, x, GA, GB, HC, PTX), mask=ok)
+        sc = sc_next
 
 
 @triton.jit
@@ -441,23 +526,23 @@ def _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP: tl.conste
 
 @triton.jit
 def _up_decode(z_ptr, w1, s1, sw_m, ss_m, gates_ptr, h_ptr, slot, N, L, I, beta_gate, beta_up,
-               BLOCK_R: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr, PTX: tl.constexpr):
+               BLOCK_R: tl.constexpr, RB: tl.constexpr, GA: tl.constexpr, GB: tl.constexpr, HC: tl.constexpr, PTX: tl.constexpr):
     """The up pass at decode (MXFP4): each of the slot's routed tokens on its own (a second token's read
     of the rows can hit L2)."""
     for t in range(N):
         gate = tl.load(gates_ptr + slot * N + t).to(tl.float32)
         if gate != 0.0:
             _up_token(z_ptr, w1, s1, sw_m, ss_m, h_ptr, slot.to(tl.int64) * N + t, t, gate, L, I, beta_gate, beta_up,
-                      BLOCK_R, RB, GP, PTX)
+                      BLOCK_R, RB, GA, GB, HC, PTX)
 
 
 @triton.jit
 def _down_decode(h_ptr, w2, s2, gates_ptr, part_ptr, slot, N, L, I, BLOCK_R: tl.constexpr, RB: tl.constexpr,
-                 GP: tl.constexpr, PTX: tl.constexpr):
+                 GA: tl.constexpr, GB: tl.constexpr, HC: tl.constexpr, PTX: tl.constexpr):
     """The down pass at decode (MXFP4), over the slot's routed tokens like _up_decode."""
     for t in range(N):
         if tl.load(gates_ptr + slot * N + t).to(tl.float32) != 0.0:
-            _down_token(h_ptr, w2, s2, part_ptr, slot.to(tl.int64) * N + t, L, I, BLOCK_R, RB, GP, PTX)
+            _down_token(h_ptr, w2, s2, part_ptr, slot.to(tl.int64) * N + t, L, I, BLOCK_R, RB, GA, GB, HC, PTX)
 
 
 @triton.jit
@@ -465,13 +550,14 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_pt
                N, L, I, sw_e, sw_m, ss_e, ss_m, beta_gate, beta_up,
                MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, SPLIT: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GEMV: tl.constexpr,
-               PTX: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr):
+               PTX: tl.constexpr, RB: tl.constexpr, GA: tl.constexpr, GB: tl.constexpr,
+               HC: tl.constexpr):
     """h[pair, rows] = gate * SiTU-GLU(W1 z, W3 z) for one slot, BLOCK_R rows of I and one token tile."""
     slot = tl.program_id(2)
     if GEMV and MXFP4:  # decode, MXFP4: matrix-vector products over the slot's routed tokens
         w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
-        _up_decode(z_ptr, w1, s1, sw_m, ss_m, gates_ptr, h_ptr, slot, N, L, I, beta_gate, beta_up, BLOCK_R, RB, GP,
-                   PTX)
+        _up_decode(z_ptr, w1, s1, sw_m, ss_m, gates_ptr, h_ptr, slot, N, L, I, beta_gate, beta_up, BLOCK_R, RB, GA, GB,
+                   HC, PTX)
         return
     if GEMV:  # one token, FP8: the slot's pair is row ``slot``
         gate = tl.load(gates_ptr + slot).to(tl.float32)
@@ -507,12 +593,13 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_
                  N, L, I, sw_e, sw_m, ss_e, ss_m,
                  MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GEMV: tl.constexpr,
-               PTX: tl.constexpr, RB: tl.constexpr, GP: tl.constexpr):
+               PTX: tl.constexpr, RB: tl.constexpr, GA: tl.constexpr, GB: tl.constexpr,
+               HC: tl.constexpr):
     """part[pair, rows] = W2[rows] @ h[pair] for one slot, BLOCK_R latent rows and one token tile."""
     slot = tl.program_id(2)
     if GEMV and MXFP4:
         w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
-        _down_decode(h_ptr, w1 + 2 * sw_m, s1 + 2 * ss_m, gates_ptr, part_ptr, slot, N, L, I, BLOCK_R, RB, GP, PTX)
+        _down_decode(h_ptr, w1 + 2 * sw_m, s1 + 2 * ss_m, gates_ptr, part_ptr, slot, N, L, I, BLOCK_R, RB, GA, GB, HC, PTX)
         return
     if GEMV:
         if tl.load(gates_ptr + slot).to(tl.float32) != 0.0:
@@ -588,17 +675,30 @@ def _compact(gates: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return rank, count, offset, token, pairs, longest
 
 
-def _gemv_meta(meta: dict, on_gpu: bool, L: int, I: int) -> tuple[dict, int, int]:
-    """The launch constexprs with the matrix-vector tiles, and the up and down passes' GP (scale groups
-    spanned by K, MXFP4 decode only; 1 elsewhere, so each model shape compiles one variant)."""
+def _k_parts(K: int) -> dict:
+    """(GA, GB, HC) of _mxfp4_rows for a K of K // 32 scale groups: the two highest bits of the group count,
+    then what is left as a power-of-two count of half-group units (3584 -> 64 + 32 groups + 32 half groups,
+    3072 -> 64 + 32 + 0)."""
+    groups = K // 32
+    ga = 1 << (groups.bit_length() - 1)
+    rest = groups - ga
+    gb = 1 << (rest.bit_length() - 1) if rest else 0
+    rem = rest - gb
+    return dict(GA=ga, GB=gb, HC=triton.next_power_of_2(2 * rem) if rem else 0)
+
+
+def _gemv_meta(meta: dict, on_gpu: bool, L: int, I: int) -> tuple[dict, dict, dict]:
+    """The launch constexprs with the matrix-vector tiles, and the up and down passes' K parts (MXFP4
+    decode only; GA = 1 elsewhere, so each model shape compiles one variant)."""
     gemv, mxfp4 = meta["GEMV"], meta["MXFP4"]
     if gemv:  # matrix-vector products on the FMA units
         meta = dict(meta, **GEMV_TILES[("cuda" if on_gpu else "cpu") + ("_mxfp4" if mxfp4 else "")])
         meta.setdefault("BLOCK_K", 32)
     meta.setdefault("RB", 1)
     if not (gemv and mxfp4):
-        return meta, 1, 1
-    return meta, triton.next_power_of_2(L // 32), triton.next_power_of_2(I // 32)
+        none = dict(GA=1, GB=0, HC=0)
+        return meta, none, none
+    return meta, _k_parts(L), _k_parts(I)
 
 
 def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool | None = None) -> torch.Tensor:
@@ -634,10 +734,10 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
     if meta["GEMV"] and meta["MXFP4"]:  # activations as 8 planes z[n, j::8] (see _x_planes)
         z = z.view(N, L // 8, 8).transpose(1, 2).contiguous()
     tiles = max(1, triton.cdiv(longest, cfg["BLOCK_T"]))  # token tiles per slot
-    meta, gp_up, gp_down = _gemv_meta(meta, on_gpu, L, I)
+    meta, parts_up, parts_down = _gemv_meta(meta, on_gpu, L, I)
     _up_kernel[(tiles, triton.cdiv(I, meta["BLOCK_R"]), m)](z, *shared, h, *strides, float(beta_gate),
-                                                            float(beta_up), **meta, GP=gp_up)
-    _down_kernel[(tiles, triton.cdiv(L, meta["BLOCK_R"]), m)](h, *shared, part, *strides, **meta, GP=gp_down)
+                                                            float(beta_up), **meta, **parts_up)
+    _down_kernel[(tiles, triton.cdiv(L, meta["BLOCK_R"]), m)](h, *shared, part, *strides, **meta, **parts_down)
     _combine_kernel[(N, triton.cdiv(L, cfg["BLOCK_L"]))](part, gates, rank, offset, out, m, N, L, DENSE=dense,
                                                          BLOCK_S=cfg["BLOCK_S"], BLOCK_L=cfg["BLOCK_L"])
     return out
