@@ -1,16 +1,19 @@
 """Routed-expert kernels (minidsa/ops/moe_experts_triton.py) on an H200: conversion, fused MXFP4 MLP,
 workspace FP8 MLP, against the reference ops and a bf16 plain-torch peer (docs/design.md §7, §11).
 
-    PYTHONPATH=. python benchmarks/bench_moe.py                 # needs CUDA; about a minute
-    PYTHONPATH=. python benchmarks/bench_moe.py --experts 128   # fewer experts (memory)
+    PYTHONPATH=. python benchmarks/bench_moe.py                 # needs CUDA; about two minutes
+    PYTHONPATH=. python benchmarks/bench_moe.py --experts 128   # fewer experts for conversion and prefill
     PYTHONPATH=. python benchmarks/bench_moe.py --dry-run       # tiny shapes, CPU interpreter, checks the logic
 
-Shapes: K3 latent experts, L = 3584 -> I = 3072 -> L, top-16 routing of a SCALED expert count (default
-256 instead of K3's 896, so that MXFP4 storage (17.6 MB/expert), its offline FP8 copy (34.1 MB), the
-FP8 workspace and the peer's bf16 weights (66.1 MB/expert) fit one GPU together). Random MXFP4
-weights, uniform random top-16 routing, router-like weights.
+Shapes: K3 latent experts, L = 3584 -> I = 3072 -> L, top-16 routing. Decode routes over K3's 896
+experts (``--decode-experts``), and also over the scaled count: how many distinct experts N tokens
+route to decides the bytes that must be read. Conversion and prefill use a SCALED expert count
+(``--experts``, default 256), so that MXFP4 storage (17.6 MB/expert), its offline FP8 copy
+(34.1 MB), the FP8 workspace and the peer's bf16 weights of every expert (66.1 MB/expert) fit one GPU
+together. Random MXFP4 weights, uniform random top-16 routing, router-like weights. Decode times are
+GPU times, from CUDA-graph replays (an eager call's host launch cost is printed beside).
 
-- decode, N = 1, 4, 16 tokens: the fused MXFP4 kernel (``expert_mlp_mxfp4``), the workspace kernel
+- decode, N = 1, 4, 8, 16 tokens: the fused MXFP4 kernel (``expert_mlp_mxfp4``), the workspace kernel
   alone on already converted slots (``expert_mlp_fp8``), the online workspace path (conversion of the
   min(N*16, E) slots + ``expert_mlp_fp8``), the reference op (N = 1 only: it dequantises every slot to
   fp32) and the peer: bf16 weights of the routed experts (already grouped contiguously, its best case,
@@ -143,7 +146,7 @@ def line(name: str, t: float, nbytes: float | None = None, base: float | None = 
 class Setup:
     """Shapes, storage, the FP8 workspace (capacity E) and the offline FP8 copy of every expert."""
 
-    def __init__(self, dev: str, dry: bool, experts: int):
+    def __init__(self, dev: str, dry: bool, experts: int, offline: bool = True):
         self.dev, self.dry = dev, dry
         self.L, self.I, self.E, self.k = (96, 160, 8, 2) if dry else (3584, 3072, experts, 16)
         self.gen = torch.Generator().manual_seed(0)
@@ -152,7 +155,8 @@ class Setup:
         n = self.I * self.L
         self.ws = (torch.empty(self.E, 3, n, dtype=torch.float8_e4m3fn, device=dev),
                    torch.empty(self.E, 3, n // 32, dtype=torch.uint8, device=dev))
-        self.offline = (torch.empty_like(self.ws[0]), torch.empty_like(self.ws[1]))
+        # the FP8 copy of every expert (conversion and prefill only)
+        self.offline = (torch.empty_like(self.ws[0]), torch.empty_like(self.ws[1])) if offline else None
         # bytes per expert: MXFP4 storage, FP8 copy, conversion (read + write), bf16
         self.b_mx, self.b_fp8 = 3 * n / 2 + 3 * n / 32, 3 * n + 3 * n / 32
         self.b_conv, self.b_bf16 = self.b_mx + self.b_fp8, 3 * n * 2
@@ -227,9 +231,14 @@ def bench_decode(s: Setup, kern, N: int, results: dict) -> bool:
           f"{'MET' if floor_peer else 'NOT MET'} ({t_peer / t_fused:.2f}x)")
     want = reference_by_chunks(z, s.packed, s.scales, experts, gates)
     tol = 1e-3 if s.dev == "cuda" else 1e-4
-    ok = check("fused vs reference", fused, want, tol) & check("workspace vs fused", ws, fused, 1e-6)
+    # One token: both variants multiply exact fp32 weights by fp32 activations on the FMA units, so only
+    # the summation order differs (1e-6). Several tokens: the FP8 MLP runs tensor-core passes whose
+    # activations carry ~16 mantissa bits (a bf16 hi + lo split, 2^-17 relative per product), against
+    # the fused kernel's exact products: ~1e-5 of the output scale over 3,000-term sums, so 1e-4.
+    ok = check("fused vs reference", fused, want, tol)
+    ok &= check("workspace vs fused", ws, fused, 1e-6 if N == 1 else 1e-4)
     ok &= check("bf16 peer vs fused", peer, fused, 3e-2)
-    results[f"decode_N{N}"] = dict(res, slots=m, routed=r, agree=ok, floor_bw=floor_bw, floor_peer=floor_peer)
+    results[f"decode_E{s.E}_N{N}"] = dict(res, slots=m, routed=r, agree=ok, floor_bw=floor_bw, floor_peer=floor_peer)
     return ok
 
 
@@ -277,10 +286,19 @@ def bench_prefill(s: Setup, kern, N: int, results: dict) -> bool:
     return ok
 
 
+def describe(s: Setup, results: dict) -> None:
+    scaled = "K3's count" if s.E == 896 else "scaled from K3's 896"
+    print(f"experts L={s.L} -> I={s.I} -> L, top-{s.k} of {s.E} ({scaled}); "
+          f"per expert MXFP4 {s.b_mx / 1e6:.1f} MB, FP8 {s.b_fp8 / 1e6:.1f} MB, bf16 {s.b_bf16 / 1e6:.1f} MB")
+    results.setdefault("shapes", []).append(dict(L=s.L, I=s.I, E=s.E, top_k=s.k, device=s.dev))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
-    ap.add_argument("--experts", type=int, default=256, help="scaled expert count (K3 has 896)")
+    ap.add_argument("--experts", type=int, default=256,
+                    help="scaled expert count of conversion, prefill and the second decode run (K3 has 896)")
+    ap.add_argument("--decode-experts", type=int, default=896, help="expert count of the first decode run")
     ap.add_argument("--only", choices=["conversion", "decode", "prefill"])
     args = ap.parse_args()
     dev = pick_device("bench_moe.py", args.dry_run)
@@ -288,18 +306,21 @@ def main() -> int:
         return 0
     from minidsa.ops import moe_experts_triton as kern
     warm_up(dev)
-    s = Setup(dev, args.dry_run, args.experts)
-    print(f"experts L={s.L} -> I={s.I} -> L, top-{s.k} of {s.E} (scaled from K3's 896 to fit memory); "
-          f"per expert MXFP4 {s.b_mx / 1e6:.1f} MB, FP8 {s.b_fp8 / 1e6:.1f} MB, bf16 {s.b_bf16 / 1e6:.1f} MB")
-    results: dict = {"shape": dict(L=s.L, I=s.I, E=s.E, top_k=s.k, device=dev)}
+    results: dict = {}
     ok = True
+    if args.only in (None, "decode"):  # first, alone in memory: K3's 896 experts take 47 GB with the workspace
+        for E in ((8,) if args.dry_run else dict.fromkeys((args.decode_experts, args.experts))):
+            s = Setup(dev, args.dry_run, E, offline=False)
+            describe(s, results)
+            for N in ((1, 3) if args.dry_run else (1, 4, 8, 16)):
+                ok &= bench_decode(s, kern, N, results)
+            del s
     if args.only in (None, "conversion", "prefill"):  # prefill's offline path uses the offline copy made here
+        s = Setup(dev, args.dry_run, args.experts)
+        describe(s, results)
         ok &= bench_conversion(s, kern, results)
-    if args.only in (None, "decode"):
-        for N in ((1, 3) if args.dry_run else (1, 4, 16)):
-            ok &= bench_decode(s, kern, N, results)
-    if args.only in (None, "prefill"):
-        ok &= bench_prefill(s, kern, 20 if args.dry_run else 4096, results)
+        if args.only in (None, "prefill"):
+            ok &= bench_prefill(s, kern, 20 if args.dry_run else 4096, results)
     print("PASS" if ok else "FAIL")
     write_results("bench_moe", results)
     return 0 if ok else 1
