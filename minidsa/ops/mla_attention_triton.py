@@ -1,12 +1,20 @@
 """Triton kernels for sparse MLA attention over the paged latent cache (decode and prefill).
 
 Same contracts and signatures as ``mla_attention.sparse_mla_decode_ref`` / ``sparse_mla_prefill_ref``
-(docs/design.md §4, §12). Both ops run ONE kernel, ``_latent_attn_fwd``: attention of each query's
-H heads over exactly its K selected latent rows, in the absorbed (MQA) form
+(docs/design.md §4, §12). Both ops run the same two kernels: ``_row_numbers`` turns the selected
+positions into plane row numbers, and ``_latent_attn_fwd`` computes the attention of each query's H
+heads over exactly its K selected latent rows, in the absorbed (MQA) form
 
     score[h, s] = (q_latent[h] . c_kv[s] + q_pe[h] . k_pe[s]) * scale,    o_latent[h] = sum_s p[h, s] c_kv[s]
 
 where c_kv [r] is both key (with k_pe [dr] appended) and value.
+
+Row numbers, once per call. rows[b, t, k] = block_table[b, idx // bs] * bs + idx % bs for a valid
+position, -1 otherwise; a position is valid only if idx >= 0, idx // bs is inside the table and the
+table entry is >= 0 (the table entry of an invalid position is never read). The attention loop then
+reads one int32 per gathered row. When each loop thread converted the indices of every row it gathers
+(once per plane layout, at every tile), the loop took 1,738 SASS instructions per 64 positions and
+spilled; now 1,224, with no spill (sm_90), and decode's GPU time went from 112 to 100 us.
 
 Grid and tiling. One program per (query (b, t), block of BLOCK_H heads, split of the K positions).
 All heads of a query share the same K rows (one top-k set per query, MQA), so the heads are the M
@@ -14,20 +22,21 @@ dimension of both tl.dot calls: each gathered row is loaded once and used by BLO
 are padded to BLOCK_H >= 16 (tl.dot's minimum) with masks; padded heads load q = 0, and are never
 stored. The program walks its positions BLOCK_N at a time:
 
-    idx  = indices[b, t, n0:n0+BLOCK_N]                     (int32, -1 = padding)
-    phys = block_table[b, idx // bs]                        (masked load; -1 = no block)
-    row  = phys * plane.stride(0) + (idx % bs) * plane.stride(1)   (int64: big caches pass 2^31)
-    kv   = kv_latent[row, :r]  [BLOCK_N, BLOCK_R],  pe = k_pe[row, :dr]  [BLOCK_N, BLOCK_DR]
-    s    = q @ kv^T + q_pe @ pe^T                           [BLOCK_H, BLOCK_N]
+    row  = rows[b, t, n0:n0+BLOCK_N]                        (int32, -1 = invalid)
+    ptr  = plane + row * plane row stride, or the zero row where row = -1
+    kv   = kv_latent[ptr, :r]  [BLOCK_N, BLOCK_R],  pe = k_pe[ptr, :dr]  [BLOCK_N, BLOCK_DR]
+    s    = q @ kv^T + q_pe @ pe^T                           [BLOCK_H, BLOCK_N]   (-inf where invalid)
     online softmax (fp32, base 2), acc = acc * alpha + p @ kv   [BLOCK_H, BLOCK_R]
 
 Memory access. A gathered row is one contiguous vector per plane (r then dr values), so each load
-is BLOCK_N coalesced row reads; the address computation happens in the kernel from the int32 block
-table, with no torch gather beforehand. A position is valid only if idx >= 0, idx // bs is inside the
-table and the table entry is >= 0. Every load of a table entry or a plane row is masked by that
-validity, so padding, missing blocks and the tail of the last chunk never touch memory (a NaN in an
-unselected row cannot reach the output: docs/design.md §10 trap 4). Invalid columns get score -inf
-and probability 0; a query with no valid position keeps l = 0 and gets zeros, like the reference.
+is BLOCK_N coalesced row reads (16-byte asynchronous copies), with no torch gather beforehand. Rows
+of consecutive cache blocks are consecutive in the planes the cache allocates, so a row number times
+the row stride addresses both planes (other layouts are copied first). An invalid position (padding,
+a missing block, the tail of the last chunk) reads a row of zeros that the row-number pass writes
+beside the row numbers, never the plane: the loads need no mask, and an unselected plane row that
+holds a NaN cannot reach the output (docs/design.md §10 trap 4; 0 * NaN would). Invalid columns get
+score -inf and probability 0; a query with no valid position keeps l = 0 and gets zeros, like the
+reference.
 
 Split (flash-decoding). Decode has only B*T queries: B = 32, H = 96 gives 64 programs for 132 SMs.
 The K positions are then cut into NUM_SPLITS fixed, equal ranges (a multiple of BLOCK_N) so that the
@@ -52,40 +61,46 @@ missed by one query with probability (1 - 2048/p)^64 (0.016 at p = 32k), so the 
 the whole prefix and that form costs about dense causal attention plus decompression. It can only
 win when selections are local. Measured on the H200 (benchmarks/bench_mla.py, bf16, random causal
 top-k), triton 3.6; decode in GPU time (a CUDA graph replay: an eager call also pays about 0.1 ms of
-host launch cost, more than the kernel):
+host launch cost, as much as the kernels):
 
-  decode  B=32, 65,536 cached, top-k 2048, H=96:  0.112 ms = 17.7 % of the memory roofline (19.9 us);
-          before (each step timed against the previous one in one process): 0.157 ms with the block
-          size a runtime int, 0.119 ms with int64 row offsets;
-          plain-torch gather + bmm 0.32 ms in a CUDA graph (0.39-0.45 eager), dense SDPA over all
-          keys 6.06 ms, reference 37.3 ms
-  prefill T=32,768, top-k 2048, H=16, dn=128, dr=64, dv=128:  17.5 ms (2.40 TFLOP absorbed, 137 TFLOP/s;
-          18.0 ms with int64 offsets); dense causal SDPA (decompressed) 9.2-9.3 ms (592-597 TFLOP/s),
-          plain-torch sparse 183 ms, reference about 6.6-6.8 s
+  decode  B=32, 65,536 cached, top-k 2048, H=96:  0.100-0.101 ms = 19.6-19.9 % of the memory roofline
+          (19.9 us); before (each step timed against the previous one in one process): 0.157 ms with
+          the block size a runtime int, 0.119 ms with int64 row offsets, 0.112 ms with the row
+          arithmetic in the loop; plain-torch gather + bmm 0.32 ms in a CUDA graph (0.45 eager),
+          dense SDPA over all keys 6.03 ms, reference 37.6 ms. An eager call costs 0.19-0.22 ms: three
+          launches (row numbers, attention, split combine) of host time, where two cost 0.11-0.12 ms.
+  prefill T=32,768, top-k 2048, H=16, dn=128, dr=64, dv=128:  17.0-17.1 ms (2.40 TFLOP absorbed,
+          140 TFLOP/s; 17.5 ms with the row arithmetic in the loop, 18.0 ms with int64 offsets); dense
+          causal SDPA (decompressed) 9.2-9.3 ms (590-597 TFLOP/s), plain-torch sparse 184 ms, reference
+          about 6.2-6.8 s
 
-The prefill floor (2x faster than dense SDPA, i.e. <= 4.6 ms) is NOT met: it would need about 520
-TFLOP/s of absorbed work, while M = 16 heads per query limits each gathered row to 16 rows of an
-mma and the kernel is bound by its gathered loads (75 GB at 4 TB/s from L2).
+The prefill floor (2x faster than dense SDPA, i.e. <= 4.6 ms) is NOT met, and is out of reach of this
+form with random selections: the rows each query must gather (2,048 x 1,152 bytes, 74.9 GB in all)
+would have to arrive at 16 TB/s, and the 2.40 TFLOP at 520 TFLOP/s from mma tiles with M = 16 heads
+(mma.sync m16n8k16: the SASS is 272 HMMA.16816 per 128 positions; wgmma needs M = 64).
 
 What binds decode (floor 35 %, not met). Not memory: the time (int64 offsets then) was the same,
 120-122 us, for random, sorted and contiguous selections, an identity block table, and a 4,096-token
-cache that sits in L2.
-The loop is bound by instruction issue at low occupancy: one program of 8 warps per SM (255
-registers: the [64, 512] fp32 accumulator; 222 KB of shared memory: the query and two stages of
-gathered [64, 576] rows), and Nsight Compute shows 0.36 instructions issued per cycle per scheduler,
-its top stall a fixed-latency dependency. Per iteration (64 positions) a warp issues 1,738 SASS
-instructions, of which 76 are wgmma: the position -> row arithmetic (every thread loads and converts
-the indices and block-table entries of its own rows, once per plane layout) and the load masks are
-most of the rest. Dividing by the block size as a runtime int cost another ~1,000 per iteration
-(2,967 in all), int64 row offsets another ~200 (1,936); BS is a compile-time constant now, and planes
-under 2^31 elements take int32 offsets. The 8 warps form two warp groups that split the
-accumulator's columns, and each computes the whole [64, 64] score tile for itself (the SASS shows 72
-m64n32k16 wgmma per group per iteration), so the score dots run twice. Tried and rejected:
+cache that sits in L2. Two things:
+- The tensor-core work is twice the useful work. The 8 warps form two warp groups that split the
+  accumulator's columns, and each computes the whole [64, 64] score tile for itself (72 m64n32k16
+  wgmma per group per iteration: the score dots run twice), and 96 heads run as two blocks of 64.
+  Executed: 27.9 GFLOP for 13.7 useful, 35 us at 790 TFLOP/s, so even a perfectly fed loop would
+  reach 56 % of the roofline, and 35 % needs the wgmma units busy 62 % of the time.
+- Latency at low occupancy: one program of 8 warps per SM (255 registers: the [64, 512] fp32
+  accumulator; 221 KB of shared memory: the query and two stages of gathered [64, 576] rows), each
+  iteration a chain of gather -> score wgmma -> softmax -> value wgmma. Nsight Compute (1,738-
+  instruction loop) showed 0.36 instructions issued per cycle per scheduler, its top stall a
+  fixed-latency dependency; cutting the loop by 30 % (the row numbers) cut the time by 11 %.
+History of the loop (SASS instructions per 64 positions, sm_90): 2,967 with // and % by a runtime
+block size, 1,936 with BS a compile-time constant, 1,738 with int32 offsets, 1,224 with the row
+numbers computed before the loop and unmasked loads. Tried and rejected:
 - the transposed loop (s^T = kv @ q^T, acc^T += kv^T @ p^T: the query becomes a shared-memory B
   operand and 96 heads split into three blocks of 32 without padding): measured 134 us at 64 heads
   per program and 163-199 us at 32, in the run that timed this loop at 121 us;
-- BLOCK_N = 32 (no spills, half the index copies): 143-154 us; earlier, 48 more tilings (BLOCK_H
-  32/64, BLOCK_N 32/64, 2-8 splits, 4-16 warps, 1-3 stages): none faster;
+- BLOCK_N = 32: 143-154 us, and 132 us (3 or 4 stages) after the row numbers; 3 or 4 splits: 127,
+  109 us against 100; earlier, 48 more tilings (BLOCK_H 32/64, BLOCK_N 32/64, 2-8 splits, 4-16
+  warps, 1-3 stages): none faster;
 - a lazy rescale (the accumulator rescaled only when a running max grows by more than 2^8): compiled
   but not timed, since it makes the loop longer (2,163 instructions) and spills more.
 Reaching 35 % needs FlashMLA's structure: warp groups that each own half of the accumulator,
@@ -103,48 +118,72 @@ import triton.language as tl
 from .mla_attention import check_decode_args, check_prefill_args, sparse_mla_decode_ref, sparse_mla_prefill_ref
 
 _LOG2E = 1.4426950408889634
-# Planes with fewer elements than this are addressed with int32 row offsets (the loop shrinks from 1,936
+# Planes with fewer elements than this are addressed with int32 row offsets (the loop shrank from 1,936
 # to 1,738 SASS instructions per iteration: decode 0.119 -> 0.112 ms on the H200); larger ones with int64.
 INT32_OFFSETS_BELOW = 2**31
 
 
 @triton.jit
-def _chunk_rows(idx_row_ptr, table_row_ptr, n0, end, BS: tl.constexpr, max_blocks, s_kv0, s_kv1, s_pe0, s_pe1,
-                BLOCK_N: tl.constexpr, OFF64: tl.constexpr):
-    """Positions n0 .. n0+BLOCK_N of one query -> (valid [BLOCK_N], row offsets in both planes): int64
-    when OFF64, else int32 (planes under 2^31 elements: half the address arithmetic of every row).
+def _row_numbers(idx_ptr, table_ptr, rows_ptr, zero_ptr, T, K, max_blocks, s_tb, s_ib, s_it,
+                 BS: tl.constexpr, BLOCK: tl.constexpr, ZERO_WORDS: tl.constexpr):
+    """Selected positions -> plane row numbers, once per call: rows[bt, k] = table[b, idx // BS] * BS +
+    idx % BS, or -1 where the position is padding (-1), past the block table, or in a block whose entry
+    is -1 (neither that entry nor any plane row is read). Program (0, 0) also zero-fills the zero row
+    (ZERO_WORDS int32 words) that the attention loop reads in place of an invalid row.
 
-    Padding (-1), positions past the block table, table entries of -1 and positions >= end are all
-    invalid; neither the table entry nor the plane row of an invalid position is ever loaded."""
-    n = n0 + tl.arange(0, BLOCK_N)
-    idx = tl.load(idx_row_ptr + n, mask=n < end, other=-1)
-    # The cache block size BS is a compile-time constant: // and % by a runtime int cost ~20 integer
-    # instructions per row of every gathered tile (they were most of the loop's instructions).
+    Doing this before the attention loop, and not per gathered tile in it, took the loop from 1,738 to
+    1,224 SASS instructions per 64 positions (sm_90): the loop's threads each converted the indices of
+    every row they gather, once per plane layout. The cache block size BS is a compile-time constant
+    (// and % by a runtime int cost ~20 integer instructions per row)."""
+    bt = tl.program_id(0).to(tl.int64)
+    b, t = bt // T, bt % T
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = n < K
+    idx = tl.load(idx_ptr + b * s_ib + t * s_it + n, mask=inside, other=-1)
     pos = tl.where(idx >= 0, idx, 0).to(tl.uint32)
     blk = (pos // BS).to(tl.int32)
     valid = (idx >= 0) & (blk < max_blocks)
-    phys = tl.load(table_row_ptr + blk, mask=valid, other=-1)
+    phys = tl.load(table_ptr + b * s_tb + blk, mask=valid, other=-1)
     valid = valid & (phys >= 0)
-    if OFF64:  # a large cache passes 2^31 elements
-        phys = phys.to(tl.int64)
-        off = (pos % BS).to(tl.int64)
-    else:
-        off = (pos % BS).to(tl.int32)
-    return valid, phys * s_kv0 + off * s_kv1, phys * s_pe0 + off * s_pe1
+    rows = tl.where(valid, phys * BS + (pos % BS).to(tl.int32), -1)
+    tl.store(rows_ptr + bt * K + n, rows, mask=inside)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(zero_ptr + tl.arange(0, ZERO_WORDS), tl.zeros([ZERO_WORDS], tl.int32))
 
 
 @triton.jit
-def _gather_rows(plane_ptr, rows, valid, W: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Rows [BLOCK_N, BLOCK_W] of a plane at int64 element offsets ``rows``; invalid rows are not read.
+def _chunk_ptrs(rows_ptr, n0, end, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe, BLOCK_N: tl.constexpr,
+                OFF64: tl.constexpr):
+    """Positions n0 .. n0+BLOCK_N of one query -> (valid [BLOCK_N], row pointers into both planes).
 
-    The column mask exists only for widths that are not a power of two: a mask that is constant along
-    a row lets the compiler issue 16-byte vector loads and asynchronous copies for the gathered rows."""
+    An invalid position (row -1, or past ``end``) points at the zero row: every gathered load is then
+    unmasked (no predicate per 16-byte copy), and a zero row gives p * 0 = 0 in the value sum where
+    an arbitrary row could hold a NaN (docs/design.md §10 trap 4); its score is set to -inf anyway.
+    Row offsets are int32 for planes under 2^31 elements (half the address arithmetic), else int64."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    r = tl.load(rows_ptr + n, mask=n < end, other=-1)
+    valid = r >= 0
+    if OFF64:  # a large cache passes 2^31 elements
+        r = r.to(tl.int64)
+    return valid, tl.where(valid, kv_ptr + r * s_kv, zero_ptr), tl.where(valid, pe_ptr + r * s_pe, zero_ptr)
+
+
+@triton.jit
+def _gather(ptrs, W: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Rows [BLOCK_N, BLOCK_W] at row pointers ``ptrs`` (columns past W are 0). The column mask exists
+    only for widths that are not a power of two: without a mask the compiler issues 16-byte vector
+    loads (asynchronous copies) for the gathered rows."""
     cols = tl.arange(0, BLOCK_W)
     if W == BLOCK_W:
-        mask = valid[:, None]
-    else:
-        mask = valid[:, None] & (cols[None, :] < W)
-    return tl.load(plane_ptr + rows[:, None] + cols[None, :], mask=mask, other=0.0)
+        return tl.load(ptrs[:, None] + cols[None, :])
+    return tl.load(ptrs[:, None] + cols[None, :], mask=(cols < W)[None, :], other=0.0)
+
+
+@triton.jit
+def _query_rows(q_ptr, hoff, head_ok, W: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The query block [BLOCK_H, BLOCK_W] at element offsets ``hoff`` (padded heads: 0)."""
+    cols = tl.arange(0, BLOCK_W)
+    return tl.load(q_ptr + hoff[:, None] + cols[None, :], mask=head_ok[:, None] & (cols < W)[None, :], other=0.0)
 
 
 @triton.jit
@@ -161,27 +200,27 @@ def _softmax_step(s, m_i, l_i):
 
 
 @triton.jit
-def _attend_selected(q_ptr, qpe_ptr, kv_ptr, pe_ptr, idx_row, table_row, hoff, head_ok, start, end, BS: tl.constexpr,
-                max_blocks, qk_scale, s_qh, s_ph, s_kv0, s_kv1, s_pe0, s_pe1,
-                R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, DOT_PRECISION: tl.constexpr, OFF64: tl.constexpr):
+def _attend_selected(q_ptr, qpe_ptr, kv_ptr, pe_ptr, zero_ptr, rows_ptr, hoff, head_ok, start, end, qk_scale,
+                     s_qh, s_ph, s_kv, s_pe, R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, OFF64: tl.constexpr):
     """The loop over the selected positions, heads as the dots' M: s = q @ kv^T [BLOCK_H, BLOCK_N] and
     acc += p @ kv. Returns (acc [BLOCK_H, BLOCK_R], m [BLOCK_H], l [BLOCK_H])."""
     dot_dtype = kv_ptr.dtype.element_ty  # bf16 planes -> bf16 tensor-core dots; fp32 -> ieee fp32
     # The query block is loaded once (padded heads: q = 0, never stored); on Hopper the compiler keeps it
     # in shared memory, where the score wgmma reads it.
-    q = _gather_rows(q_ptr, hoff * s_qh, head_ok, R, BLOCK_R).to(dot_dtype)
-    qpe = _gather_rows(qpe_ptr, hoff * s_ph, head_ok, DR, BLOCK_DR).to(dot_dtype)
+    q = _query_rows(q_ptr, hoff * s_qh, head_ok, R, BLOCK_R).to(dot_dtype)
+    qpe = _query_rows(qpe_ptr, hoff * s_ph, head_ok, DR, BLOCK_DR).to(dot_dtype)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of log2-scaled scores
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of 2^(s - m_i)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        valid, row_kv, row_pe = _chunk_rows(idx_row, table_row, n0, end, BS, max_blocks, s_kv0, s_kv1,
-                                            s_pe0, s_pe1, BLOCK_N, OFF64)
+        valid, kv_rows, pe_rows = _chunk_ptrs(rows_ptr, n0, end, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe, BLOCK_N,
+                                              OFF64)
         # One load per row serves as key (transposed view) and as value: the tile is read once. (Loading
         # it a second time as [BLOCK_R, BLOCK_N] for the key measured 1.3-4x slower on the H200.)
-        kv = _gather_rows(kv_ptr, row_kv, valid, R, BLOCK_R)  # [BLOCK_N, BLOCK_R]
-        pe = _gather_rows(pe_ptr, row_pe, valid, DR, BLOCK_DR).to(dot_dtype)  # [BLOCK_N, BLOCK_DR]
+        kv = _gather(kv_rows, R, BLOCK_R)  # [BLOCK_N, BLOCK_R]
+        pe = _gather(pe_rows, DR, BLOCK_DR).to(dot_dtype)  # [BLOCK_N, BLOCK_DR]
         s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
         s = tl.dot(qpe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # qk_scale = scale * log2(e)
@@ -192,11 +231,10 @@ def _attend_selected(q_ptr, qpe_ptr, kv_ptr, pe_ptr, idx_row, table_row, hoff, h
 
 @triton.jit
 def _latent_attn_fwd(
-    q_ptr, qpe_ptr, kv_ptr, pe_ptr, table_ptr, idx_ptr, o_ptr, m_ptr, l_ptr,
-    T, H, K, BS: tl.constexpr, max_blocks, keys_per_split, qk_scale,
+    q_ptr, qpe_ptr, kv_ptr, pe_ptr, zero_ptr, rows_ptr, o_ptr, m_ptr, l_ptr,
+    T, H, K, keys_per_split, qk_scale,
     s_qb, s_qt, s_qh, s_pb, s_pt, s_ph,  # q_latent / q_pe strides (last dim contiguous)
-    s_kv0, s_kv1, s_pe0, s_pe1,  # plane strides: per block, per row in a block
-    s_tb, s_ib, s_it,  # block table row stride, indices strides (last dim contiguous)
+    s_kv, s_pe,  # plane row strides (rows of consecutive blocks are consecutive: see _latent_attention)
     s_ob, s_ot, s_os, s_oh,  # output (or partial acc) strides: b, t, split, head
     s_mbt, s_ms,  # m / l partials [B*T, NUM_SPLITS, H] (only used when NUM_SPLITS > 1)
     R: tl.constexpr, DR: tl.constexpr,  # compile-time widths: a full-width row needs no column mask
@@ -211,10 +249,9 @@ def _latent_attn_fwd(
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, K)
     q_row, qpe_row = q_ptr + b * s_qb + t * s_qt, qpe_ptr + b * s_pb + t * s_pt
-    idx_row, table_row = idx_ptr + b * s_ib + t * s_it, table_ptr + b * s_tb
-    acc, m_i, l_i = _attend_selected(q_row, qpe_row, kv_ptr, pe_ptr, idx_row, table_row, hoff, head_ok, start, end,
-                                BS, max_blocks, qk_scale, s_qh, s_ph, s_kv0, s_kv1, s_pe0, s_pe1, R, DR,
-                                BLOCK_H, BLOCK_N, BLOCK_R, BLOCK_DR, DOT_PRECISION, OFF64)
+    acc, m_i, l_i = _attend_selected(q_row, qpe_row, kv_ptr, pe_ptr, zero_ptr, rows_ptr + bt * K, hoff, head_ok,
+                                     start, end, qk_scale, s_qh, s_ph, s_kv, s_pe, R, DR, BLOCK_H, BLOCK_N,
+                                     BLOCK_R, BLOCK_DR, DOT_PRECISION, OFF64)
     cols_r = tl.arange(0, BLOCK_R)
     o_ptrs = o_ptr + b * s_ob + t * s_ot + split * s_os + hoff[:, None] * s_oh + cols_r[None, :]
     out_mask = head_ok[:, None] & (cols_r < R)[None, :]
@@ -292,29 +329,58 @@ def _config(H: int, R: int, K: int, queries: int, device: torch.device, num_spli
     return BLOCK_H, BLOCK_N, num_splits, num_warps, 2
 
 
+def _row_plane(plane: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A cache plane [blocks, bs, W] and its row stride, such that row ``phys * bs + off`` sits at element
+    row * stride: true for every plane the cache allocates (blocks back to back), and for column views of
+    one. Other layouts are copied (the model never builds them)."""
+    n, bs, _ = plane.shape
+    if bs == 1:
+        return plane, plane.stride(0)
+    if n > 1 and plane.stride(0) != bs * plane.stride(1):
+        plane = plane.contiguous()
+    return plane, plane.stride(1)
+
+
+def _rows_and_zero_row(block_table, indices, B: int, T: int, K: int, bs: int, zero_bytes: int, on_gpu: bool):
+    """Launch _row_numbers: (rows int32 [B*T*K] as a flat buffer, zero row of zero_bytes bytes as int32 words
+    in the same buffer, 16-byte aligned)."""
+    start = triton.cdiv(B * T * K, 4) * 4
+    words = triton.next_power_of_2(max(4, zero_bytes // 4))
+    buf = torch.empty(start + words, dtype=torch.int32, device=indices.device)
+    block = min(1024 if on_gpu else 64, triton.next_power_of_2(K))
+    _row_numbers[(B * T, triton.cdiv(K, block))](indices, block_table, buf, buf[start:], T, K, block_table.shape[1],
+                                                 block_table.stride(0), indices.stride(0), indices.stride(1),
+                                                 BS=bs, BLOCK=block, ZERO_WORDS=words)
+    return buf, buf[start:]
+
+
 def _latent_attention(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices, scale, out,
                       out_strides, num_splits=None):
-    """Launch the kernel. q_latent [B,T,H,r], q_pe [B,T,H,dr] (any strides, last dim contiguous),
+    """Launch the kernels. q_latent [B,T,H,r], q_pe [B,T,H,dr] (any strides, last dim contiguous),
     ``out`` written through ``out_strides`` = (b, t, h) element strides -> out holds o_latent."""
     B, T, H, R = q_latent.shape
     DR = q_pe.shape[-1]
     K = indices.shape[-1]
-    _, bs, _ = kv_latent_plane.shape
+    nblocks, bs, _ = kv_latent_plane.shape
+    if nblocks * bs >= 2**31:
+        raise ValueError(f"a cache of {nblocks} blocks x {bs} rows passes 2^31 rows; the row numbers are int32")
+    kv_plane, s_kv = _row_plane(kv_latent_plane)
+    pe_plane, s_pe = _row_plane(k_pe_plane)
     dev = q_latent.device
-    BLOCK_H, BLOCK_N, splits, num_warps, num_stages = _config(H, R, K, B * T, dev, num_splits,
-                                                               kv_latent_plane.element_size())
+    elt = kv_plane.element_size()
+    BLOCK_H, BLOCK_N, splits, num_warps, num_stages = _config(H, R, K, B * T, dev, num_splits, elt)
     BLOCK_R = max(16, triton.next_power_of_2(R))
     BLOCK_DR = max(16, triton.next_power_of_2(DR))
+    rows, zero = _rows_and_zero_row(block_table, indices, B, T, K, bs, max(BLOCK_R, BLOCK_DR) * elt, dev.type == "cuda")
     keys_per_split = triton.cdiv(triton.cdiv(K, splits), BLOCK_N) * BLOCK_N
-    precision = "ieee" if kv_latent_plane.dtype == torch.float32 else "tf32"  # "tf32" is ignored for bf16
+    precision = "ieee" if kv_plane.dtype == torch.float32 else "tf32"  # "tf32" is ignored for bf16
     grid = (B * T, triton.cdiv(H, BLOCK_H), splits)
-    common = (q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices)
-    sizes = (T, H, K, bs, block_table.shape[1], keys_per_split, float(scale) * _LOG2E,
+    common = (q_latent, q_pe, kv_plane, pe_plane, zero.view(kv_plane.dtype), rows)
+    sizes = (T, H, K, keys_per_split, float(scale) * _LOG2E,
              q_latent.stride(0), q_latent.stride(1), q_latent.stride(2), q_pe.stride(0), q_pe.stride(1),
-             q_pe.stride(2), kv_latent_plane.stride(0), kv_latent_plane.stride(1), k_pe_plane.stride(0),
-             k_pe_plane.stride(1), block_table.stride(0), indices.stride(0), indices.stride(1))
+             q_pe.stride(2), s_kv, s_pe)
     meta = dict(R=R, DR=DR, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, BLOCK_DR=BLOCK_DR, NUM_SPLITS=splits,
-                DOT_PRECISION=precision, OFF64=max(kv_latent_plane.numel(), k_pe_plane.numel()) >= INT32_OFFSETS_BELOW,
+                DOT_PRECISION=precision, OFF64=max(kv_plane.numel(), pe_plane.numel()) >= INT32_OFFSETS_BELOW,
                 num_warps=num_warps, num_stages=num_stages)
     if splits == 1:
         sb, st, sh = out_strides
@@ -346,9 +412,10 @@ def sparse_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_plan
     if torch.float64 in (q_latent.dtype, q_pe.dtype, kv_latent_plane.dtype, k_pe_plane.dtype):
         # fp64 exists for exactness tests; tensor cores do not do it, the reference does.
         return sparse_mla_decode_ref(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices, scale)
-    out = torch.zeros(B, T, H, r, dtype=torch.float32, device=q_latent.device)
+    # Every element is written by the kernels (an empty row gets zeros there), so no memset launch.
+    out = torch.empty(B, T, H, r, dtype=torch.float32, device=q_latent.device)
     if out.numel() == 0 or indices.shape[-1] == 0:
-        return out  # no query, or nothing selected: zeros like the reference
+        return out.zero_()  # no query, or nothing selected: zeros like the reference
     _latent_attention(_last_dim_contiguous(q_latent), _last_dim_contiguous(q_pe),
                       _last_dim_contiguous(kv_latent_plane), _last_dim_contiguous(k_pe_plane),
                       block_table.to(torch.int32), _last_dim_contiguous(indices.to(torch.int32)),
