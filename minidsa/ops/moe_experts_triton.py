@@ -731,7 +731,7 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
     # matrix-vector products: the FP8 MLP for one token, the MXFP4 one per routed pair at every decode size
     meta["GEMV"] = dense and (N == 1 or w.dtype == torch.uint8)
     meta["PTX"] = on_gpu and triton.runtime.driver.active.get_current_target().backend == "cuda"
-    if meta["GEMV"] and meta["MXFP4"]:  # activations as 8 planes z[n, j::8] (see _x_planes)
+    if meta["GEMV"] and meta["MXFP4"]:  # activations as 8 planes z[n, j::8] (see _x_part)
         z = z.view(N, L // 8, 8).transpose(1, 2).contiguous()
     tiles = max(1, triton.cdiv(longest, cfg["BLOCK_T"]))  # token tiles per slot
     meta, parts_up, parts_down = _gemv_meta(meta, on_gpu, L, I)
