@@ -53,7 +53,10 @@ passes: no token lane padded to tl.dot's 16, no bf16 split of the activation, ex
       0.125 / 0.448 / 1.836 ms (eager);
     BLOCK_R 16 instead of 8 (GPU time; the activation loads serve twice the rows):
       0.123 / 0.427 / 1.70-1.72 ms = 53 / 54.5 / 39 % of 4.3 TB/s (8 rows: 0.121 / 0.447 / 1.833);
-      at K3's 896 experts (16 / 59-62 / 224 routed slots): 53 / 59.6 / 51.5 %.
+      benchmarks/bench_moe.py at K3's 896 experts (1 / 4 / 8 / 16 tokens route to 16 / 62 / 121 / 218
+      slots): 0.121 / 0.424 / 0.832 / 1.665 ms = 53.9 / 59.7 / 59.4 / 53.4 %, 2.35-2.52x the bf16 peer.
+  With 256 experts, 16 tokens route 256 pairs to only 164 slots, and the bytes of 164 slots are what
+  must be read: 39.6 % of 4.3 TB/s on those (1.72x the peer), as each pair decodes its slot's rows.
   A slot routed by several tokens is decoded once per token (the second read of its rows can hit L2):
   decoding the rows once for two tokens per pass (both activation sets in registers: 231 registers at
   two warps, where one token's pass fits one warp) measured 2x slower at 4 and 16 tokens (1.17 and
