@@ -83,6 +83,28 @@ def test_decode_matches_reference_on_odd_shapes_with_nan_in_unselected_rows(r, d
     assert (out[0, -1] == 0).all()  # all -1: zeros, like the reference
 
 
+@pytest.mark.parametrize("layout", ["one-tensor views", "blocks apart", "block size 1"])
+def test_decode_addresses_planes_of_any_layout(layout):
+    # The kernel addresses row (block * bs + offset) at row * row stride: true for the planes the cache
+    # allocates and for column views of one [blocks, bs, r + dr] tensor; planes whose blocks are not back
+    # to back are copied first, and a block size of 1 uses the block stride.
+    dev = kernel_device()
+    B, T, H, r, dr, K = 2, 1, 3, 60, 12, 16
+    bs = 1 if layout == "block size 1" else 4
+    kv, pe, table, idx = paged_case(B, T, K, r, dr, bs, contexts=[23, 19], device=dev, seed=5)
+    if layout == "one-tensor views":
+        both = torch.cat([kv, pe], -1)
+        kv, pe = both[..., :r], both[..., r:]
+    elif layout == "blocks apart":  # [bs, blocks, w] storage seen as [blocks, bs, w]
+        kv = kv.transpose(0, 1).contiguous().transpose(0, 1)
+        pe = pe.transpose(0, 1).contiguous().transpose(0, 1)
+        assert kv.stride(0) != bs * kv.stride(1)
+    q_lat = torch.randn(B, T, H, r, device=dev)
+    q_pe = torch.randn(B, T, H, dr, device=dev)
+    out = mt.sparse_mla_decode(q_lat, q_pe, kv, pe, table, idx, 0.15)
+    torch.testing.assert_close(out, sparse_mla_decode_ref(q_lat, q_pe, kv, pe, table, idx, 0.15), **FP32_TOL)
+
+
 def test_decode_split_path_matches_reference_and_is_deterministic():
     """Flash-decoding split (3 fixed ranges of K) + combine; one split holds only padding."""
     dev = kernel_device()
