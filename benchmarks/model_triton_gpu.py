@@ -10,18 +10,23 @@ is what a serving loop that replays graphs pays), prefill time, and how far the 
 backends are apart. Compared in the config's dtype
 (bf16 for small), the logits differ by rounding, and a rounding difference can flip a discrete choice
 (a DSA key or an expert near a tie), so the script also reports how many rows pick the same next
-token. A second comparison in fp32 (same seed) shows the agreement without bf16 rounding.
+token. Two comparisons show the agreement without those flips: the same prompts with every
+discrete choice held fixed (the triton run records each DSA selection and each token's routed
+experts, the torch run replays them with its own scores and router weights), and a run in fp32.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from contextlib import contextmanager
 
 import torch
 from _bench import cuda_graph
 
 import minidsa
+from minidsa.lightning_indexer import LightningIndexer
+from minidsa.moe import LatentMoE
 
 
 def prompts(batch: int, vocab: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -33,8 +38,9 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run(model, batch_prompts, steps: int, device: str) -> dict:
-    """Prefill every prompt, then decode ``steps`` greedy tokens for the whole batch."""
+def run(model, batch_prompts, steps: int, device: str, graph: bool = True) -> dict:
+    """Prefill every prompt, then decode ``steps`` greedy tokens for the whole batch (after the compared
+    first step and, when steps > 0, 8 untimed ones)."""
     cache = model.new_cache()
     sids = [cache.add_sequence() for _ in batch_prompts]
     with torch.inference_mode():
@@ -47,7 +53,7 @@ def run(model, batch_prompts, steps: int, device: str) -> dict:
         ids = torch.full((len(sids), 1), 5, device=device)  # the same input for both backends
         first = model(ids, cache=cache, seq_ids=sids)[:, -1]  # warm-up step, and the compared logits
         ids = first.argmax(-1, keepdim=True)
-        for _ in range(8):  # untimed: kernel variants that a growing context specialises on compile here
+        for _ in range(8 if steps else 0):  # untimed: kernel variants that a growing context specialises on compile here
             ids = model(ids, cache=cache, seq_ids=sids)[:, -1].argmax(-1, keepdim=True)
         sync(device)
         t0 = time.perf_counter()
@@ -56,7 +62,7 @@ def run(model, batch_prompts, steps: int, device: str) -> dict:
         sync(device)
         t_decode = time.perf_counter() - t0
     return {"prefill_s": t_prefill, "decode_s": t_decode, "first": first.float().cpu(),
-            "graph_s": graph_step_s(model, cache, sids, device) if device == "cuda" else float("nan")}
+            "graph_s": graph_step_s(model, cache, sids, device) if device == "cuda" and graph else float("nan")}
 
 
 def graph_step_s(model, cache, sids, device: str, reps: int = 20) -> float:
@@ -81,6 +87,49 @@ def graph_step_s(model, cache, sids, device: str, reps: int = 20) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+@contextmanager
+def held_choices(log: list, replay: bool):
+    """Record (replay=False) or replay every DSA selection and every routed-expert choice, in call order.
+    A replayed route keeps its own affinities: only which experts is fixed, not their weights."""
+    select, select_paged, route = LightningIndexer.select, LightningIndexer.select_paged, LatentMoE.route
+
+    def recorded(fn):
+        def call(self, *args):
+            if replay:
+                return log.pop(0)
+            log.append(fn(self, *args))
+            return log[-1]
+        return call
+
+    def route_held(self, x):
+        if replay:
+            ids = log.pop(0)
+            return ids, self.route_weights(self.router_scores(x), ids)
+        ids, weights = route(self, x)
+        log.append(ids)
+        return ids, weights
+
+    LightningIndexer.select, LightningIndexer.select_paged = recorded(select), recorded(select_paged)
+    LatentMoE.route = route_held
+    try:
+        yield
+    finally:
+        LightningIndexer.select, LightningIndexer.select_paged, LatentMoE.route = select, select_paged, route
+
+
+def held_choice_gap(model, batch_prompts, device: str) -> tuple[float, float]:
+    """(max |logit difference|, fraction of rows with the same next token) of the first decode step,
+    triton against torch, with the torch run replaying the triton run's discrete choices."""
+    log, first = [], {}
+    for backend, replay in (("triton", False), ("torch", True)):
+        model.set_backend(backend)
+        with held_choices(log, replay):
+            first[backend] = run(model, batch_prompts, 0, device, graph=False)["first"]
+    assert not log, "the replay did not consume every recorded choice"
+    a, b = first["torch"], first["triton"]
+    return (a - b).abs().max().item(), (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+
+
 def compare(config: minidsa.ModelConfig, batch: int, steps: int, device: str) -> None:
     model = minidsa.MiniDSA(config, device=device)
     batch_prompts = prompts(batch, config.vocab_size, torch.Generator().manual_seed(batch))
@@ -91,6 +140,7 @@ def compare(config: minidsa.ModelConfig, batch: int, steps: int, device: str) ->
         out[backend] = run(model, batch_prompts, steps, device)
     a, b = out["torch"]["first"], out["triton"]["first"]
     same = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    held, held_same = held_choice_gap(model, batch_prompts, device)
     tps = {k: batch * steps / v["decode_s"] for k, v in out.items()}
     gps = {k: batch / v["graph_s"] for k, v in out.items()}
     print(f"{config.name} {config.dtype} batch {batch}: decode {tps['torch']:.0f} tok/s torch, "
@@ -98,7 +148,8 @@ def compare(config: minidsa.ModelConfig, batch: int, steps: int, device: str) ->
           f"{gps['torch']:.0f} / {gps['triton']:.0f} tok/s ({gps['triton'] / gps['torch']:.2f}x); prefill "
           f"{out['torch']['prefill_s'] * 1e3:.0f} / {out['triton']['prefill_s'] * 1e3:.0f} ms; first decode "
           f"logits max|diff| {(a - b).abs().max().item():.3g} (logit scale {a.abs().max().item():.3g}), "
-          f"same next token in {same:.0%} of rows")
+          f"same next token in {same:.0%} of rows; with the discrete choices held fixed max|diff| {held:.3g}, "
+          f"same next token in {held_same:.0%}")
 
 
 def main() -> None:

@@ -151,12 +151,21 @@ class LatentMoE(nn.Module):
     # ---------------------------------------------------------------- forward
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, d] -> (expert ids int64 [N, top_k], weights fp32 [N, top_k])."""
-        acc = acc_dtype(x)
-        s = torch.sigmoid(nn.functional.linear(cast(x, acc), cast(self.gate.weight, acc)))
-        biased = s + cast(self.gate.e_score_correction_bias, acc)
+        s = self.router_scores(x)
+        biased = s + cast(self.gate.e_score_correction_bias, s.dtype)
         ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.top_k]  # ties -> lower id
+        return ids, self.route_weights(s, ids)
+
+    def router_scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, d] -> sigmoid affinities s [N, E] in the accumulation dtype. The selection bias is added
+        only to pick the experts; the weights use s itself (DeepSeek-V3's aux-loss-free balancing)."""
+        acc = acc_dtype(x)
+        return torch.sigmoid(nn.functional.linear(cast(x, acc), cast(self.gate.weight, acc)))
+
+    def route_weights(self, s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Affinities s [N, E] of the chosen experts ids [N, top_k], renormalised and scaled -> [N, top_k]."""
         chosen = s.gather(1, ids)
-        return ids, chosen / (chosen.sum(-1, keepdim=True) + ROUTER_EPS) * self.routed_scaling_factor
+        return chosen / (chosen.sum(-1, keepdim=True) + ROUTER_EPS) * self.routed_scaling_factor
 
     def conversion_plan(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [N, top_k] -> (experts int64 [n], number routed: an int or a device scalar), n = min(N * top_k, E).
