@@ -83,7 +83,7 @@ def test_decode_matches_reference_on_odd_shapes_with_nan_in_unselected_rows(r, d
     assert (out[0, -1] == 0).all()  # all -1: zeros, like the reference
 
 
-@pytest.mark.parametrize("layout", ["one-tensor views", "blocks apart", "block size 1"])
+@pytest.mark.parametrize("layout", ["one-tensor views", "blocks apart", "block size 1", "strided columns"])
 def test_decode_addresses_planes_of_any_layout(layout):
     # The kernel addresses row (block * bs + offset) at row * row stride: true for the planes the cache
     # allocates and for column views of one [blocks, bs, r + dr] tensor; planes whose blocks are not back
@@ -99,6 +99,10 @@ def test_decode_addresses_planes_of_any_layout(layout):
         kv = kv.transpose(0, 1).contiguous().transpose(0, 1)
         pe = pe.transpose(0, 1).contiguous().transpose(0, 1)
         assert kv.stride(0) != bs * kv.stride(1)
+    elif layout == "strided columns":  # every other element of wider rows
+        kv = torch.stack([kv, kv], -1).flatten(-2)[..., ::2]
+        pe = torch.stack([pe, pe], -1).flatten(-2)[..., ::2]
+        assert kv.stride(-1) == 2
     q_lat = torch.randn(B, T, H, r, device=dev)
     q_pe = torch.randn(B, T, H, dr, device=dev)
     out = mt.sparse_mla_decode(q_lat, q_pe, kv, pe, table, idx, 0.15)

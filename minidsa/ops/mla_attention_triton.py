@@ -336,13 +336,11 @@ def _config(H: int, R: int, K: int, queries: int, device: torch.device, num_spli
 def _row_plane(plane: torch.Tensor) -> tuple[torch.Tensor, int]:
     """A cache plane [blocks, bs, W] and its row stride, such that row ``phys * bs + off`` sits at element
     row * stride: true for every plane the cache allocates (blocks back to back), and for column views of
-    one. Other layouts are copied (the model never builds them)."""
+    one. Other layouts, a last dim with a stride included, are copied (the model never builds them)."""
     n, bs, _ = plane.shape
-    if bs == 1:
-        return plane, plane.stride(0)
-    if n > 1 and plane.stride(0) != bs * plane.stride(1):
+    if plane.stride(-1) != 1 or (bs > 1 and n > 1 and plane.stride(0) != bs * plane.stride(1)):
         plane = plane.contiguous()
-    return plane, plane.stride(1)
+    return plane, plane.stride(1) if bs > 1 else plane.stride(0)
 
 
 def _rows_and_zero_row(block_table, indices, B: int, T: int, K: int, bs: int, zero_bytes: int, on_gpu: bool):
@@ -420,8 +418,7 @@ def sparse_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_plan
     out = torch.empty(B, T, H, r, dtype=torch.float32, device=q_latent.device)
     if out.numel() == 0 or indices.shape[-1] == 0:
         return out.zero_()  # no query, or nothing selected: zeros like the reference
-    _latent_attention(_last_dim_contiguous(q_latent), _last_dim_contiguous(q_pe),
-                      _last_dim_contiguous(kv_latent_plane), _last_dim_contiguous(k_pe_plane),
+    _latent_attention(_last_dim_contiguous(q_latent), _last_dim_contiguous(q_pe), kv_latent_plane, k_pe_plane,
                       block_table.to(torch.int32), _last_dim_contiguous(indices.to(torch.int32)),
                       scale, out, (out.stride(0), out.stride(1), out.stride(2)))
     return out
@@ -451,8 +448,8 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     o_latent = torch.empty(H, B * T, r, dtype=wdt, device=q.device)
     hs, ts = q_latent.stride(0), q_latent.stride(1)
     q_lat_view = q_latent.as_strided((B, T, H, r), (T * ts, ts, hs, 1))
-    _latent_attention(q_lat_view, _last_dim_contiguous(q_pe), _last_dim_contiguous(kv_latent_plane),
-                      _last_dim_contiguous(k_pe_plane), block_table.to(torch.int32),
+    _latent_attention(q_lat_view, _last_dim_contiguous(q_pe), kv_latent_plane, k_pe_plane,
+                      block_table.to(torch.int32),
                       _last_dim_contiguous(indices.to(torch.int32)), scale, o_latent,
                       (T * o_latent.stride(1), o_latent.stride(1), o_latent.stride(0)), num_splits=1)
     o = torch.bmm(o_latent, w_uv.transpose(1, 2))  # [H, BT, dv]
