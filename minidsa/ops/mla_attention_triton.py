@@ -101,8 +101,19 @@ numbers computed before the loop and unmasked loads. Tried and rejected:
 - BLOCK_N = 32: 143-154 us, and 132 us (3 or 4 stages) after the row numbers; 3 or 4 splits: 127,
   109 us against 100; earlier, 48 more tilings (BLOCK_H 32/64, BLOCK_N 32/64, 2-8 splits, 4-16
   warps, 1-3 stages): none faster;
-- a lazy rescale (the accumulator rescaled only when a running max grows by more than 2^8): compiled
-  but not timed, since it makes the loop longer (2,163 instructions) and spills more.
+- a lazy rescale (a row's reference max moves only when the new max passes it by more than 8, in
+  log2 units; the accumulator is rescaled under a branch taken when some row moved): 112 us against
+  98 us in one run (the branch adds spills; with 64 heads some row moves in most early tiles);
+- one stage, BLOCK_N 64 or 128: 124, 126 us;
+- the duplicated score dot removed. The compiler gives a dot whose result reaches another dot all its
+  warps along M (warpsPerTileV3's chained-dot rule: [8, 1] for a 64-row tile, so both groups compute
+  it). Carrying p and alpha to the next iteration hides the chain (iteration i scores tile i and adds
+  tile i-1's values), and the loop then issues 44 wgmma per group per 64 positions instead of 76.
+  But a loop-carried tile lives in registers, so tile i-1 must be gathered again, and two staged
+  tiles need 360 KB of shared memory at BLOCK_N=64: measured 116 us (one stage), 129-130 us
+  (BLOCK_N=32, 2-3 stages), 164-183 us (16 warps or BLOCK_N=16), against 98 us in the same run.
+  Passing p through a global scratch buffer instead does not hide the chain (alpha still reaches
+  the value dot) and stops the pipelining of the gathers.
 Reaching 35 % needs FlashMLA's structure: warp groups that each own half of the accumulator,
 exchange one score tile through shared memory and overlap loads, softmax and dots; Triton gives no
 control over which warp group computes what.
