@@ -113,7 +113,11 @@ numbers computed before the loop and unmasked loads. Tried and rejected:
   tiles need 360 KB of shared memory at BLOCK_N=64: measured 116 us (one stage), 129-130 us
   (BLOCK_N=32, 2-3 stages), 164-183 us (16 warps or BLOCK_N=16), against 98 us in the same run.
   Passing p through a global scratch buffer instead does not hide the chain (alpha still reaches
-  the value dot) and stops the pipelining of the gathers.
+  the value dot) and stops the pipelining of the gathers. (The score wgmma are also half width,
+  m64n32: the instruction-shape rule assumes the 8 warps split N, the chained-dot rule then puts
+  them all on M.)
+- tl.range(..., warp_specialize=True): triton 3.6 leaves the loop unchanged on sm_90 (its docs:
+  Blackwell only).
 Reaching 35 % needs FlashMLA's structure: warp groups that each own half of the accumulator,
 exchange one score tile through shared memory and overlap loads, softmax and dots; Triton gives no
 control over which warp group computes what.
