@@ -140,6 +140,14 @@ def bench_decode(dev: str, dry: bool, results: dict) -> bool:
     t_eager = bench(lambda: mt.sparse_mla_decode(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale))
     t_graph = graph_time(bench, lambda: mt.sparse_mla_decode(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale), dev)
     t_kernel = t_graph or t_eager  # the GPU time where it can be measured: the eager call is host bound
+    gluon = mt._gluon_kernel(q_lat, kv_plane, pe_plane, H) is not None
+    t_portable = None
+    if gluon:  # the same call on the portable Triton kernel, for the ratio (mla_attention_gluon.py)
+        mt.USE_GLUON = False
+        t_portable = graph_time(bench, lambda: mt.sparse_mla_decode(q_lat, q_pe, kv_plane, pe_plane, table, idx,
+                                                                    scale), dev)
+        out_portable = mt.sparse_mla_decode(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale)
+        mt.USE_GLUON = True
     ref = sparse_mla_decode_ref(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale)
     t_ref = bench(lambda: sparse_mla_decode_ref(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale))
     peer = torch_sparse_decode(q_lat[:, 0], q_pe[:, 0], kv_plane, pe_plane, table, idx[:, 0], scale)
@@ -161,7 +169,9 @@ def bench_decode(dev: str, dry: bool, results: dict) -> bool:
                                                                 idx[:, 0], scale), dev)
     print(f"  (kernel: {t_eager * 1e3:.3f} ms eager, host launch cost included; "
           f"{'n/a' if t_graph is None else f'{t_graph * 1e3:.3f} ms'} replayed from a CUDA graph, used below)")
-    res = report("sparse_mla_decode (triton)", t_kernel, {"reference op (torch)": t_ref,
+    print(f"  kernel: {'Gluon, sm_90 (mla_attention_gluon.py)' if gluon else 'Triton (mla_attention_triton.py)'}")
+    res = report("sparse_mla_decode (triton)", t_kernel, {"Triton kernel (when Gluon runs)": t_portable,
+                                                         "reference op (torch)": t_ref,
                                                          "plain-torch sparse gather+bmm": t_peer,
                                                          "same, in a CUDA graph": t_peer_graph,
                                                          "dense SDPA over all keys": t_dense})
@@ -175,6 +185,8 @@ def bench_decode(dev: str, dry: bool, results: dict) -> bool:
           f"({'memory' if nbytes / HBM >= flops / PEAK else 'compute'} bound, {roof * 1e6:.1f} us)")
     tol = 2e-2 if dt == torch.bfloat16 else 1e-4
     ok = check("kernel vs reference", out[:, 0], ref[:, 0], tol) & check("kernel vs plain-torch", out[:, 0], peer, tol)
+    if gluon:
+        ok &= check("Gluon vs Triton kernel", out, out_portable, tol)
     results["decode"] = dict(res, shape=dict(B=B, S=S, K=K, H=H, r=r, dr=dr), bytes=nbytes, flops=flops,
                              pct_roofline=roof / t_kernel * 100, agree=ok)
     return ok

@@ -125,6 +125,7 @@ control over which warp group computes what.
 
 from __future__ import annotations
 
+import os
 
 import torch
 import triton
@@ -132,10 +133,18 @@ import triton.language as tl
 
 from .mla_attention import check_decode_args, check_prefill_args, sparse_mla_decode_ref, sparse_mla_prefill_ref
 
+try:  # the sm_90 kernel (Gluon); a triton without Gluon, or with another Gluon API, keeps this file's kernel
+    from . import mla_attention_gluon as _gluon
+except (ImportError, AttributeError):
+    _gluon = None
+
 _LOG2E = 1.4426950408889634
 # Planes with fewer elements than this are addressed with int32 row offsets (the loop shrank from 1,936
 # to 1,738 SASS instructions per iteration: decode 0.119 -> 0.112 ms on the H200); larger ones with int64.
 INT32_OFFSETS_BELOW = 2**31
+# On sm_90, calls the Gluon kernel handles go to it (mla_attention_gluon.py: the same loop with the warp groups'
+# roles explicit, 0.076 vs 0.098 ms for the decode benchmark); False keeps them on this file's kernel.
+USE_GLUON = os.environ.get("MINIDSA_MLA_GLUON", "1") != "0"
 
 
 @triton.jit
@@ -371,6 +380,21 @@ def _rows_and_zero_row(block_table, indices, B: int, T: int, K: int, bs: int, ze
     return buf, buf[start:]
 
 
+def _gluon_kernel(q_latent: torch.Tensor, kv_plane: torch.Tensor, pe_plane: torch.Tensor, H: int):
+    """The sm_90 Gluon module (mla_attention_gluon.py) when it handles this call, else None; USE_GLUON = False
+    keeps every call on this file's kernel."""
+    if not USE_GLUON or _gluon is None or kv_plane.device.type != "cuda":
+        return None
+    return _gluon if _gluon.gluon_fits(q_latent, kv_plane, pe_plane, H) else None
+
+
+def _combine(part, m, lse, out, H: int, R: int, st: int, sh: int, BLOCK_R: int, splits: int) -> None:
+    """Launch _combine_splits: partials [B*T, splits, H, R] -> out (b, t dims merged: stride st per query)."""
+    _combine_splits[(part.shape[0], H)](
+        part, m, lse, out, H, R, part.stride(0), part.stride(1), part.stride(2), m.stride(0), m.stride(1), st, sh,
+        BLOCK_R=BLOCK_R, NUM_SPLITS=splits, num_warps=4)
+
+
 def _latent_attention(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices, scale, out,
                       out_strides, num_splits=None):
     """Launch the kernels. q_latent [B,T,H,r], q_pe [B,T,H,dr] (any strides, last dim contiguous),
@@ -386,34 +410,41 @@ def _latent_attention(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, 
     dev = q_latent.device
     elt = kv_plane.element_size()
     BLOCK_H, BLOCK_N, splits, num_warps, num_stages = _config(H, R, K, B * T, dev, num_splits, elt)
-    BLOCK_R = max(16, triton.next_power_of_2(R))
-    BLOCK_DR = max(16, triton.next_power_of_2(DR))
-    rows, zero = _rows_and_zero_row(block_table, indices, B, T, K, bs, max(BLOCK_R, BLOCK_DR) * elt, dev.type == "cuda")
-    keys_per_split = triton.cdiv(triton.cdiv(K, splits), BLOCK_N) * BLOCK_N
-    precision = "ieee" if kv_plane.dtype == torch.float32 else "tf32"  # "tf32" is ignored for bf16
-    grid = (B * T, triton.cdiv(H, BLOCK_H), splits)
+    gluon = _gluon_kernel(q_latent, kv_plane, pe_plane, H)
+    BLOCK_R, BLOCK_DR = max(16, triton.next_power_of_2(R)), max(16, triton.next_power_of_2(DR))
+    rows, zero = _rows_and_zero_row(block_table, indices, B, T, K, bs, max(BLOCK_R, BLOCK_DR) * elt,
+                                    dev.type == "cuda")
+    if gluon:
+        keys_per_split = gluon.keys_per_split(K, splits)
+    else:
+        keys_per_split = triton.cdiv(triton.cdiv(K, splits), BLOCK_N) * BLOCK_N
+    grid = (B * T, triton.cdiv(H, int(gluon.BLOCK_H) if gluon else BLOCK_H), splits)
     common = (q_latent, q_pe, kv_plane, pe_plane, zero.view(kv_plane.dtype), rows)
     sizes = (T, H, K, keys_per_split, float(scale) * _LOG2E,
              q_latent.stride(0), q_latent.stride(1), q_latent.stride(2), q_pe.stride(0), q_pe.stride(1),
              q_pe.stride(2), s_kv, s_pe)
+    precision = "ieee" if kv_plane.dtype == torch.float32 else "tf32"  # "tf32" is ignored for bf16
     meta = dict(R=R, DR=DR, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, BLOCK_DR=BLOCK_DR, NUM_SPLITS=splits,
                 DOT_PRECISION=precision, OFF64=max(kv_plane.numel(), pe_plane.numel()) >= INT32_OFFSETS_BELOW,
                 num_warps=num_warps, num_stages=num_stages)
+
+    def attend(o, m, lse, o_strides, ml_strides):
+        if gluon:
+            gluon.launch(grid, *common, o, m, lse, sizes, o_strides, ml_strides, R, DR, splits)
+        else:
+            _latent_attn_fwd[grid](*common, o, m, lse, *sizes, *o_strides, *ml_strides, **meta)
+
+    sb, st, sh = out_strides
     if splits == 1:
-        sb, st, sh = out_strides
-        return _latent_attn_fwd[grid](*common, out, out, out, *sizes, sb, st, 0, sh, 0, 0, **meta)
+        return attend(out, out, out, (sb, st, 0, sh), (0, 0))
     part = torch.empty(B * T, splits, H, R, dtype=torch.float32, device=dev)
     m = torch.empty(B * T, splits, H, dtype=torch.float32, device=dev)
     lse = torch.empty_like(m)
-    kernel = _latent_attn_fwd[grid](*common, part, m, lse, *sizes, T * part.stride(0), part.stride(0), part.stride(1),
-                           part.stride(2), m.stride(0), m.stride(1), **meta)
-    sb, st, sh = out_strides
+    attend(part, m, lse, (T * part.stride(0), part.stride(0), part.stride(1), part.stride(2)),
+           (m.stride(0), m.stride(1)))
     if sb != T * st:
         raise ValueError("split decode needs an output whose (b, t) dims merge")  # never with our callers
-    _combine_splits[(B * T, H)](
-        part, m, lse, out, H, R, part.stride(0), part.stride(1), part.stride(2), m.stride(0), m.stride(1), st, sh,
-        BLOCK_R=BLOCK_R, NUM_SPLITS=splits, num_warps=4)
-    return kernel
+    _combine(part, m, lse, out, H, R, st, sh, BLOCK_R, splits)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

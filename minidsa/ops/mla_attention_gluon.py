@@ -1,0 +1,218 @@
+"""Sparse MLA attention on Hopper (sm_90) in Gluon: the Triton kernel's loop with the warp groups' roles made explicit.
+
+Same math, grid, split scheme and row-number pass as ``mla_attention_triton._latent_attn_fwd`` (read that
+first): one program per (query, block of 64 heads, split of the selected positions), absorbed form,
+online softmax in fp32, invalid positions read a zero row and score -inf. Only the loop body differs.
+
+Why a second kernel. In the Triton kernel the compiler gives a dot whose result feeds another dot all its
+warps along M (``warpsPerTileV3``'s chained-dot rule). With 64 heads and 8 warps that is [8, 1]: both warp
+groups compute the whole [64, 64] score tile, with half-width m64n32 instructions (76 wgmma per group per
+64 positions, 1,107 SASS instructions per iteration). Gluon lets the kernel choose the layouts itself:
+
+    scores  s = q @ kv^T          warps [4, 2]: each warp group computes 32 of the 64 columns (no copy)
+    softmax row max / sum          across the two groups (the compiler exchanges the partial rows)
+    p -> shared memory             both groups need the whole [64, 64] p as the wgmma A operand
+    values  acc += p @ kv          warps [4, 2]: each warp group owns 256 of the 512 columns
+
+That is 40 wgmma per group per 64 positions and 666 instructions per iteration (sm_90, counted in the SASS).
+Loads are explicit too: each thread issues 16-byte cp.async copies of its share of the 64 gathered rows
+into a two-stage ring of NVMMA-swizzled tiles, the next tile while the current one is consumed. Shared
+memory: the query (72 KB) and two [64, 576] bf16 stages (2 x 72 KB) and p (8 KB) = 224 KB of the 227 KB a
+program may use, so there is no room for a third stage.
+
+Measured on the H200 (benchmarks/bench_mla.py: B=32, 65,536 cached, top-k 2048, 96 heads, r=512, dr=64, bf16,
+GPU time from a CUDA graph, the row-number pass and the split combine included): 75.7-75.9 us, against
+97.5-98.9 us for the Triton kernel in the same runs. With the loads alone (no dots) the call takes 58.5 us,
+with the dots alone (no loads) 58.0 us: the two are overlapped only in part, and each alone is above the
+35 %-of-roofline floor (56.9 us). Tried and slower: keeping the value wgmma in flight into the next
+iteration (84 us: the next tile's copy must then wait for it, since two stages share the ring), BLOCK_N=32
+with 2-4 stages (96-110 us), 3 or 4 splits (88-98 us).
+
+Used by ``mla_attention_triton._latent_attention`` when ``gluon_fits`` says so (sm_90, bf16/fp16 planes,
+r + dr <= 576 with both powers of two, more than 32 heads, planes under 2^31 elements); everything else,
+and every CPU run, takes the Triton kernel. Gluon has no interpreter: this kernel is tested on the GPU
+only (tests/test_mla_gluon.py, through the device tool), against the same reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+# Compile-time constants of the kernels (the host reads them through int()).
+BLOCK_H = gl.constexpr(64)  # one wgmma M per warp group
+BLOCK_N = gl.constexpr(64)  # positions per iteration
+STAGES = gl.constexpr(2)  # gathered tiles in flight: all that fits beside the query (see above)
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory one program may use on sm_90
+
+
+def gluon_fits(q_latent: torch.Tensor, kv_plane: torch.Tensor, pe_plane: torch.Tensor, H: int) -> bool:
+    """Whether this kernel handles the call (else the Triton kernel does)."""
+    R, DR = kv_plane.shape[-1], pe_plane.shape[-1]
+    if kv_plane.device.type != "cuda" or torch.cuda.get_device_capability(kv_plane.device) != (9, 0):
+        return False
+    if kv_plane.dtype not in (torch.bfloat16, torch.float16) or pe_plane.dtype != kv_plane.dtype:
+        return False
+    if H <= 32:  # fewer heads would leave most of the 64 rows padding
+        return False
+    pow2 = all(w & (w - 1) == 0 for w in (R, DR)) and R in (256, 512) and 16 <= DR <= 256
+    bh, bn, stages = int(BLOCK_H), int(BLOCK_N), int(STAGES)
+    smem = 2 * (bh * (R + DR) + stages * bn * (R + DR) + bh * bn)
+    return pow2 and R <= 512 and smem <= SMEM_LIMIT and max(kv_plane.numel(), pe_plane.numel()) < 2**31
+
+
+@triton.constexpr_function
+def _nvmma(shape, dtype):
+    """The swizzled shared layout wgmma reads (the widest swizzle the row allows)."""
+    return gl.NVMMASharedLayout.get_default_for(shape, dtype)
+
+
+@gluon.jit
+def _gather_to_smem(rows_ptr, n0, end, plane_ptr, zero_ptr, stride, buf, W: gl.constexpr, BLOCK: gl.constexpr,
+                    layout: gl.constexpr):
+    """cp.async rows n0..n0+BLOCK of one plane into buf [BLOCK, W]: 16-byte copies, the zero row where the
+    row number is -1 or the position is past ``end`` (int32 offsets: planes under 2^31 elements)."""
+    n = n0 + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+    r = gl.load(rows_ptr + n, mask=n < end, other=-1)
+    ptr = gl.where(r >= 0, plane_ptr + r * stride, zero_ptr)
+    cols = gl.arange(0, W, layout=gl.SliceLayout(0, layout))
+    cp.async_copy_global_to_shared(buf, ptr[:, None] + cols[None, :])
+
+
+@gluon.jit
+def _issue_tile(rows_ptr, n0, end, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe, kv_buf, pe_buf, R: gl.constexpr,
+                DR: gl.constexpr, kv_ld: gl.constexpr, pe_ld: gl.constexpr):
+    """Both planes' rows of positions n0..n0+BLOCK_N into one stage: one cp.async group."""
+    _gather_to_smem(rows_ptr, n0, end, kv_ptr, zero_ptr, s_kv, kv_buf, R, BLOCK_N, kv_ld)
+    _gather_to_smem(rows_ptr, n0, end, pe_ptr, zero_ptr, s_pe, pe_buf, DR, BLOCK_N, pe_ld)
+    cp.commit_group()
+
+
+@gluon.jit
+def _query_to_smem(q_ptr, hoff, h0, H, W: gl.constexpr, dt: gl.constexpr, layout: gl.constexpr,
+                   smem_layout: gl.constexpr):
+    """The [BLOCK_H, W] query block (padded heads: 0) in the planes' dtype ``dt``, into shared memory, where
+    the score wgmma reads it (the Triton kernel rounds q the same way)."""
+    heads = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, W, layout=gl.SliceLayout(0, layout))
+    q = gl.load(q_ptr + heads.to(gl.int64)[:, None] * hoff + cols[None, :], mask=(heads < H)[:, None], other=0.0)
+    return gl.allocate_shared_memory(dt, [BLOCK_H, W], smem_layout, q.to(dt))
+
+
+@gluon.jit
+def _wait_tile():
+    """Tile `it` is in shared memory and readable by wgmma: this thread's copies landed (wait_group), then
+    everyone's (barrier); cp.async wrote through the generic proxy, wgmma reads through the async one (fence)."""
+    cp.wait_group(STAGES - 1)
+    gl.thread_barrier()
+    fence_async_shared()
+
+
+@gluon.jit
+def _scores(q_smem, qpe_smem, kv_t, pe_t, s_zero):
+    """q @ kv^T + q_pe @ pe^T [BLOCK_H, BLOCK_N] fp32 (the tiles' transposed views are the B operands)."""
+    s = warpgroup_mma(qpe_smem, pe_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    return warpgroup_mma_wait(0, deps=(warpgroup_mma(q_smem, kv_t.permute((1, 0)), s, is_async=True),))
+
+
+@gluon.jit
+def _softmax_to_smem(s, valid, m_i, l_i, qk_scale, p_smem):
+    """Online-softmax step on the raw scores s [BLOCK_H, BLOCK_N]; writes p to p_smem for the value wgmma.
+    Returns (alpha, m, l) once all of p is in p_smem; the reference point m_safe = 0 of a row with no valid
+    key keeps 2^-inf = 0."""
+    s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - m_safe[:, None])
+    p_smem.store(p.to(p_smem.dtype))
+    fence_async_shared()  # a generic-proxy write that wgmma (async proxy) reads next
+    gl.thread_barrier()  # both warp groups' halves of p are in shared memory
+    return alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _store_result(acc, m_i, l_i, o_ptr, m_ptr, l_ptr, o_base, ml_base, h0, H, s_oh, R: gl.constexpr,
+                  NUM_SPLITS: gl.constexpr, o_layout: gl.constexpr, s_layout: gl.constexpr):
+    """o = acc / l (one split), or the split's acc, m and l for _combine_splits."""
+    heads = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, R, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = o_ptr + o_base + heads.to(gl.int64)[:, None] * s_oh + cols[None, :]
+    if NUM_SPLITS == 1:  # a row with no valid position has l = 0, acc = 0: divide by 1, stay zero
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
+        gl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=(heads < H)[:, None])
+    else:
+        gl.store(o_ptrs, acc, mask=(heads < H)[:, None])
+        hm = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
+        gl.store(m_ptr + ml_base + hm, m_i, mask=hm < H)
+        gl.store(l_ptr + ml_base + hm, l_i, mask=hm < H)
+
+
+@gluon.jit
+def _latent_attn_fwd_sm90(
+    q_ptr, qpe_ptr, kv_ptr, pe_ptr, zero_ptr, rows_ptr, o_ptr, m_ptr, l_ptr,
+    T, H, K, keys_per_split, qk_scale,
+    s_qb, s_qt, s_qh, s_pb, s_pt, s_ph, s_kv, s_pe,
+    s_ob, s_ot, s_os, s_oh, s_mbt, s_ms,
+    R: gl.constexpr, DR: gl.constexpr, NUM_SPLITS: gl.constexpr,
+):
+    dt: gl.constexpr = kv_ptr.dtype.element_ty
+    # Register layouts of the copies: 16 bytes per thread per row chunk, one row per warp at a time.
+    kv_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    pe_ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // DR, DR // 8], [8, 1], [1, 0])
+    # Scores: the warp groups split the BLOCK_N columns; values: they split the R columns.
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_N // 2, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, R // 2, 16])
+    bt = gl.program_id(0).to(gl.int64)
+    b, t, h0, split = bt // T, bt % T, gl.program_id(1) * BLOCK_H, gl.program_id(2)
+    start = split * keys_per_split
+    end = gl.minimum(start + keys_per_split, K)
+    rows = rows_ptr + bt * K
+    q_smem = _query_to_smem(q_ptr + b * s_qb + t * s_qt, s_qh, h0, H, R, dt, kv_ld, _nvmma([BLOCK_H, R], dt))
+    qpe_smem = _query_to_smem(qpe_ptr + b * s_pb + t * s_pt, s_ph, h0, H, DR, dt, pe_ld, _nvmma([BLOCK_H, DR], dt))
+    kv_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, R], _nvmma([BLOCK_N, R], dt))
+    pe_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], _nvmma([BLOCK_N, DR], dt))
+    p_smem = gl.allocate_shared_memory(dt, [BLOCK_H, BLOCK_N], _nvmma([BLOCK_H, BLOCK_N], dt))
+    for i in gl.static_range(STAGES - 1):  # prologue: the first tiles in flight
+        _issue_tile(rows, start + i * BLOCK_N, end, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe, kv_smem.index(i),
+                    pe_smem.index(i), R, DR, kv_ld, pe_ld)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_l))
+    acc = gl.zeros([BLOCK_H, R], gl.float32, layout=o_l)
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
+    cols_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
+    for it in range(gl.cdiv(end - start, BLOCK_N)):
+        # Refill the stage read STAGES-1 iterations ago: both groups waited for its wgmma before this barrier.
+        gl.thread_barrier()
+        ahead = (it + STAGES - 1) % STAGES
+        _issue_tile(rows, start + (it + STAGES - 1) * BLOCK_N, end, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe,
+                    kv_smem.index(ahead), pe_smem.index(ahead), R, DR, kv_ld, pe_ld)
+        _wait_tile()
+        kv_t = kv_smem.index(it % STAGES)
+        s = _scores(q_smem, qpe_smem, kv_t, pe_smem.index(it % STAGES), s_zero)
+        n0 = start + it * BLOCK_N
+        valid = gl.load(rows + n0 + cols_n, mask=n0 + cols_n < end, other=-1) >= 0
+        alpha, m_i, l_i = _softmax_to_smem(s, valid, m_i, l_i, qk_scale, p_smem)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(p_smem, kv_t, acc, is_async=True),))
+    cp.wait_group(0)
+    _store_result(acc, m_i, l_i, o_ptr, m_ptr, l_ptr, b * s_ob + t * s_ot + split * s_os, bt * s_mbt + split * s_ms,
+                  h0, H, s_oh, R, NUM_SPLITS, o_l, s_l)
+
+
+def launch(grid, q_latent, q_pe, kv_plane, pe_plane, zero, rows, out, m, lse, sizes, out_strides, ml_strides,
+           R: int, DR: int, splits: int):
+    """Launch the kernel with the Triton kernel's argument order (see _latent_attention)."""
+    _latent_attn_fwd_sm90[grid](q_latent, q_pe, kv_plane, pe_plane, zero, rows, out, m, lse, *sizes, *out_strides,
+                                *ml_strides, R=R, DR=DR, NUM_SPLITS=splits, num_warps=8)
+
+
+def keys_per_split(K: int, splits: int) -> int:
+    """Split length, a multiple of BLOCK_N."""
+    return triton.cdiv(triton.cdiv(K, splits), int(BLOCK_N)) * int(BLOCK_N)
