@@ -14,22 +14,25 @@ groups compute the whole [64, 64] score tile, with half-width m64n32 instruction
     p -> shared memory             both groups need the whole [64, 64] p as the wgmma A operand
     values  acc += p @ kv          warps [4, 2]: each warp group owns 256 of the 512 columns
 
-That is 40 wgmma per group per 64 positions and 666 instructions per iteration (sm_90, counted in the SASS).
+That is 40 wgmma per group per 64 positions and 664 instructions per iteration (sm_90, counted in the SASS).
 Loads are explicit too: each thread issues 16-byte cp.async copies of its share of the 64 gathered rows
 into a two-stage ring of NVMMA-swizzled tiles, the next tile while the current one is consumed. Shared
 memory: the query (72 KB) and two [64, 576] bf16 stages (2 x 72 KB) and p (8 KB) = 224 KB of the 227 KB a
 program may use, so there is no room for a third stage.
 
 Measured on the H200 (benchmarks/bench_mla.py: B=32, 65,536 cached, top-k 2048, 96 heads, r=512, dr=64, bf16,
-GPU time from a CUDA graph, the row-number pass and the split combine included): 75.7-75.9 us, against
-97.5-98.9 us for the Triton kernel in the same runs. With the loads alone (no dots) the call takes 58.5 us,
+GPU time from a CUDA graph, the row-number pass and the split combine included): 74.4-75.9 us, against
+97.5-99.1 us for the Triton kernel in the same runs. With the loads alone (no dots) the call takes 58.5 us,
 with the dots alone (no loads) 58.0 us: the two are overlapped only in part, and each alone is above the
 35 %-of-roofline floor (56.9 us). Tried and slower: keeping the value wgmma in flight into the next
 iteration (84 us: the next tile's copy must then wait for it, since two stages share the ring), BLOCK_N=32
-with 2-4 stages (96-110 us), 3 or 4 splits (88-98 us).
+with 2-4 stages (96-110 us), 3 or 4 splits (88-98 us), and prefetching the rows 1-6 tiles ahead into L2
+(prefetch.global.L2, no shared memory: 79-83 us; the loads are not waiting on DRAM latency; the bulk
+form, cp.async.bulk.prefetch, takes uniform addresses and compiles to a loop over the threads).
 
 Used by ``mla_attention_triton._latent_attention`` when ``gluon_fits`` says so (sm_90, bf16/fp16 planes,
-r + dr <= 576 with both powers of two, more than 32 heads, planes under 2^31 elements); everything else,
+r 256 or 512, dr a power of two in 16..256 with r + dr <= 576, more than 32 heads, planes under 2^31
+elements); everything else,
 and every CPU run, takes the Triton kernel. Gluon has no interpreter: this kernel is tested on the GPU
 only (tests/test_mla_gluon.py, through the device tool), against the same reference.
 """

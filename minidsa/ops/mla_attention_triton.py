@@ -120,7 +120,9 @@ numbers computed before the loop and unmasked loads. Tried and rejected:
   Blackwell only).
 Reaching 35 % needs FlashMLA's structure: warp groups that each own half of the accumulator,
 exchange one score tile through shared memory and overlap loads, softmax and dots; Triton gives no
-control over which warp group computes what.
+control over which warp group computes what. Gluon does: on sm_90, ``_latent_attention`` hands the
+calls it fits to mla_attention_gluon.py, this loop with the score tile split between the warp groups
+and p passed through shared memory (0.074-0.076 ms for the decode benchmark, 26.7 % of the roofline).
 """
 
 from __future__ import annotations
