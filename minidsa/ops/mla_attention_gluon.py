@@ -123,10 +123,11 @@ def _scores(q_smem, qpe_smem, kv_t, pe_t, s_zero):
 
 
 @gluon.jit
-def _softmax_to_smem(s, valid, m_i, l_i, qk_scale, p_smem):
+def _softmax_to_smem(s, valid, m_i, l_acc, qk_scale, p_smem):
     """Online-softmax step on the raw scores s [BLOCK_H, BLOCK_N]; writes p to p_smem for the value wgmma.
-    Returns (alpha, m, l) once all of p is in p_smem; the reference point m_safe = 0 of a row with no valid
-    key keeps 2^-inf = 0."""
+    Returns (alpha, m, l_acc) once all of p is in p_smem. The row sums stay per column (l_acc, summed after
+    the loop): a row sum per iteration would cost a second exchange between the warp groups. The
+    reference point m_safe = 0 of a row with no valid key keeps 2^-inf = 0."""
     s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -135,7 +136,7 @@ def _softmax_to_smem(s, valid, m_i, l_i, qk_scale, p_smem):
     p_smem.store(p.to(p_smem.dtype))
     fence_async_shared()  # a generic-proxy write that wgmma (async proxy) reads next
     gl.thread_barrier()  # both warp groups' halves of p are in shared memory
-    return alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+    return alpha, m_new, l_acc * alpha[:, None] + p
 
 
 @gluon.jit
@@ -186,7 +187,7 @@ def _latent_attn_fwd_sm90(
         _issue_tile(rows, start + i * BLOCK_N, end, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe, kv_smem.index(i),
                     pe_smem.index(i), R, DR, kv_ld, pe_ld)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
-    l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_l))
+    l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
     acc = gl.zeros([BLOCK_H, R], gl.float32, layout=o_l)
     s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
     cols_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
@@ -196,16 +197,16 @@ def _latent_attn_fwd_sm90(
         ahead = (it + STAGES - 1) % STAGES
         _issue_tile(rows, start + (it + STAGES - 1) * BLOCK_N, end, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe,
                     kv_smem.index(ahead), pe_smem.index(ahead), R, DR, kv_ld, pe_ld)
+        n0 = start + it * BLOCK_N  # (loaded before the wait, its latency hides behind it)
+        valid = gl.load(rows + n0 + cols_n, mask=n0 + cols_n < end, other=-1) >= 0
         _wait_tile()
         kv_t = kv_smem.index(it % STAGES)
         s = _scores(q_smem, qpe_smem, kv_t, pe_smem.index(it % STAGES), s_zero)
-        n0 = start + it * BLOCK_N
-        valid = gl.load(rows + n0 + cols_n, mask=n0 + cols_n < end, other=-1) >= 0
-        alpha, m_i, l_i = _softmax_to_smem(s, valid, m_i, l_i, qk_scale, p_smem)
+        alpha, m_i, l_acc = _softmax_to_smem(s, valid, m_i, l_acc, qk_scale, p_smem)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
         acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(p_smem, kv_t, acc, is_async=True),))
     cp.wait_group(0)
-    _store_result(acc, m_i, l_i, o_ptr, m_ptr, l_ptr, b * s_ob + t * s_ot + split * s_os, bt * s_mbt + split * s_ms,
+    _store_result(acc, m_i, gl.sum(l_acc, axis=1), o_ptr, m_ptr, l_ptr, b * s_ob + t * s_ot + split * s_os, bt * s_mbt + split * s_ms,
                   h0, H, s_oh, R, NUM_SPLITS, o_l, s_l)
 
 
