@@ -73,10 +73,11 @@ def gluon_fits(q_latent: torch.Tensor, kv_plane: torch.Tensor, pe_plane: torch.T
         return False
     if H <= 32:  # fewer heads would leave most of the 64 rows padding
         return False
-    pow2 = all(w & (w - 1) == 0 for w in (R, DR)) and R in (256, 512) and 16 <= DR <= 256
+    # r/2 is each warp group's wgmma N (at most 256); the copy layouts assume widths of whole 16-byte vectors.
+    widths_ok = R in (256, 512) and DR in (16, 32, 64, 128, 256)
     bh, bn, stages = int(BLOCK_H), int(BLOCK_N), int(STAGES)
     smem = 2 * (bh * (R + DR) + stages * bn * (R + DR) + bh * bn)
-    return pow2 and R <= 512 and smem <= SMEM_LIMIT and max(kv_plane.numel(), pe_plane.numel()) < 2**31
+    return widths_ok and smem <= SMEM_LIMIT and max(kv_plane.numel(), pe_plane.numel()) < 2**31
 
 
 @triton.constexpr_function
