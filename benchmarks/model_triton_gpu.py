@@ -53,7 +53,8 @@ def run(model, batch_prompts, steps: int, device: str, graph: bool = True) -> di
         ids = torch.full((len(sids), 1), 5, device=device)  # the same input for both backends
         first = model(ids, cache=cache, seq_ids=sids)[:, -1]  # warm-up step, and the compared logits
         ids = first.argmax(-1, keepdim=True)
-        for _ in range(8 if steps else 0):  # untimed: kernel variants that a growing context specialises on compile here
+        # untimed: kernel variants that a growing context specialises on compile here
+        for _ in range(8 if steps else 0):
             ids = model(ids, cache=cache, seq_ids=sids)[:, -1].argmax(-1, keepdim=True)
         sync(device)
         t0 = time.perf_counter()

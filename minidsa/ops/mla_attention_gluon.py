@@ -229,7 +229,3 @@ def launch(grid, q_latent, q_pe, kv_plane, pe_plane, zero, rows, out, m, lse, si
     _latent_attn_fwd_sm90[grid](q_latent, q_pe, kv_plane, pe_plane, zero, rows, out, m, lse, *sizes, *out_strides,
                                 *ml_strides, R=R, DR=DR, NUM_SPLITS=splits, num_warps=8)
 
-
-def keys_per_split(K: int, splits: int) -> int:
-    """Split length, a multiple of BLOCK_N."""
-    return triton.cdiv(triton.cdiv(K, splits), int(BLOCK_N)) * int(BLOCK_N)

@@ -385,7 +385,7 @@ def _rows_and_zero_row(block_table, indices, B: int, T: int, K: int, bs: int, ze
 def _gluon_kernel(q_latent: torch.Tensor, kv_plane: torch.Tensor, pe_plane: torch.Tensor, H: int):
     """The sm_90 Gluon module (mla_attention_gluon.py) when it handles this call, else None; USE_GLUON = False
     keeps every call on this file's kernel."""
-    if not USE_GLUON or _gluon is None or kv_plane.device.type != "cuda":
+    if not USE_GLUON or _gluon is None:
         return None
     return _gluon if _gluon.gluon_fits(q_latent, kv_plane, pe_plane, H) else None
 
@@ -416,11 +416,9 @@ def _latent_attention(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, 
     BLOCK_R, BLOCK_DR = max(16, triton.next_power_of_2(R)), max(16, triton.next_power_of_2(DR))
     rows, zero = _rows_and_zero_row(block_table, indices, B, T, K, bs, max(BLOCK_R, BLOCK_DR) * elt,
                                     dev.type == "cuda")
-    if gluon:
-        keys_per_split = gluon.keys_per_split(K, splits)
-    else:
-        keys_per_split = triton.cdiv(triton.cdiv(K, splits), BLOCK_N) * BLOCK_N
-    grid = (B * T, triton.cdiv(H, int(gluon.BLOCK_H) if gluon else BLOCK_H), splits)
+    tile_h, tile_n = (int(gluon.BLOCK_H), int(gluon.BLOCK_N)) if gluon else (BLOCK_H, BLOCK_N)
+    keys_per_split = triton.cdiv(triton.cdiv(K, splits), tile_n) * tile_n  # whole tiles per split
+    grid = (B * T, triton.cdiv(H, tile_h), splits)
     common = (q_latent, q_pe, kv_plane, pe_plane, zero.view(kv_plane.dtype), rows)
     sizes = (T, H, K, keys_per_split, float(scale) * _LOG2E,
              q_latent.stride(0), q_latent.stride(1), q_latent.stride(2), q_pe.stride(0), q_pe.stride(1),
