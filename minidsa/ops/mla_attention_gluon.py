@@ -50,12 +50,15 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
 # Compile-time constants of the kernels (the host reads them through int()).
 BLOCK_H = gl.constexpr(64)  # one wgmma M per warp group
 BLOCK_N = gl.constexpr(64)  # positions per iteration
 STAGES = gl.constexpr(2)  # gathered tiles in flight: all that fits beside the query (see above)
+PRODUCER_WARPS = gl.constexpr(4)  # the gathering partition: one warp group (setmaxnreg works per warp group)
+PRODUCER_REGS = gl.constexpr(56)  # its registers per thread (40 spilled); the 8 consumer warps get 224
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one program may use on sm_90
 
 
@@ -76,7 +79,7 @@ def gluon_fits(q_latent: torch.Tensor, kv_plane: torch.Tensor, pe_plane: torch.T
     # r/2 is each warp group's wgmma N (at most 256); the copy layouts assume widths of whole 16-byte vectors.
     widths_ok = R in (256, 512) and DR in (16, 32, 64, 128, 256)
     bh, bn, stages = int(BLOCK_H), int(BLOCK_N), int(STAGES)
-    smem = 2 * (bh * (R + DR) + stages * bn * (R + DR) + bh * bn)
+    smem = 2 * (bh * (R + DR) + stages * bn * (R + DR) + bh * bn) + 16 * stages  # + the mbarriers
     return widths_ok and smem <= SMEM_LIMIT and max(kv_plane.numel(), pe_plane.numel()) < 2**31
 
 
@@ -99,33 +102,13 @@ def _gather_to_smem(rows_ptr, n0, end, plane_ptr, zero_ptr, stride, buf, W: gl.c
 
 
 @gluon.jit
-def _issue_tile(rows_ptr, n0, end, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe, kv_buf, pe_buf, R: gl.constexpr,
-                DR: gl.constexpr, kv_ld: gl.constexpr, pe_ld: gl.constexpr):
-    """Both planes' rows of positions n0..n0+BLOCK_N into one stage: one cp.async group."""
-    _gather_to_smem(rows_ptr, n0, end, kv_ptr, zero_ptr, s_kv, kv_buf, R, BLOCK_N, kv_ld)
-    _gather_to_smem(rows_ptr, n0, end, pe_ptr, zero_ptr, s_pe, pe_buf, DR, BLOCK_N, pe_ld)
-    cp.commit_group()
-
-
-@gluon.jit
-def _query_to_smem(q_ptr, hoff, h0, H, W: gl.constexpr, dt: gl.constexpr, layout: gl.constexpr,
-                   smem_layout: gl.constexpr):
-    """The [BLOCK_H, W] query block (padded heads: 0) in the planes' dtype ``dt``, into shared memory, where
-    the score wgmma reads it (the Triton kernel rounds q the same way)."""
+def _query_to_smem(q_ptr, hoff, h0, H, W: gl.constexpr, layout: gl.constexpr, q_smem):
+    """The [BLOCK_H, W] query block (padded heads: 0) into q_smem, in the planes' dtype (the Triton kernel
+    rounds q the same way)."""
     heads = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, W, layout=gl.SliceLayout(0, layout))
     q = gl.load(q_ptr + heads.to(gl.int64)[:, None] * hoff + cols[None, :], mask=(heads < H)[:, None], other=0.0)
-    return gl.allocate_shared_memory(dt, [BLOCK_H, W], smem_layout, q.to(dt))
-
-
-@gluon.jit
-def _wait_tile():
-    """Tile `it` (and, the first time, the query) is in shared memory and readable by wgmma: this thread's
-    copies landed (wait_group); its generic-proxy writes are ordered before the async proxy wgmma reads
-    through (fence), before any warp group may start (barrier: everyone's copies landed)."""
-    cp.wait_group(STAGES - 1)
-    fence_async_shared()
-    gl.thread_barrier()
+    q_smem.store(q.to(q_smem.dtype))
 
 
 @gluon.jit
@@ -171,6 +154,57 @@ def _store_result(acc, m_i, l_i, o_ptr, m_ptr, l_ptr, o_base, ml_base, h0, H, s_
 
 
 @gluon.jit
+def _producer(rows, start, end, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe, kv_smem, pe_smem, full, empty,
+              R: gl.constexpr, DR: gl.constexpr):
+    """The gathering partition: tile `it` into stage it % STAGES as soon as the consumers released that stage.
+    Each thread's cp.async copies arrive on full[stage] when they land (the barrier counts all its threads)."""
+    # 16 bytes per thread per row chunk, one row per warp at a time.
+    kv_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [PRODUCER_WARPS, 1], [1, 0])
+    pe_ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // DR, DR // 8], [PRODUCER_WARPS, 1], [1, 0])
+    for it in range(gl.cdiv(end - start, BLOCK_N)):
+        s = it % STAGES
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # parity 1 of a fresh barrier passes at once
+        n0 = start + it * BLOCK_N
+        _gather_to_smem(rows, n0, end, kv_ptr, zero_ptr, s_kv, kv_smem.index(s), R, BLOCK_N, kv_ld)
+        _gather_to_smem(rows, n0, end, pe_ptr, zero_ptr, s_pe, pe_smem.index(s), DR, BLOCK_N, pe_ld)
+        cp.mbarrier_arrive(full.index(s), increment_count=False)
+
+
+@gluon.jit
+def _consumer(rows, start, end, qk_scale, q_base, qpe_base, s_qh, s_ph, h0, H, q_smem, qpe_smem, kv_smem, pe_smem,
+              p_smem, full, empty, R: gl.constexpr, DR: gl.constexpr):
+    """The two warp groups that compute: load the query, then per tile wait for it, score, softmax, values,
+    and release the stage. Returns (acc [BLOCK_H, R], m, l) of this program's positions."""
+    # Scores: the warp groups split the BLOCK_N columns; values: they split the R columns.
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_N // 2, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, R // 2, 16])
+    _query_to_smem(q_base, s_qh, h0, H, R, gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]), q_smem)
+    _query_to_smem(qpe_base, s_ph, h0, H, DR, gl.BlockedLayout([1, 8], [32 * 8 // DR, DR // 8], [8, 1], [1, 0]),
+                   qpe_smem)
+    fence_async_shared()  # for the wgmma; the loop's first barrier makes both halves visible
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
+    l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
+    acc = gl.zeros([BLOCK_H, R], gl.float32, layout=o_l)
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
+    cols_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
+    for it in range(gl.cdiv(end - start, BLOCK_N)):
+        s = it % STAGES
+        n0 = start + it * BLOCK_N  # (loaded before the waits, its latency hides behind them)
+        valid = gl.load(rows + n0 + cols_n, mask=n0 + cols_n < end, other=-1) >= 0
+        gl.thread_barrier()  # both groups' value wgmma of the last tile are done with p_smem
+        mbarrier.wait(full.index(s), (it // STAGES) & 1)
+        fence_async_shared()  # the producer's cp.async writes (generic proxy), read next by wgmma (async proxy)
+        kv_t = kv_smem.index(s)
+        sc = _scores(q_smem, qpe_smem, kv_t, pe_smem.index(s), s_zero)
+        alpha, m_i, l_acc = _softmax_to_smem(sc, valid, m_i, l_acc, qk_scale, p_smem)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(p_smem, kv_t, acc, is_async=True),))
+        mbarrier.arrive(empty.index(s))  # one arrival (after a barrier of both groups): the stage is free
+    return acc, m_i, gl.sum(l_acc, axis=1)
+
+
+@gluon.jit
 def _latent_attn_fwd_sm90(
     q_ptr, qpe_ptr, kv_ptr, pe_ptr, zero_ptr, rows_ptr, o_ptr, m_ptr, l_ptr,
     T, H, K, keys_per_split, qk_scale,
@@ -179,10 +213,6 @@ def _latent_attn_fwd_sm90(
     R: gl.constexpr, DR: gl.constexpr, NUM_SPLITS: gl.constexpr,
 ):
     dt: gl.constexpr = kv_ptr.dtype.element_ty
-    # Register layouts of the copies: 16 bytes per thread per row chunk, one row per warp at a time.
-    kv_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-    pe_ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // DR, DR // 8], [8, 1], [1, 0])
-    # Scores: the warp groups split the BLOCK_N columns; values: they split the R columns.
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, BLOCK_N // 2, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, R // 2, 16])
@@ -191,35 +221,22 @@ def _latent_attn_fwd_sm90(
     start = split * keys_per_split
     end = gl.minimum(start + keys_per_split, K)
     rows = rows_ptr + bt * K
+    q_smem = gl.allocate_shared_memory(dt, [BLOCK_H, R], _nvmma([BLOCK_H, R], dt))
+    qpe_smem = gl.allocate_shared_memory(dt, [BLOCK_H, DR], _nvmma([BLOCK_H, DR], dt))
     kv_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, R], _nvmma([BLOCK_N, R], dt))
     pe_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], _nvmma([BLOCK_N, DR], dt))
     p_smem = gl.allocate_shared_memory(dt, [BLOCK_H, BLOCK_N], _nvmma([BLOCK_H, BLOCK_N], dt))
-    for i in gl.static_range(STAGES - 1):  # prologue: the first tiles in flight, then the query loads
-        _issue_tile(rows, start + i * BLOCK_N, end, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe, kv_smem.index(i),
-                    pe_smem.index(i), R, DR, kv_ld, pe_ld)
-    q_smem = _query_to_smem(q_ptr + b * s_qb + t * s_qt, s_qh, h0, H, R, dt, kv_ld, _nvmma([BLOCK_H, R], dt))
-    qpe_smem = _query_to_smem(qpe_ptr + b * s_pb + t * s_pt, s_ph, h0, H, DR, dt, pe_ld, _nvmma([BLOCK_H, DR], dt))
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
-    l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
-    acc = gl.zeros([BLOCK_H, R], gl.float32, layout=o_l)
-    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
-    cols_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
-    for it in range(gl.cdiv(end - start, BLOCK_N)):
-        # Refill the stage read STAGES-1 iterations ago: both groups waited for its wgmma before this barrier.
-        gl.thread_barrier()
-        ahead = (it + STAGES - 1) % STAGES
-        _issue_tile(rows, start + (it + STAGES - 1) * BLOCK_N, end, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe,
-                    kv_smem.index(ahead), pe_smem.index(ahead), R, DR, kv_ld, pe_ld)
-        n0 = start + it * BLOCK_N  # (loaded before the wait, its latency hides behind it)
-        valid = gl.load(rows + n0 + cols_n, mask=n0 + cols_n < end, other=-1) >= 0
-        _wait_tile()
-        kv_t = kv_smem.index(it % STAGES)
-        s = _scores(q_smem, qpe_smem, kv_t, pe_smem.index(it % STAGES), s_zero)
-        alpha, m_i, l_acc = _softmax_to_smem(s, valid, m_i, l_acc, qk_scale, p_smem)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-        acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(p_smem, kv_t, acc, is_async=True),))
-    cp.wait_group(0)
-    _store_result(acc, m_i, gl.sum(l_acc, axis=1), o_ptr, m_ptr, l_ptr, b * s_ob + t * s_ot + split * s_os,
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=PRODUCER_WARPS * 32)
+        mbarrier.init(empty.index(i), count=1)
+    acc, m_i, l_i = gl.warp_specialize([
+        (_consumer, (rows, start, end, qk_scale, q_ptr + b * s_qb + t * s_qt, qpe_ptr + b * s_pb + t * s_pt, s_qh,
+                     s_ph, h0, H, q_smem, qpe_smem, kv_smem, pe_smem, p_smem, full, empty, R, DR)),
+        (_producer, (rows, start, end, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe, kv_smem, pe_smem, full, empty, R, DR)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    _store_result(acc, m_i, l_i, o_ptr, m_ptr, l_ptr, b * s_ob + t * s_ot + split * s_os,
                   bt * s_mbt + split * s_ms, h0, H, s_oh, R, NUM_SPLITS, o_l, s_l)
 
 
