@@ -1,4 +1,4 @@
-"""Sparse MLA attention on Hopper (sm_90) in Gluon: the Triton kernel's loop with the warp groups' roles made explicit.
+"""Sparse MLA attention on Hopper (sm_90) in Gluon: the Triton kernel's loop, with each warp group's role explicit.
 
 Same math, grid, split scheme and row-number pass as ``mla_attention_triton._latent_attn_fwd`` (read that
 first): one program per (query, block of 64 heads, split of the selected positions), absorbed form,
@@ -14,31 +14,46 @@ groups compute the whole [64, 64] score tile, with half-width m64n32 instruction
     p -> shared memory             both groups need the whole [64, 64] p as the wgmma A operand
     values  acc += p @ kv          warps [4, 2]: each warp group owns 256 of the 512 columns
 
-That is 40 wgmma per group per 64 positions and 664 instructions per iteration (sm_90, counted in the SASS).
-Loads are explicit too: each thread issues 16-byte cp.async copies of its share of the 64 gathered rows
-into a two-stage ring of NVMMA-swizzled tiles, the next tile while the current one is consumed. Shared
-memory: the query (72 KB) and two [64, 576] bf16 stages (2 x 72 KB) and p (8 KB) = 224 KB of the 227 KB a
-program may use, so there is no room for a third stage.
+That is 40 wgmma per group per 64 positions and 487 instructions per iteration (sm_90, counted in the SASS).
+
+Warp specialization. The gathers run in a third warp group of their own (``_producer``, 56 registers per
+thread; the two compute groups get 224). It copies tile `it` with 16-byte cp.async into stage it % STAGES of
+a ring of NVMMA-swizzled tiles, and each thread's copies arrive on the stage's ``full`` mbarrier when they
+land; the compute groups (``_consumer``) wait on ``full``, score, softmax, add the values, and arrive on the
+stage's ``empty`` mbarrier, which lets the producer refill it. Shared memory: the query (72 KB), two [64, 576]
+bf16 stages (2 x 72 KB) and p (8 KB) = 224 KB of the 227 KB a program may use: no room for a third stage.
+
+Why. When the compute warps issued the copies themselves (the previous version of this kernel), a copy
+instruction stalls its warp until the memory pipeline takes it, so each tile paid for its loads and its dots
+one after the other. Measured on the H200 (one run, no split combine, time per 16-tile program): the dots
+alone 2.0 us per 64 positions, the loads alone 0.8 us, both 3.15 us; the same for a cache of 65,536 random
+rows and for 4,096 rows that sit in L2 (67.0 against 68.7 us), and per SM the same with 64 or 128 programs
+running: not bandwidth, but the order of work inside one SM. With the producer the same call's attention
+kernel takes 55.1 us instead of 68.6, and the output is bitwise the same.
 
 Measured on the H200 (benchmarks/bench_mla.py: B=32, 65,536 cached, top-k 2048, 96 heads, r=512, dr=64, bf16,
-GPU time from a CUDA graph, the row-number pass and the split combine included): 74.4-75.9 us, against
-97.5-99.1 us for the Triton kernel in the same runs. With the loads alone (no dots) the call takes 58.5 us,
-with the dots alone (no loads) 58.0 us: the two are overlapped only in part, and each alone is above the
-35 %-of-roofline floor (56.9 us). Tried and slower: keeping the value wgmma in flight into the next
-iteration (84 us: the next tile's copy must then wait for it, since two stages share the ring), BLOCK_N=32
-with 2-4 stages (96-110 us), 3 or 4 splits (88-98 us), and prefetching the rows 1-6 tiles ahead into L2
-(prefetch.global.L2, no shared memory: 79-83 us; the loads are not waiting on DRAM latency; the bulk
-form, cp.async.bulk.prefetch, takes uniform addresses and compiles to a loop over the threads), and issuing
-the first tile before loading the query (no change). Where the 72.6 us go (one run): the attention kernel
-67.8, the split combine 3.2, the row-number pass about 1 (it overlaps). With 64 heads instead of 96 the
-same call takes 52.1 us (46.0 in the kernel), 38 % of that shape's roofline: 96 heads run as two blocks of
-64, the second half padding, and each block's programs gather the same rows.
+GPU time from a CUDA graph, the row-number pass and the split combine included): 61-62 us (32.6 % of the
+roofline), against 98 us for the Triton kernel and 74 us for this kernel without the producer. Of the
+61-62 us the attention kernel takes 55 us, the row-number pass and the split combine the rest. Before the
+producer, a program's fixed cost (query, first tile, storing its fp32 partial) was about 18 us of the 68.
+Tried and rejected:
+- before the producer: keeping the value wgmma in flight into the next iteration (84 us: the next tile's
+  copy must then wait for it, since two stages share the ring), BLOCK_N=32 with 2-4 stages (96-110 us),
+  3 or 4 splits (88-98 us), prefetching the rows 1-6 tiles ahead into L2 (79-83 us; the bulk form,
+  cp.async.bulk.prefetch, takes uniform addresses and compiles to a loop over the threads), issuing the
+  first tile before loading the query (no change);
+- 40 producer registers: spills in the producer's loop, 1.7 us slower than 56;
+- merging the splits in the attention kernel (the last program of a query, found with an atomic counter,
+  merges all splits in split order: bitwise equal to the combine kernel): 64.2 against 62.1 us, since one
+  SM then moves 384 KB at the tail while the combine kernel spreads it over the GPU;
+- a combine kernel with 4 heads per program instead of 1: no difference (61.1-62.4 against 61.9-62.5 us).
+With 64 heads the kernel would run one block per query; at 96 heads two blocks of 64 gather the same rows
+and the second is half padding (the tensor-core work is 128/96 of the useful work).
 
 Used by ``mla_attention_triton._latent_attention`` when ``gluon_fits`` says so (sm_90, bf16/fp16 planes,
 r 256 or 512, dr a power of two in 16..256 with r + dr <= 576, more than 32 heads, planes under 2^31
-elements); everything else,
-and every CPU run, takes the Triton kernel. Gluon has no interpreter: this kernel is tested on the GPU
-only (tests/test_mla_gluon.py, through the device tool), against the same reference.
+elements); everything else, and every CPU run, takes the Triton kernel. Gluon has no interpreter: this
+kernel is tested on the GPU only (tests/test_mla_gluon.py, through the device tool), against the same reference.
 """
 
 from __future__ import annotations
