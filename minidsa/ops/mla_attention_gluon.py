@@ -169,10 +169,19 @@ def _store_result(acc, m_i, l_i, o_ptr, m_ptr, l_ptr, o_base, ml_base, h0, H, s_
 
 
 @gluon.jit
+def _wait_for_previous_kernel():
+    """griddepcontrol.wait: the kernel before this one (launched as its programmatic dependent) has completed and
+    its writes are visible. Everything before this call may only read what older kernels wrote."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _producer(rows, start, end, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe, kv_smem, pe_smem, full, empty,
-              R: gl.constexpr, DR: gl.constexpr):
+              R: gl.constexpr, DR: gl.constexpr, PDL: gl.constexpr):
     """The gathering partition: tile `it` into stage it % STAGES as soon as the consumers released that stage.
     Each thread's cp.async copies arrive on full[stage] when they land (the barrier counts all its threads)."""
+    if PDL:  # the row numbers come from the kernel before
+        _wait_for_previous_kernel()
     # 16 bytes per thread per row chunk, one row per warp at a time.
     kv_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [PRODUCER_WARPS, 1], [1, 0])
     pe_ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // DR, DR // 8], [PRODUCER_WARPS, 1], [1, 0])
@@ -187,7 +196,7 @@ def _producer(rows, start, end, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe, kv_smem, p
 
 @gluon.jit
 def _consumer(rows, start, end, qk_scale, q_base, qpe_base, s_qh, s_ph, h0, H, q_smem, qpe_smem, kv_smem, pe_smem,
-              p_smem, full, empty, R: gl.constexpr, DR: gl.constexpr):
+              p_smem, full, empty, R: gl.constexpr, DR: gl.constexpr, PDL: gl.constexpr):
     """The two warp groups that compute: load the query, then per tile wait for it, score, softmax, values,
     and release the stage. Returns (acc [BLOCK_H, R], m, l) of this program's positions."""
     # Scores: the warp groups split the BLOCK_N columns; values: they split the R columns.
@@ -198,6 +207,8 @@ def _consumer(rows, start, end, qk_scale, q_base, qpe_base, s_qh, s_ph, h0, H, q
     _query_to_smem(qpe_base, s_ph, h0, H, DR, gl.BlockedLayout([1, 8], [32 * 8 // DR, DR // 8], [8, 1], [1, 0]),
                    qpe_smem)
     fence_async_shared()  # for the wgmma; the loop's first barrier makes both halves visible
+    if PDL:  # the query was written before the row-number pass, the row numbers by it
+        _wait_for_previous_kernel()
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
     l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
     acc = gl.zeros([BLOCK_H, R], gl.float32, layout=o_l)
@@ -225,7 +236,7 @@ def _latent_attn_fwd_sm90(
     T, H, K, keys_per_split, qk_scale,
     s_qb, s_qt, s_qh, s_pb, s_pt, s_ph, s_kv, s_pe,
     s_ob, s_ot, s_os, s_oh, s_mbt, s_ms,
-    R: gl.constexpr, DR: gl.constexpr, NUM_SPLITS: gl.constexpr,
+    R: gl.constexpr, DR: gl.constexpr, NUM_SPLITS: gl.constexpr, PDL: gl.constexpr,
 ):
     dt: gl.constexpr = kv_ptr.dtype.element_ty
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -248,16 +259,18 @@ def _latent_attn_fwd_sm90(
         mbarrier.init(empty.index(i), count=1)
     acc, m_i, l_i = gl.warp_specialize([
         (_consumer, (rows, start, end, qk_scale, q_ptr + b * s_qb + t * s_qt, qpe_ptr + b * s_pb + t * s_pt, s_qh,
-                     s_ph, h0, H, q_smem, qpe_smem, kv_smem, pe_smem, p_smem, full, empty, R, DR)),
-        (_producer, (rows, start, end, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe, kv_smem, pe_smem, full, empty, R, DR)),
+                     s_ph, h0, H, q_smem, qpe_smem, kv_smem, pe_smem, p_smem, full, empty, R, DR, PDL)),
+        (_producer, (rows, start, end, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe, kv_smem, pe_smem, full, empty, R, DR,
+                     PDL)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
     _store_result(acc, m_i, l_i, o_ptr, m_ptr, l_ptr, b * s_ob + t * s_ot + split * s_os,
                   bt * s_mbt + split * s_ms, h0, H, s_oh, R, NUM_SPLITS, o_l, s_l)
 
 
 def launch(grid, q_latent, q_pe, kv_plane, pe_plane, zero, rows, out, m, lse, sizes, out_strides, ml_strides,
-           R: int, DR: int, splits: int):
-    """Launch the kernel with the Triton kernel's argument order (see _latent_attention)."""
+           R: int, DR: int, splits: int, pdl: bool = False):
+    """Launch the kernel with the Triton kernel's argument order (see _latent_attention); ``pdl``: as a
+    programmatic dependent of the row-number pass."""
     _latent_attn_fwd_sm90[grid](q_latent, q_pe, kv_plane, pe_plane, zero, rows, out, m, lse, *sizes, *out_strides,
-                                *ml_strides, R=R, DR=DR, NUM_SPLITS=splits, num_warps=8)
-
+                                *ml_strides, R=R, DR=DR, NUM_SPLITS=splits, PDL=pdl, num_warps=8,
+                                **({"launch_pdl": True} if pdl else {}))

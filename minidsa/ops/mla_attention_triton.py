@@ -128,11 +128,13 @@ benchmark, 32.6 % of the roofline).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from .mla_attention import check_decode_args, check_prefill_args, sparse_mla_decode_ref, sparse_mla_prefill_ref
 
@@ -146,8 +148,12 @@ _LOG2E = 1.4426950408889634
 # to 1,738 SASS instructions per iteration: decode 0.119 -> 0.112 ms on the H200); larger ones with int64.
 INT32_OFFSETS_BELOW = 2**31
 # On sm_90, calls the Gluon kernel handles go to it (mla_attention_gluon.py: the same loop with the warp groups'
-# roles explicit, 0.076 vs 0.098 ms for the decode benchmark); False keeps them on this file's kernel.
+# roles explicit, 0.061 vs 0.098 ms for the decode benchmark); False keeps them on this file's kernel.
 USE_GLUON = os.environ.get("MINIDSA_MLA_GLUON", "1") != "0"
+# On sm_90 and later, the Gluon kernel and the split combine are launched as programmatic dependents of the
+# kernel before them (PDL): each starts while that one finishes, and waits (griddepcontrol.wait) before it
+# reads what that kernel wrote. False launches them one after the other like any kernel.
+USE_PDL = os.environ.get("MINIDSA_MLA_PDL", "1") != "0"
 
 
 @triton.jit
@@ -293,8 +299,10 @@ def _latent_attn_fwd(
 @triton.jit
 def _combine_splits(acc_ptr, m_ptr, l_ptr, o_ptr, H, R,
                     s_abt, s_as, s_ah, s_mbt, s_ms, s_obt, s_oh,
-                    BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                    BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
     """One (query, head): o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, splits in a fixed order."""
+    if PDL:  # launched as a dependent of the attention kernel: its partials are complete after this
+        gdc_wait()
     bt = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.arange(0, BLOCK_R)
@@ -391,11 +399,21 @@ def _gluon_kernel(q_latent: torch.Tensor, kv_plane: torch.Tensor, pe_plane: torc
     return _gluon if _gluon.gluon_fits(q_latent, kv_plane, pe_plane, H) else None
 
 
-def _combine(part, m, lse, out, H: int, R: int, st: int, sh: int, BLOCK_R: int, splits: int) -> None:
+def _pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` are launched as programmatic dependents (USE_PDL, sm_90 or later)."""
+    return USE_PDL and device.type == "cuda" and _capability(device.index) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _combine(part, m, lse, out, H: int, R: int, st: int, sh: int, BLOCK_R: int, splits: int, pdl: bool) -> None:
     """Launch _combine_splits: partials [B*T, splits, H, R] -> out (b, t dims merged: stride st per query)."""
     _combine_splits[(part.shape[0], H)](
         part, m, lse, out, H, R, part.stride(0), part.stride(1), part.stride(2), m.stride(0), m.stride(1), st, sh,
-        BLOCK_R=BLOCK_R, NUM_SPLITS=splits, num_warps=4)
+        BLOCK_R=BLOCK_R, NUM_SPLITS=splits, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
 
 
 def _latent_attention(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices, scale, out,
@@ -429,9 +447,11 @@ def _latent_attention(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, 
                 DOT_PRECISION=precision, OFF64=max(kv_plane.numel(), pe_plane.numel()) >= INT32_OFFSETS_BELOW,
                 num_warps=num_warps, num_stages=num_stages)
 
+    pdl = _pdl(dev)
+
     def attend(o, m, lse, o_strides, ml_strides):
         if gluon:
-            gluon.launch(grid, *common, o, m, lse, sizes, o_strides, ml_strides, R, DR, splits)
+            gluon.launch(grid, *common, o, m, lse, sizes, o_strides, ml_strides, R, DR, splits, pdl)
         else:
             _latent_attn_fwd[grid](*common, o, m, lse, *sizes, *o_strides, *ml_strides, **meta)
 
@@ -445,7 +465,7 @@ def _latent_attention(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, 
            (m.stride(0), m.stride(1)))
     if sb != T * st:
         raise ValueError("split decode needs an output whose (b, t) dims merge")  # never with our callers
-    _combine(part, m, lse, out, H, R, st, sh, BLOCK_R, splits)
+    _combine(part, m, lse, out, H, R, st, sh, BLOCK_R, splits, pdl)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
