@@ -39,17 +39,20 @@ def test_calls_off_sm90_take_the_triton_kernel():
 
 
 @sm90
-@pytest.mark.parametrize("H, T, K, splits, q_dtype, dtype", [(96, 1, 300, None, torch.bfloat16, torch.bfloat16),
-                                                             (40, 2, 130, 1, torch.bfloat16, torch.bfloat16),
-                                                             (64, 1, 1000, 3, torch.float32, torch.bfloat16),
-                                                             (48, 1, 20, 3, torch.float16, torch.float16)])
-def test_decode_matches_reference_and_triton_kernel(H, T, K, splits, q_dtype, dtype, monkeypatch):
-    """16-bit planes at the real widths, NaN in every unselected row, -1 padding, a query with nothing
-    selected, T not 1, a split count that does not divide K, and splits with no position at all (K=20:
-    splits 2 and 3 are empty). Tolerance as for the Triton kernel
+@pytest.mark.parametrize("H, T, K, splits, q_dtype, dtype, r, dr", [
+    (96, 1, 300, None, torch.bfloat16, torch.bfloat16, 512, 64),
+    (40, 2, 130, 1, torch.bfloat16, torch.bfloat16, 512, 64),
+    (64, 1, 1000, 3, torch.float32, torch.bfloat16, 512, 64),
+    (48, 1, 20, 3, torch.float16, torch.float16, 512, 64),
+    (64, 1, 333, 2, torch.bfloat16, torch.bfloat16, 256, 32)])
+def test_decode_matches_reference_and_triton_kernel(H, T, K, splits, q_dtype, dtype, r, dr, monkeypatch):
+    """16-bit planes at the real widths (and r=256, dr=32), NaN in every unselected row, -1 padding, a query
+    with nothing selected, T not 1, a split count that does not divide K, splits with no position at all
+    (K=20: splits 2 and 3 are empty) and splits of an odd number of 64-position tiles (the two compute
+    groups take the tiles in turn; K=333 in 2 splits: 3 tiles each). Tolerance as for the Triton kernel
     (test_triton_mla.test_bf16_decode_and_prefill_on_gpu): q and p are rounded to bf16 for the tensor
     cores where the reference computes in fp32; outputs are convex combinations of O(1) rows, so 2e-2."""
-    B, r, dr, bs = 3, 512, 64, 64
+    B, bs = 3, 64
     kv, pe, table, idx = paged_case(B, T, K, r, dr, bs, contexts=[1000, 700, 301], dtype=dtype,
                                     device="cuda", seed=H + K)
     q_lat = torch.randn(B, T, H, r, device="cuda").to(q_dtype)

@@ -69,11 +69,12 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
 # Compile-time constants of the kernels (the host reads them through int()).
-BLOCK_H = gl.constexpr(64)  # one wgmma M per warp group
-BLOCK_N = gl.constexpr(64)  # positions per iteration
+BLOCK_H = gl.constexpr(64)  # one wgmma M: each compute group holds all 64 heads' rows
+BLOCK_N = gl.constexpr(64)  # positions per tile
 STAGES = gl.constexpr(2)  # gathered tiles in flight: all that fits beside the query (see above)
 PRODUCER_WARPS = gl.constexpr(4)  # the gathering partition: one warp group (setmaxnreg works per warp group)
-PRODUCER_REGS = gl.constexpr(56)  # its registers per thread (40 spilled); the 8 consumer warps get 224
+PRODUCER_REGS = gl.constexpr(56)  # its registers per thread (40 spilled in the earlier kernel)
+COMPUTE_REGS = gl.constexpr(232)  # compute group 1's (group 0, the default partition, gets what is left: 216)
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one program may use on sm_90
 
 
@@ -91,10 +92,11 @@ def gluon_fits(q_latent: torch.Tensor, kv_plane: torch.Tensor, pe_plane: torch.T
         return False
     if H <= 32:  # fewer heads would leave most of the 64 rows padding
         return False
-    # r/2 is each warp group's wgmma N (at most 256); the copy layouts assume widths of whole 16-byte vectors.
+    # r/2 is each group's value wgmma N (at most 256) and the query loads in 128-column chunks, half per group;
+    # the copy layouts assume widths of whole 16-byte vectors.
     widths_ok = R in (256, 512) and DR in (16, 32, 64, 128, 256)
     bh, bn, stages = int(BLOCK_H), int(BLOCK_N), int(STAGES)
-    smem = 2 * (bh * (R + DR) + stages * bn * (R + DR) + bh * bn) + 16 * stages  # + the mbarriers
+    smem = 2 * (bh * (R + DR) + stages * bn * (R + DR) + bh * bn) + 4 * 4 * bh + 8 * (2 * stages + 3)
     return widths_ok and smem <= SMEM_LIMIT and max(kv_plane.numel(), pe_plane.numel()) < 2**31
 
 
@@ -102,6 +104,21 @@ def gluon_fits(q_latent: torch.Tensor, kv_plane: torch.Tensor, pe_plane: torch.T
 def _nvmma(shape, dtype):
     """The swizzled shared layout wgmma reads (the widest swizzle the row allows)."""
     return gl.NVMMASharedLayout.get_default_for(shape, dtype)
+
+
+@gluon.jit
+def _wait_for_previous_kernel():
+    """griddepcontrol.wait: the kernel this one was launched after (as its programmatic dependent) has completed
+    and its writes are visible. Before this call a thread may only read what older kernels wrote."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _opaque_zero():
+    """0, unknown to the compiler. A stage index built from it keeps the 36 wgmma descriptors of a tile from
+    being hoisted out of the loop: held in registers for the whole loop as 64-bit values, they spilled
+    (103 local loads per iteration); computed per use, they cost a few integer instructions."""
+    return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -117,6 +134,26 @@ def _gather_to_smem(rows_ptr, n0, end, plane_ptr, zero_ptr, stride, buf, W: gl.c
 
 
 @gluon.jit
+def _producer(rows, start, end, n_tiles, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe, kv_smem, pe_smem, full, empty,
+              R: gl.constexpr, DR: gl.constexpr, PDL: gl.constexpr):
+    """The gathering partition: tile `it` into stage it % STAGES as soon as both compute groups released that
+    stage. Each thread's cp.async copies arrive on full[stage] when they land (the barrier counts all its
+    threads)."""
+    # 16 bytes per thread per row chunk, one row per warp at a time.
+    kv_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [PRODUCER_WARPS, 1], [1, 0])
+    pe_ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // DR, DR // 8], [PRODUCER_WARPS, 1], [1, 0])
+    if PDL:  # the row numbers come from the kernel before
+        _wait_for_previous_kernel()
+    for it in range(n_tiles):
+        s = it % STAGES
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # parity 1 of a fresh barrier passes at once
+        n0 = start + it * BLOCK_N
+        _gather_to_smem(rows, n0, end, kv_ptr, zero_ptr, s_kv, kv_smem.index(s), R, BLOCK_N, kv_ld)
+        _gather_to_smem(rows, n0, end, pe_ptr, zero_ptr, s_pe, pe_smem.index(s), DR, BLOCK_N, pe_ld)
+        cp.mbarrier_arrive(full.index(s), increment_count=False)
+
+
+@gluon.jit
 def _query_to_smem(q_ptr, hoff, h0, H, W: gl.constexpr, layout: gl.constexpr, q_smem):
     """The [BLOCK_H, W] query block (padded heads: 0) into q_smem, in the planes' dtype (the Triton kernel
     rounds q the same way)."""
@@ -127,107 +164,126 @@ def _query_to_smem(q_ptr, hoff, h0, H, W: gl.constexpr, layout: gl.constexpr, q_
 
 
 @gluon.jit
-def _scores(q_smem, qpe_smem, kv_t, pe_t, s_zero):
-    """q @ kv^T + q_pe @ pe^T [BLOCK_H, BLOCK_N] fp32 (the tiles' transposed views are the B operands)."""
-    s = warpgroup_mma(qpe_smem, pe_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    return warpgroup_mma_wait(0, deps=(warpgroup_mma(q_smem, kv_t.permute((1, 0)), s, is_async=True),))
+def _load_query(ME: gl.constexpr, q_base, qpe_base, s_qh, s_ph, h0, H, q_smem, qpe_smem, qready,
+                R: gl.constexpr, DR: gl.constexpr):
+    """Each group loads half of the query's 128-column chunks (the whole [64, 512] block would be 256 values
+    per thread), group 1 also q_pe; both wait until both halves are in shared memory."""
+    for c in gl.static_range(ME * (R // 256), (ME + 1) * (R // 256)):
+        _query_to_smem(q_base + c * 128, s_qh, h0, H, 128, gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]),
+                       q_smem.index(0).slice(c * 128, 128, dim=1))
+    if ME == 1:
+        _query_to_smem(qpe_base, s_ph, h0, H, DR, gl.BlockedLayout([1, 8], [32 * 8 // DR, DR // 8], [4, 1], [1, 0]),
+                       qpe_smem.index(0))
+    fence_async_shared()  # generic-proxy writes that wgmma (async proxy) reads
+    mbarrier.arrive(qready)
+    mbarrier.wait(qready, 0)
 
 
 @gluon.jit
-def _softmax_to_smem(s, valid, m_i, l_acc, qk_scale, p_smem):
-    """Online-softmax step on the raw scores s [BLOCK_H, BLOCK_N]; writes p to p_smem for the value wgmma.
-    Returns (alpha, m, l_acc) once all of p is in p_smem. The row sums stay per column (l_acc, summed after
-    the loop): a row sum per iteration would cost a second exchange between the warp groups. The
-    reference point m_safe = 0 of a row with no valid key keeps 2^-inf = 0."""
-    s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
+def _own_tile(ME: gl.constexpr, t, k, m_i, l_i, acc, rows, start, end, qk_scale, q_smem, qpe_smem, kv_smem,
+              pe_smem, p_smem, stat_smem, full, empty, ready, R: gl.constexpr, s_l: gl.constexpr,
+              o_l: gl.constexpr):
+    """Tile t, stage ME, scored by this group: the whole [64, 64] score tile, the online-softmax step, p with the
+    new row max and the rescale factor handed to the other group through shared memory, then this group's value
+    columns. The reference point m_safe = 0 of a row with no valid key keeps 2^-inf = 0."""
+    cols_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
+    n0 = start + t * BLOCK_N
+    valid = gl.load(rows + n0 + cols_n, mask=n0 + cols_n < end, other=-1) >= 0  # (its latency hides in the wait)
+    mbarrier.wait(full.index(ME), k & 1)
+    fence_async_shared()  # the producer's cp.async writes (generic proxy), read next by wgmma (async proxy)
+    z = _opaque_zero()
+    s = warpgroup_mma(qpe_smem.index(z), pe_smem.index(ME + z).permute((1, 0)),
+                      gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l), use_acc=False, is_async=True)
+    s = warpgroup_mma(q_smem.index(z), kv_smem.index(ME + z).permute((1, 0)), s, is_async=True)
+    s = gl.where(valid[None, :], warpgroup_mma_wait(0, deps=(s,)) * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(s - m_safe[:, None])
-    p_smem.store(p.to(p_smem.dtype))
-    fence_async_shared()  # a generic-proxy write that wgmma (async proxy) reads next
-    gl.thread_barrier()  # both warp groups' halves of p are in shared memory
-    return alpha, m_new, l_acc * alpha[:, None] + p
+    p32 = gl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + gl.sum(p32, axis=1)  # the unrounded p, as in the reference's normaliser
+    p = p32.to(kv_smem.dtype)
+    p_smem.store(p)  # the other group's last read of p_smem (tile t-1) ended before this group's
+    stat_smem.slice(0, BLOCK_H).store(m_new)
+    stat_smem.slice(BLOCK_H, BLOCK_H).store(alpha)
+    fence_async_shared()
+    mbarrier.arrive(ready)  # one arrival, after a barrier of this group's warps
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+    v = kv_smem.index(ME + _opaque_zero()).slice(ME * (R // 2), R // 2, dim=1)
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    acc = warpgroup_mma(gl.convert_layout(p, p_op), v, acc)  # p from registers
+    mbarrier.arrive(empty.index(ME))
+    return m_new, l_i, acc
 
 
 @gluon.jit
-def _store_result(acc, m_i, l_i, o_ptr, m_ptr, l_ptr, o_base, ml_base, h0, H, s_oh, R: gl.constexpr,
-                  NUM_SPLITS: gl.constexpr, o_layout: gl.constexpr, s_layout: gl.constexpr):
-    """o = acc / l (one split), or the split's acc, m and l for _combine_splits."""
-    heads = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
-    cols = gl.arange(0, R, layout=gl.SliceLayout(0, o_layout))
+def _other_tile(ME: gl.constexpr, t, m_i, l_i, acc, kv_smem, p_smem, stat_smem, empty, ready, R: gl.constexpr,
+                o_l: gl.constexpr, row_l: gl.constexpr):
+    """Tile t, stage 1 - ME, scored by the other group: its row max, rescale factor and p from shared memory,
+    then this group's value columns."""
+    mbarrier.wait(ready, t & 1)
+    fence_async_shared()
+    m_i = stat_smem.slice(0, BLOCK_H).load(row_l)
+    alpha = stat_smem.slice(BLOCK_H, BLOCK_H).load(row_l)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+    v = kv_smem.index(1 - ME + _opaque_zero()).slice(ME * (R // 2), R // 2, dim=1)
+    acc = warpgroup_mma(p_smem, v, acc)
+    mbarrier.arrive(empty.index(1 - ME))
+    return m_i, l_i * alpha, acc
+
+
+@gluon.jit
+def _store_half(ME: gl.constexpr, acc, m_i, l_i, l_smem, done, o_ptr, m_ptr, l_ptr, o_base, ml_base, h0, H, s_oh,
+                R: gl.constexpr, NUM_SPLITS: gl.constexpr, o_l: gl.constexpr, row_l: gl.constexpr):
+    """Each group summed p over the tiles it scored: both row sums are added in a fixed order, then o = acc / l
+    (one split) or the split's acc, m and l for _combine_splits, each group its value columns."""
+    l_smem.slice(ME * BLOCK_H, BLOCK_H).store(l_i)
+    mbarrier.arrive(done)
+    mbarrier.wait(done, 0)
+    l_i = l_smem.slice(0, BLOCK_H).load(row_l) + l_smem.slice(BLOCK_H, BLOCK_H).load(row_l)
+    heads = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
+    cols = ME * (R // 2) + gl.arange(0, R // 2, layout=gl.SliceLayout(0, o_l))
     o_ptrs = o_ptr + o_base + heads.to(gl.int64)[:, None] * s_oh + cols[None, :]
     if NUM_SPLITS == 1:  # a row with no valid position has l = 0, acc = 0: divide by 1, stay zero
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
         o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
         gl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=(heads < H)[:, None])
     else:
         gl.store(o_ptrs, acc, mask=(heads < H)[:, None])
-        hm = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
-        gl.store(m_ptr + ml_base + hm, m_i, mask=hm < H)
-        gl.store(l_ptr + ml_base + hm, l_i, mask=hm < H)
+        if ME == 0:
+            hm = h0 + gl.arange(0, BLOCK_H, layout=row_l)
+            gl.store(m_ptr + ml_base + hm, m_i, mask=hm < H)
+            gl.store(l_ptr + ml_base + hm, l_i, mask=hm < H)
 
 
 @gluon.jit
-def _wait_for_previous_kernel():
-    """griddepcontrol.wait: the kernel before this one (launched as its programmatic dependent) has completed and
-    its writes are visible. Everything before this call may only read what older kernels wrote."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _producer(rows, start, end, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe, kv_smem, pe_smem, full, empty,
-              R: gl.constexpr, DR: gl.constexpr, PDL: gl.constexpr):
-    """The gathering partition: tile `it` into stage it % STAGES as soon as the consumers released that stage.
-    Each thread's cp.async copies arrive on full[stage] when they land (the barrier counts all its threads)."""
-    if PDL:  # the row numbers come from the kernel before
-        _wait_for_previous_kernel()
-    # 16 bytes per thread per row chunk, one row per warp at a time.
-    kv_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [PRODUCER_WARPS, 1], [1, 0])
-    pe_ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // DR, DR // 8], [PRODUCER_WARPS, 1], [1, 0])
-    for it in range(gl.cdiv(end - start, BLOCK_N)):
-        s = it % STAGES
-        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # parity 1 of a fresh barrier passes at once
-        n0 = start + it * BLOCK_N
-        _gather_to_smem(rows, n0, end, kv_ptr, zero_ptr, s_kv, kv_smem.index(s), R, BLOCK_N, kv_ld)
-        _gather_to_smem(rows, n0, end, pe_ptr, zero_ptr, s_pe, pe_smem.index(s), DR, BLOCK_N, pe_ld)
-        cp.mbarrier_arrive(full.index(s), increment_count=False)
-
-
-@gluon.jit
-def _consumer(rows, start, end, qk_scale, q_base, qpe_base, s_qh, s_ph, h0, H, q_smem, qpe_smem, kv_smem, pe_smem,
-              p_smem, full, empty, R: gl.constexpr, DR: gl.constexpr, PDL: gl.constexpr):
-    """The two warp groups that compute: load the query, then per tile wait for it, score, softmax, values,
-    and release the stage. Returns (acc [BLOCK_H, R], m, l) of this program's positions."""
-    # Scores: the warp groups split the BLOCK_N columns; values: they split the R columns.
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, BLOCK_N // 2, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, R // 2, 16])
-    _query_to_smem(q_base, s_qh, h0, H, R, gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]), q_smem)
-    _query_to_smem(qpe_base, s_ph, h0, H, DR, gl.BlockedLayout([1, 8], [32 * 8 // DR, DR // 8], [8, 1], [1, 0]),
-                   qpe_smem)
-    fence_async_shared()  # for the wgmma; the loop's first barrier makes both halves visible
+def _compute_group(ME: gl.constexpr, rows, start, end, n_pairs, qk_scale, q_base, qpe_base, s_qh, s_ph, h0, H,
+                   q_smem, qpe_smem, kv_smem, pe_smem, p_smem, stat_smem, l_smem, full, empty, ready, qready, done,
+                   o_ptr, m_ptr, l_ptr, o_base, ml_base, s_oh, R: gl.constexpr, DR: gl.constexpr,
+                   NUM_SPLITS: gl.constexpr, PDL: gl.constexpr):
+    """Compute group ME (0 or 1): scores the tiles t with t % 2 == ME, owns value columns [ME * R/2, (ME + 1) * R/2)
+    of every tile, and takes the tiles in order, so its accumulator sees every rescale in order."""
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, R // 2, 16])
+    row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+    _load_query(ME, q_base, qpe_base, s_qh, s_ph, h0, H, q_smem, qpe_smem, qready, R, DR)
     if PDL:  # the query was written before the row-number pass, the row numbers by it
         _wait_for_previous_kernel()
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
-    l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
-    acc = gl.zeros([BLOCK_H, R], gl.float32, layout=o_l)
-    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
-    cols_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
-    for it in range(gl.cdiv(end - start, BLOCK_N)):
-        s = it % STAGES
-        n0 = start + it * BLOCK_N  # (loaded before the waits, its latency hides behind them)
-        valid = gl.load(rows + n0 + cols_n, mask=n0 + cols_n < end, other=-1) >= 0
-        gl.thread_barrier()  # both groups' value wgmma of the last tile are done with p_smem
-        mbarrier.wait(full.index(s), (it // STAGES) & 1)
-        fence_async_shared()  # the producer's cp.async writes (generic proxy), read next by wgmma (async proxy)
-        kv_t = kv_smem.index(s)
-        sc = _scores(q_smem, qpe_smem, kv_t, pe_smem.index(s), s_zero)
-        alpha, m_i, l_acc = _softmax_to_smem(sc, valid, m_i, l_acc, qk_scale, p_smem)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-        acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(p_smem, kv_t, acc, is_async=True),))
-        mbarrier.arrive(empty.index(s))  # one arrival (after a barrier of both groups): the stage is free
-    return acc, m_i, gl.sum(l_acc, axis=1)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_l)
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_l)
+    acc = gl.zeros([BLOCK_H, R // 2], gl.float32, layout=o_l)
+    for k in range(n_pairs):  # tiles 2k (scored by group 0) and 2k + 1 (by group 1)
+        if ME == 0:
+            m_i, l_i, acc = _own_tile(ME, 2 * k, k, m_i, l_i, acc, rows, start, end, qk_scale, q_smem, qpe_smem,
+                                      kv_smem, pe_smem, p_smem, stat_smem, full, empty, ready, R, s_l, o_l)
+            m_i, l_i, acc = _other_tile(ME, 2 * k + 1, m_i, l_i, acc, kv_smem, p_smem, stat_smem, empty, ready, R,
+                                        o_l, row_l)
+        else:
+            m_i, l_i, acc = _other_tile(ME, 2 * k, m_i, l_i, acc, kv_smem, p_smem, stat_smem, empty, ready, R,
+                                        o_l, row_l)
+            m_i, l_i, acc = _own_tile(ME, 2 * k + 1, k, m_i, l_i, acc, rows, start, end, qk_scale, q_smem, qpe_smem,
+                                      kv_smem, pe_smem, p_smem, stat_smem, full, empty, ready, R, s_l, o_l)
+    _store_half(ME, acc, m_i, l_i, l_smem, done, o_ptr, m_ptr, l_ptr, o_base, ml_base, h0, H, s_oh, R, NUM_SPLITS,
+                o_l, row_l)
 
 
 @gluon.jit
@@ -239,38 +295,51 @@ def _latent_attn_fwd_sm90(
     R: gl.constexpr, DR: gl.constexpr, NUM_SPLITS: gl.constexpr, PDL: gl.constexpr,
 ):
     dt: gl.constexpr = kv_ptr.dtype.element_ty
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, BLOCK_N // 2, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, R // 2, 16])
     bt = gl.program_id(0).to(gl.int64)
     b, t, h0, split = bt // T, bt % T, gl.program_id(1) * BLOCK_H, gl.program_id(2)
     start = split * keys_per_split
     end = gl.minimum(start + keys_per_split, K)
+    n_pairs = gl.cdiv(gl.cdiv(end - start, BLOCK_N), 2)  # an odd tile count ends with a tile of no valid position
     rows = rows_ptr + bt * K
-    q_smem = gl.allocate_shared_memory(dt, [BLOCK_H, R], _nvmma([BLOCK_H, R], dt))
-    qpe_smem = gl.allocate_shared_memory(dt, [BLOCK_H, DR], _nvmma([BLOCK_H, DR], dt))
+    q_smem = gl.allocate_shared_memory(dt, [1, BLOCK_H, R], _nvmma([BLOCK_H, R], dt))  # (indexed by _opaque_zero)
+    qpe_smem = gl.allocate_shared_memory(dt, [1, BLOCK_H, DR], _nvmma([BLOCK_H, DR], dt))
     kv_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, R], _nvmma([BLOCK_N, R], dt))
     pe_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], _nvmma([BLOCK_N, DR], dt))
     p_smem = gl.allocate_shared_memory(dt, [BLOCK_H, BLOCK_N], _nvmma([BLOCK_H, BLOCK_N], dt))
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    stat_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec)  # the last scored tile's max, rescale
+    l_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec)  # the two groups' row sums
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # stage landed
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # stage read by both
+    ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # p, max, rescale handed over
+    qready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # the query is in place
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # both row sums are in place
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=PRODUCER_WARPS * 32)
-        mbarrier.init(empty.index(i), count=1)
-    acc, m_i, l_i = gl.warp_specialize([
-        (_consumer, (rows, start, end, qk_scale, q_ptr + b * s_qb + t * s_qt, qpe_ptr + b * s_pb + t * s_pt, s_qh,
-                     s_ph, h0, H, q_smem, qpe_smem, kv_smem, pe_smem, p_smem, full, empty, R, DR, PDL)),
-        (_producer, (rows, start, end, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe, kv_smem, pe_smem, full, empty, R, DR,
-                     PDL)),
-    ], [PRODUCER_WARPS], [PRODUCER_REGS])
-    _store_result(acc, m_i, l_i, o_ptr, m_ptr, l_ptr, b * s_ob + t * s_ot + split * s_os,
-                  bt * s_mbt + split * s_ms, h0, H, s_oh, R, NUM_SPLITS, o_l, s_l)
+        mbarrier.init(empty.index(i), count=2)
+    mbarrier.init(ready, count=1)
+    mbarrier.init(qready, count=2)
+    mbarrier.init(done, count=2)
+    gl.warp_specialize([
+        (_compute_group, (0, rows, start, end, n_pairs, qk_scale, q_ptr + b * s_qb + t * s_qt,
+                          qpe_ptr + b * s_pb + t * s_pt, s_qh, s_ph, h0, H, q_smem, qpe_smem, kv_smem, pe_smem, p_smem,
+                          stat_smem, l_smem, full, empty, ready, qready, done, o_ptr, m_ptr, l_ptr,
+                          b * s_ob + t * s_ot + split * s_os, bt * s_mbt + split * s_ms, s_oh, R, DR, NUM_SPLITS,
+                          PDL)),
+        (_compute_group, (1, rows, start, end, n_pairs, qk_scale, q_ptr + b * s_qb + t * s_qt,
+                          qpe_ptr + b * s_pb + t * s_pt, s_qh, s_ph, h0, H, q_smem, qpe_smem, kv_smem, pe_smem, p_smem,
+                          stat_smem, l_smem, full, empty, ready, qready, done, o_ptr, m_ptr, l_ptr,
+                          b * s_ob + t * s_ot + split * s_os, bt * s_mbt + split * s_ms, s_oh, R, DR, NUM_SPLITS,
+                          PDL)),
+        (_producer, (rows, start, end, 2 * n_pairs, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe, kv_smem, pe_smem, full,
+                     empty, R, DR, PDL)),
+    ], [4, PRODUCER_WARPS], [COMPUTE_REGS, PRODUCER_REGS])
 
 
 def launch(grid, q_latent, q_pe, kv_plane, pe_plane, zero, rows, out, m, lse, sizes, out_strides, ml_strides,
            R: int, DR: int, splits: int, pdl: bool = False):
     """Launch the kernel with the Triton kernel's argument order (see _latent_attention); ``pdl``: as a
-    programmatic dependent of the row-number pass."""
+    programmatic dependent of the row-number pass. 4 warps: the default partition is compute group 0."""
     _latent_attn_fwd_sm90[grid](q_latent, q_pe, kv_plane, pe_plane, zero, rows, out, m, lse, *sizes, *out_strides,
-                                *ml_strides, R=R, DR=DR, NUM_SPLITS=splits, PDL=pdl, num_warps=8,
+                                *ml_strides, R=R, DR=DR, NUM_SPLITS=splits, PDL=pdl, num_warps=4,
                                 **({"launch_pdl": True} if pdl else {}))
