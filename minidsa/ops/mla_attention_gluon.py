@@ -1,59 +1,59 @@
-"""Sparse MLA attention on Hopper (sm_90) in Gluon: the Triton kernel's loop, with each warp group's role explicit.
+"""Sparse MLA attention on Hopper (sm_90) in Gluon: the Triton kernel's math, with each warp group's role explicit.
 
 Same math, grid, split scheme and row-number pass as ``mla_attention_triton._latent_attn_fwd`` (read that
 first): one program per (query, block of 64 heads, split of the selected positions), absorbed form,
-online softmax in fp32, invalid positions read a zero row and score -inf. Only the loop body differs.
+online softmax in fp32, invalid positions read a zero row and score -inf. Only the work inside a program
+differs: three warp groups with separate roles, synchronised through mbarriers in shared memory.
 
-Why a second kernel. In the Triton kernel the compiler gives a dot whose result feeds another dot all its
-warps along M (``warpsPerTileV3``'s chained-dot rule). With 64 heads and 8 warps that is [8, 1]: both warp
-groups compute the whole [64, 64] score tile, with half-width m64n32 instructions (76 wgmma per group per
-64 positions, 1,107 SASS instructions per iteration). Gluon lets the kernel choose the layouts itself:
+    producer (4 warps)   cp.async gathers of tile t's rows into stage t % 2 of a two-stage ring of
+                         NVMMA-swizzled [64, r + dr] tiles, once both compute groups released the stage
+    compute group 0      scores the even tiles, owns value columns [0, r/2) of every tile
+    compute group 1      scores the odd tiles, owns value columns [r/2, r)
 
-    scores  s = q @ kv^T          warps [4, 2]: each warp group computes 32 of the 64 columns (no copy)
-    softmax row max / sum          across the two groups (the compiler exchanges the partial rows)
-    p -> shared memory             both groups need the whole [64, 64] p as the wgmma A operand
-    values  acc += p @ kv          warps [4, 2]: each warp group owns 256 of the 512 columns
+A compute group takes the tiles in order. On its own tile it computes the whole [64, 64] score tile
+(m64n64 wgmma), the online-softmax step, and hands p (bf16), the new row max and the rescale factor to the
+other group through shared memory (``ready``), then adds p @ kv[:, its half] (p from registers). On the
+other group's tile it reads those three, rescales its accumulator and adds p @ kv[:, its half]. Each
+accumulator is [64, r/2] fp32 (128 registers per thread: a [64, 512] one fits no warp group), and both see
+every rescale in tile order; the row sums each group gathered over its own tiles are added at the end.
 
-That is 40 wgmma per group per 64 positions and 487 instructions per iteration (sm_90, counted in the SASS).
+Why this shape (measured on the H200, decode benchmark below, GPU time from a CUDA graph):
+- Triton's compiler gives a dot whose result feeds another dot all its warps along M (``warpsPerTileV3``'s
+  chained-dot rule): both warp groups computed the whole score tile with m64n32 instructions (76 wgmma per
+  group per 64 positions). The Triton kernel: 0.097-0.101 ms.
+- A first Gluon loop split the score columns between the two groups (m64n32 each, no copy) and exchanged
+  the row maxima and p every tile: 0.074 ms. Its compute warps issued the cp.async copies too, and a copy
+  instruction stalls its warp until the memory pipeline takes it, so loads and dots ran one after the
+  other inside an SM: dots alone 2.0 us per 64 positions, loads alone 0.8, both 3.15; the same for a cache
+  of random rows and one that sits in L2 (67.0 against 68.7 us), and the same per SM with 64 or 128
+  programs: not bandwidth. A producer warp group for the copies: 0.061 ms.
+- Score tiles split by columns are bound by shared-memory reads: each group's m64n32 wgmma reads the
+  whole query block for half the columns (216 KB per 64 positions). A group scoring a whole tile with
+  m64n64 reads 144 KB, and while one group is in its softmax the other's wgmma run: 0.055-0.056 ms,
+  36 % of the roofline.
+Shared memory: the query (72 KB), two [64, 576] bf16 stages (2 x 72 KB), p (8 KB), the row statistics and
+the barriers: 225 KB of the 227 KB a program may use, so there is no third stage.
 
-Warp specialization. The gathers run in a third warp group of their own (``_producer``, 56 registers per
-thread; the two compute groups get 224). It copies tile `it` with 16-byte cp.async into stage it % STAGES of
-a ring of NVMMA-swizzled tiles, and each thread's copies arrive on the stage's ``full`` mbarrier when they
-land; the compute groups (``_consumer``) wait on ``full``, score, softmax, add the values, and arrive on the
-stage's ``empty`` mbarrier, which lets the producer refill it. Shared memory: the query (72 KB), two [64, 576]
-bf16 stages (2 x 72 KB) and p (8 KB) = 224 KB of the 227 KB a program may use: no room for a third stage.
+Tried and rejected (same benchmark): issuing a group's next score wgmma before the other group's value
+wgmma (69 us: wgmma groups complete in order, so the stage that tile frees is released later); p through
+shared memory for the own tile too (no difference); one group loading the whole query (56.9-58.2 against
+56.0-56.2 us with each group loading half); 40 producer registers (spills, 1.7 us slower than 56); in the
+earlier loops: the value wgmma kept in flight into the next iteration (84 us), BLOCK_N=32 with 2-4 stages
+(96-110 us), 3 or 4 splits (88-98 us), L2 prefetch of the rows 1-6 tiles ahead (79-83 us), merging the
+splits in the attention kernel (the last program of a query, found by an atomic counter, merges them in
+split order, bitwise equal to the combine kernel: 64.2 against 62.1 us, one SM then moves 384 KB at the
+tail) and a combine kernel with 4 heads per program (no difference).
 
-Why. When the compute warps issued the copies themselves (the previous version of this kernel), a copy
-instruction stalls its warp until the memory pipeline takes it, so each tile paid for its loads and its dots
-one after the other. Measured on the H200 (one run, no split combine, time per 16-tile program): the dots
-alone 2.0 us per 64 positions, the loads alone 0.8 us, both 3.15 us; the same for a cache of 65,536 random
-rows and for 4,096 rows that sit in L2 (67.0 against 68.7 us), and per SM the same with 64 or 128 programs
-running: not bandwidth, but the order of work inside one SM. With the producer the same call's attention
-kernel takes 55.1 us instead of 68.6, and the output is bitwise the same.
-
-Measured on the H200 (benchmarks/bench_mla.py: B=32, 65,536 cached, top-k 2048, 96 heads, r=512, dr=64, bf16,
-GPU time from a CUDA graph, the row-number pass and the split combine included): 61-62 us (32.6 % of the
-roofline), against 98 us for the Triton kernel and 74 us for this kernel without the producer. Of the
-61-62 us the attention kernel takes 55 us, the row-number pass and the split combine the rest. Before the
-producer, a program's fixed cost (query, first tile, storing its fp32 partial) was about 18 us of the 68.
-Tried and rejected:
-- before the producer: keeping the value wgmma in flight into the next iteration (84 us: the next tile's
-  copy must then wait for it, since two stages share the ring), BLOCK_N=32 with 2-4 stages (96-110 us),
-  3 or 4 splits (88-98 us), prefetching the rows 1-6 tiles ahead into L2 (79-83 us; the bulk form,
-  cp.async.bulk.prefetch, takes uniform addresses and compiles to a loop over the threads), issuing the
-  first tile before loading the query (no change);
-- 40 producer registers: spills in the producer's loop, 1.7 us slower than 56;
-- merging the splits in the attention kernel (the last program of a query, found with an atomic counter,
-  merges all splits in split order: bitwise equal to the combine kernel): 64.2 against 62.1 us, since one
-  SM then moves 384 KB at the tail while the combine kernel spreads it over the GPU;
-- a combine kernel with 4 heads per program instead of 1: no difference (61.1-62.4 against 61.9-62.5 us).
-With 64 heads the kernel would run one block per query; at 96 heads two blocks of 64 gather the same rows
-and the second is half padding (the tensor-core work is 128/96 of the useful work).
+Measured (benchmarks/bench_mla.py: B=32, 65,536 cached, top-k 2048, 96 heads, r=512, dr=64, bf16, the
+row-number pass and the split combine included): 0.055 ms, 36.1 % of the roofline (19.9 us), 1.76x the
+Triton kernel in the same run; the attention kernel alone 49.6-49.9 us. At 96 heads two 64-head blocks
+gather the same rows and the second is half padding: the tensor-core work is 128/96 of the useful work.
 
 Used by ``mla_attention_triton._latent_attention`` when ``gluon_fits`` says so (sm_90, bf16/fp16 planes,
 r 256 or 512, dr a power of two in 16..256 with r + dr <= 576, more than 32 heads, planes under 2^31
 elements); everything else, and every CPU run, takes the Triton kernel. Gluon has no interpreter: this
-kernel is tested on the GPU only (tests/test_mla_gluon.py, through the device tool), against the same reference.
+kernel is tested on the GPU only (tests/test_mla_gluon.py, through the device tool), against the same
+reference and the Triton kernel, and bitwise run to run.
 """
 
 from __future__ import annotations

@@ -122,8 +122,8 @@ Reaching 35 % needs FlashMLA's structure: warp groups that each own half of the 
 exchange one score tile through shared memory and overlap loads, softmax and dots; Triton gives no
 control over which warp group computes what. Gluon does: on sm_90, ``_latent_attention`` hands the
 calls it fits to mla_attention_gluon.py, this loop with the score tile split between the warp groups
-and p passed through shared memory, its gathers in a warp group of their own (0.061 ms for the decode
-benchmark, 32.6 % of the roofline).
+and p passed through shared memory, its gathers in a warp group of their own (0.055 ms for the decode
+benchmark, 36.1 % of the roofline).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ _LOG2E = 1.4426950408889634
 # to 1,738 SASS instructions per iteration: decode 0.119 -> 0.112 ms on the H200); larger ones with int64.
 INT32_OFFSETS_BELOW = 2**31
 # On sm_90, calls the Gluon kernel handles go to it (mla_attention_gluon.py: the same loop with the warp groups'
-# roles explicit, 0.061 vs 0.098 ms for the decode benchmark); False keeps them on this file's kernel.
+# roles explicit, 0.055 vs 0.097 ms for the decode benchmark); False keeps them on this file's kernel.
 USE_GLUON = os.environ.get("MINIDSA_MLA_GLUON", "1") != "0"
 # On sm_90 and later, the Gluon kernel and the split combine are launched as programmatic dependents of the
 # kernel before them (PDL): each starts while that one finishes, and waits (griddepcontrol.wait) before it
