@@ -78,8 +78,9 @@ The prefill floor (2x faster than dense SDPA, i.e. <= 4.6 ms) is NOT met, and is
 form with random selections: the rows each query must gather (2,048 x 1,152 bytes, 74.9 GB in all)
 would have to arrive at 16 TB/s, and the 2.40 TFLOP at 520 TFLOP/s from mma tiles with M = 16 heads
 (mma.sync m16n8k16: the SASS is 272 HMMA.16816 per 128 positions; wgmma needs M = 64). The fastest row
-gather measured on this GPU is about 9.9 TB/s: the Gluon decode kernel's producer alone (no dots), 128
-programs gathering [64, 576] bf16 tiles of random rows from a cache that sits in L2, 0.95 us per tile
+gather measured on this GPU is about 9.9 TB/s: the Gluon decode loop with its dots removed (8 warps issuing
+the cp.async copies), 128 programs gathering [64, 576] bf16 tiles of random rows from a cache that sits in
+L2, 0.95 us per tile
 (34.5 us for 16 tiles a program, 26.9 us for 8). At that rate the 74.9 GB take 7.6 ms, over the floor.
 
 What binds decode (floor 35 %, not met). Not memory: the time (int64 offsets then) was the same,
