@@ -80,10 +80,10 @@ would have to arrive at 16 TB/s, and the 2.40 TFLOP at 520 TFLOP/s from mma tile
 (mma.sync m16n8k16: the SASS is 272 HMMA.16816 per 128 positions; wgmma needs M = 64). The fastest row
 gather measured on this GPU is about 9.9 TB/s: the Gluon decode loop with its dots removed (8 warps issuing
 the cp.async copies), 128 programs gathering [64, 576] bf16 tiles of random rows from a cache that sits in
-L2, 0.95 us per tile
-(34.5 us for 16 tiles a program, 26.9 us for 8). At that rate the 74.9 GB take 7.6 ms, over the floor.
+L2, 0.95 us per tile (34.5 us for 16 tiles a program, 26.9 us for 8). At that rate the 74.9 GB take 7.6 ms,
+over the floor.
 
-What binds decode (floor 35 %, not met). Not memory: the time (int64 offsets then) was the same,
+What binds this file's decode kernel (20 % of the roofline; floor 35 %). Not memory: the time (int64 offsets then) was the same,
 120-122 us, for random, sorted and contiguous selections, an identity block table, and a 4,096-token
 cache that sits in L2. Two things:
 - The tensor-core work is twice the useful work. The 8 warps form two warp groups that split the
@@ -125,9 +125,10 @@ numbers computed before the loop and unmasked loads. Tried and rejected:
 Reaching 35 % needs FlashMLA's structure: warp groups that each own half of the accumulator,
 exchange one score tile through shared memory and overlap loads, softmax and dots; Triton gives no
 control over which warp group computes what. Gluon does: on sm_90, ``_latent_attention`` hands the
-calls it fits to mla_attention_gluon.py, this loop with the score tile split between the warp groups
-and p passed through shared memory, its gathers in a warp group of their own (0.055 ms for the decode
-benchmark, 36.1 % of the roofline).
+calls it fits to mla_attention_gluon.py: a producer warp group gathers the rows, and two compute groups
+take the tiles in turn, the one whose turn it is scoring the whole tile and handing p to the other through
+shared memory, each owning half of the value columns (0.055 ms for the decode benchmark, 36.1 % of the
+roofline: the floor is met there).
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ _LOG2E = 1.4426950408889634
 # Planes with fewer elements than this are addressed with int32 row offsets (the loop shrank from 1,936
 # to 1,738 SASS instructions per iteration: decode 0.119 -> 0.112 ms on the H200); larger ones with int64.
 INT32_OFFSETS_BELOW = 2**31
-# On sm_90, calls the Gluon kernel handles go to it (mla_attention_gluon.py: the same loop with the warp groups'
+# On sm_90, calls the Gluon kernel handles go to it (mla_attention_gluon.py: the same math with the warp groups'
 # roles explicit, 0.055 vs 0.097 ms for the decode benchmark); False keeps them on this file's kernel.
 USE_GLUON = os.environ.get("MINIDSA_MLA_GLUON", "1") != "0"
 # On sm_90 and later, the Gluon kernel and the split combine are launched as programmatic dependents of the
