@@ -83,9 +83,9 @@ the cp.async copies), 128 programs gathering [64, 576] bf16 tiles of random rows
 L2, 0.95 us per tile (34.5 us for 16 tiles a program, 26.9 us for 8). At that rate the 74.9 GB take 7.6 ms,
 over the floor.
 
-What binds this file's decode kernel (20 % of the roofline; floor 35 %). Not memory: the time (int64 offsets then) was the same,
-120-122 us, for random, sorted and contiguous selections, an identity block table, and a 4,096-token
-cache that sits in L2. Two things:
+What binds this file's decode kernel (20 % of the roofline; floor 35 %). Not memory: the time (int64
+offsets then) was the same, 120-122 us, for random, sorted and contiguous selections, an identity block
+table, and a 4,096-token cache that sits in L2. Two things:
 - The tensor-core work is twice the useful work. The 8 warps form two warp groups that split the
   accumulator's columns, and each computes the whole [64, 64] score tile for itself (72 m64n32k16
   wgmma per group per iteration: the score dots run twice), and 96 heads run as two blocks of 64.
