@@ -31,6 +31,9 @@ Why this shape (measured on the H200, decode benchmark below, GPU time from a CU
   whole query block for half the columns (216 KB per 64 positions). A group scoring a whole tile with
   m64n64 reads 144 KB, and while one group is in its softmax the other's wgmma run: 0.055-0.056 ms,
   36 % of the roofline.
+- The producer then loaded a tile's row numbers after the stage was released, so their L2 latency came
+  before every gather. Loaded one tile ahead, before the wait: 0.052-0.053 ms (three A/B pairs: 52.0-53.1
+  against 55.9-56.3 us).
 Shared memory: the query (72 KB), two [64, 576] bf16 stages (2 x 72 KB), p (8 KB), the row statistics and
 the barriers: 225 KB of the 227 KB a program may use, so there is no third stage.
 
@@ -45,8 +48,8 @@ split order, bitwise equal to the combine kernel: 64.2 against 62.1 us, one SM t
 tail) and a combine kernel with 4 heads per program (no difference).
 
 Measured (benchmarks/bench_mla.py: B=32, 65,536 cached, top-k 2048, 96 heads, r=512, dr=64, bf16, the
-row-number pass and the split combine included): 0.055 ms, 36.1 % of the roofline (19.9 us), 1.76x the
-Triton kernel in the same run; the attention kernel alone 49.6-49.9 us. At 96 heads two 64-head blocks
+row-number pass and the split combine included): 0.052 ms, 38.2 % of the roofline (19.9 us), 1.87x the
+Triton kernel in the same run. At 96 heads two 64-head blocks
 gather the same rows and the second is half padding: the tensor-core work is 128/96 of the useful work.
 
 Used by ``mla_attention_triton._latent_attention`` when ``gluon_fits`` says so (sm_90, bf16/fp16 planes,

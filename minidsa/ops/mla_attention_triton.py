@@ -127,7 +127,7 @@ exchange one score tile through shared memory and overlap loads, softmax and dot
 control over which warp group computes what. Gluon does: on sm_90, ``_latent_attention`` hands the
 calls it fits to mla_attention_gluon.py: a producer warp group gathers the rows, and two compute groups
 take the tiles in turn, the one whose turn it is scoring the whole tile and handing p to the other through
-shared memory, each owning half of the value columns (0.055 ms for the decode benchmark, 36.1 % of the
+shared memory, each owning half of the value columns (0.052 ms for the decode benchmark, 38.2 % of the
 roofline: the floor is met there).
 """
 
@@ -153,7 +153,7 @@ _LOG2E = 1.4426950408889634
 # to 1,738 SASS instructions per iteration: decode 0.119 -> 0.112 ms on the H200); larger ones with int64.
 INT32_OFFSETS_BELOW = 2**31
 # On sm_90, calls the Gluon kernel handles go to it (mla_attention_gluon.py: the same math with the warp groups'
-# roles explicit, 0.055 vs 0.097 ms for the decode benchmark); False keeps them on this file's kernel.
+# roles explicit, 0.052 vs 0.097 ms for the decode benchmark); False keeps them on this file's kernel.
 USE_GLUON = os.environ.get("MINIDSA_MLA_GLUON", "1") != "0"
 # On sm_90 and later, the Gluon kernel and the split combine are launched as programmatic dependents of the
 # kernel before them (PDL): each starts while that one finishes, and waits (griddepcontrol.wait) before it
