@@ -140,7 +140,7 @@ def bench_decode(dev: str, dry: bool, results: dict) -> bool:
     t_eager = bench(lambda: mt.sparse_mla_decode(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale))
     t_graph = graph_time(bench, lambda: mt.sparse_mla_decode(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale), dev)
     t_kernel = t_graph or t_eager  # the GPU time where it can be measured: the eager call is host bound
-    gluon = mt._gluon_kernel(q_lat, kv_plane, pe_plane, H) is not None
+    gluon = mt._gluon_kernel(kv_plane, pe_plane, H) is not None
     t_portable = None
     if gluon:  # the same call on the portable Triton kernel, for the ratio (mla_attention_gluon.py)
         mt.USE_GLUON = False

@@ -26,16 +26,15 @@ sm90 = pytest.mark.skipif(not SM90, reason="the Gluon kernel is compiled for sm_
 def test_calls_off_sm90_take_the_triton_kernel():
     kv = torch.zeros(2, 4, 512, dtype=torch.bfloat16)
     pe = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
-    q = torch.zeros(1, 1, 96, 512, dtype=torch.bfloat16)
-    assert mt._gluon_kernel(q, kv, pe, 96) is None  # CPU tensors
+    assert mt._gluon_kernel(kv, pe, 96) is None  # CPU tensors
     if mt._gluon is not None:
         if torch.cuda.is_available():
-            kv, pe, q = kv.cuda(), pe.cuda(), q.cuda()
-            assert mt._gluon.gluon_fits(q, kv.float(), pe.float(), 96) is False  # fp32 planes
-            assert mt._gluon.gluon_fits(q, kv, pe, 16) is False  # too few heads for 64-row tiles
-            assert mt._gluon.gluon_fits(q, kv[..., :500], pe, 96) is False  # r not a power of two
+            kv, pe = kv.cuda(), pe.cuda()
+            assert mt._gluon.gluon_fits(kv.float(), pe.float(), 96) is False  # fp32 planes
+            assert mt._gluon.gluon_fits(kv, pe, 16) is False  # too few heads for 64-row tiles
+            assert mt._gluon.gluon_fits(kv[..., :500], pe, 96) is False  # r not a power of two
         else:
-            assert mt._gluon.gluon_fits(q, kv, pe, 96) is False
+            assert mt._gluon.gluon_fits(kv, pe, 96) is False
 
 
 @sm90
@@ -57,7 +56,7 @@ def test_decode_matches_reference_and_triton_kernel(H, T, K, splits, q_dtype, dt
                                     device="cuda", seed=H + K)
     q_lat = torch.randn(B, T, H, r, device="cuda").to(q_dtype)
     q_pe = torch.randn(B, T, H, dr, device="cuda").to(q_dtype)
-    assert mt._gluon_kernel(q_lat, kv, pe, H) is not None
+    assert mt._gluon_kernel(kv, pe, H) is not None
     scale = 192 ** -0.5
 
     def run():
@@ -84,7 +83,7 @@ def test_prefill_with_many_heads_matches_reference():
                                     device="cuda", seed=11)
     q = torch.randn(B, T, H, dn + dr, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(H * (dn + dv), r, device="cuda") / math.sqrt(r)).bfloat16()
-    assert mt._gluon_kernel(q[..., :1].expand(B, T, H, r), kv, pe, H) is not None
+    assert mt._gluon_kernel(kv, pe, H) is not None
     out = mt.sparse_mla_prefill(q, kv, pe, table, idx, w, (dn + dr) ** -0.5)
     ref = sparse_mla_prefill_ref(q, kv, pe, table, idx, w, (dn + dr) ** -0.5)
     # As test_bf16_decode_and_prefill_on_gpu: q_latent and o_latent are rounded to bf16 too: 3 %.

@@ -86,7 +86,7 @@ def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)  # cached: 5.6 us per query on the H200 host
 
 
-def gluon_fits(q_latent: torch.Tensor, kv_plane: torch.Tensor, pe_plane: torch.Tensor, H: int) -> bool:
+def gluon_fits(kv_plane: torch.Tensor, pe_plane: torch.Tensor, H: int) -> bool:
     """Whether this kernel handles the call (else the Triton kernel does)."""
     R, DR = kv_plane.shape[-1], pe_plane.shape[-1]
     if kv_plane.device.type != "cuda" or not _is_sm90(kv_plane.device.index):
@@ -220,16 +220,13 @@ def _own_tile(ME: gl.constexpr, t, k, m_i, l_i, acc, rows, start, end, qk_scale,
     stat_smem.slice(BLOCK_H, BLOCK_H).store(alpha)
     fence_async_shared()
     mbarrier.arrive(ready)  # one arrival, after a barrier of this group's warps
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-    v = kv_smem.index(ME + _opaque_zero()).slice(ME * (R // 2), R // 2, dim=1)
     p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-    acc = warpgroup_mma(gl.convert_layout(p, p_op), v, acc)  # p from registers
-    mbarrier.arrive(empty.index(ME))
+    acc = _add_values(acc, alpha, gl.convert_layout(p, p_op), kv_smem, ME, empty, ME, R, o_l)  # p from registers
     return m_new, l_i, acc
 
 
 @gluon.jit
-def _other_tile(ME: gl.constexpr, t, m_i, l_i, acc, kv_smem, p_smem, stat_smem, empty, ready, R: gl.constexpr,
+def _other_tile(ME: gl.constexpr, t, l_i, acc, kv_smem, p_smem, stat_smem, empty, ready, R: gl.constexpr,
                 o_l: gl.constexpr, row_l: gl.constexpr):
     """Tile t, stage 1 - ME, scored by the other group: its row max, rescale factor and p from shared memory,
     then this group's value columns."""
@@ -237,11 +234,18 @@ def _other_tile(ME: gl.constexpr, t, m_i, l_i, acc, kv_smem, p_smem, stat_smem, 
     fence_async_shared()
     m_i = stat_smem.slice(0, BLOCK_H).load(row_l)
     alpha = stat_smem.slice(BLOCK_H, BLOCK_H).load(row_l)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-    v = kv_smem.index(1 - ME + _opaque_zero()).slice(ME * (R // 2), R // 2, dim=1)
-    acc = warpgroup_mma(p_smem, v, acc)
-    mbarrier.arrive(empty.index(1 - ME))
+    acc = _add_values(acc, alpha, p_smem, kv_smem, 1 - ME, empty, ME, R, o_l)
     return m_i, l_i * alpha, acc
+
+
+@gluon.jit
+def _add_values(acc, alpha, p, kv_smem, j, empty, ME: gl.constexpr, R: gl.constexpr, o_l: gl.constexpr):
+    """acc * alpha + p @ (stage j's rows, this group's value columns), then this group releases stage j. p: the
+    group's own tile's, in registers, or the other group's, in shared memory."""
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+    acc = warpgroup_mma(p, kv_smem.index(j + _opaque_zero()).slice(ME * (R // 2), R // 2, dim=1), acc)
+    mbarrier.arrive(empty.index(j))
+    return acc
 
 
 @gluon.jit
@@ -288,10 +292,10 @@ def _compute_group(ME: gl.constexpr, rows, start, end, n_pairs, qk_scale, q_base
         if ME == 0:
             m_i, l_i, acc = _own_tile(ME, 2 * k, k, m_i, l_i, acc, rows, start, end, qk_scale, q_smem, qpe_smem,
                                       kv_smem, pe_smem, p_smem, stat_smem, full, empty, ready, R, s_l, o_l)
-            m_i, l_i, acc = _other_tile(ME, 2 * k + 1, m_i, l_i, acc, kv_smem, p_smem, stat_smem, empty, ready, R,
+            m_i, l_i, acc = _other_tile(ME, 2 * k + 1, l_i, acc, kv_smem, p_smem, stat_smem, empty, ready, R,
                                         o_l, row_l)
         else:
-            m_i, l_i, acc = _other_tile(ME, 2 * k, m_i, l_i, acc, kv_smem, p_smem, stat_smem, empty, ready, R,
+            m_i, l_i, acc = _other_tile(ME, 2 * k, l_i, acc, kv_smem, p_smem, stat_smem, empty, ready, R,
                                         o_l, row_l)
             m_i, l_i, acc = _own_tile(ME, 2 * k + 1, k, m_i, l_i, acc, rows, start, end, qk_scale, q_smem, qpe_smem,
                                       kv_smem, pe_smem, p_smem, stat_smem, full, empty, ready, R, s_l, o_l)

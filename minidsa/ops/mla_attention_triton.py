@@ -396,12 +396,12 @@ def _rows_and_zero_row(block_table, indices, B: int, T: int, K: int, bs: int, ze
     return buf, buf[start:]
 
 
-def _gluon_kernel(q_latent: torch.Tensor, kv_plane: torch.Tensor, pe_plane: torch.Tensor, H: int):
+def _gluon_kernel(kv_plane: torch.Tensor, pe_plane: torch.Tensor, H: int):
     """The sm_90 Gluon module (mla_attention_gluon.py) when it handles this call, else None; USE_GLUON = False
     keeps every call on this file's kernel."""
     if not USE_GLUON or _gluon is None:
         return None
-    return _gluon if _gluon.gluon_fits(q_latent, kv_plane, pe_plane, H) else None
+    return _gluon if _gluon.gluon_fits(kv_plane, pe_plane, H) else None
 
 
 def _pdl(device: torch.device) -> bool:
@@ -436,7 +436,7 @@ def _latent_attention(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, 
     dev = q_latent.device
     elt = kv_plane.element_size()
     BLOCK_H, BLOCK_N, splits, num_warps, num_stages = _config(H, R, K, B * T, dev, num_splits, elt)
-    gluon = _gluon_kernel(q_latent, kv_plane, pe_plane, H)
+    gluon = _gluon_kernel(kv_plane, pe_plane, H)
     BLOCK_R, BLOCK_DR = max(16, triton.next_power_of_2(R)), max(16, triton.next_power_of_2(DR))
     rows, zero = _rows_and_zero_row(block_table, indices, B, T, K, bs, max(BLOCK_R, BLOCK_DR) * elt,
                                     dev.type == "cuda")
