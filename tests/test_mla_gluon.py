@@ -84,7 +84,7 @@ def test_prefill_with_many_heads_matches_reference():
     q = torch.randn(B, T, H, dn + dr, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(H * (dn + dv), r, device="cuda") / math.sqrt(r)).bfloat16()
     assert mt._gluon_kernel(kv, pe, H) is not None
-    out = mt.sparse_mla_prefill(q, kv, pe, table, idx, w, (dn + dr) ** -0.5)
+    out = mt.sparse_mla_prefill_absorbed(q, kv, pe, table, idx, w, (dn + dr) ** -0.5)
     ref = sparse_mla_prefill_ref(q, kv, pe, table, idx, w, (dn + dr) ** -0.5)
     # As test_bf16_decode_and_prefill_on_gpu: q_latent and o_latent are rounded to bf16 too: 3 %.
     torch.testing.assert_close(out, ref, atol=3e-2 * float(ref.abs().max()), rtol=3e-2)

@@ -61,7 +61,7 @@ def paged_case(B, T, K, r, dr, bs, contexts, *, dtype=torch.float32, device="cpu
 
 def test_signatures_match_the_references():
     assert inspect.signature(mt.sparse_mla_decode) == inspect.signature(sparse_mla_decode_ref)
-    assert inspect.signature(mt.sparse_mla_prefill) == inspect.signature(sparse_mla_prefill_ref)
+    assert inspect.signature(mt.sparse_mla_prefill_absorbed) == inspect.signature(sparse_mla_prefill_ref)
 
 
 @pytest.mark.parametrize("r, dr, offsets", [(60, 12, "int32"), (32, 16, "int32"), (60, 12, "int64")])
@@ -155,14 +155,14 @@ def test_prefill_matches_reference_across_tiles():
     q = torch.randn(B, T, H, dn + dr, device=dev)
     w = torch.randn(H * (dn + dv), r, device=dev) / math.sqrt(r)
     scale = (dn + dr) ** -0.5
-    out = mt.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
+    out = mt.sparse_mla_prefill_absorbed(q, kv, pe, table, idx, w, scale)
     ref = sparse_mla_prefill_ref(q, kv, pe, table, idx, w, scale)
     assert out.dtype == torch.float32 and out.shape == (B, T, H, dv)
     assert torch.isfinite(out).all()
     # Absorbed vs decompressed order of the same fp32 products: a few ulps more than decode.
     torch.testing.assert_close(out, ref, atol=5e-5, rtol=5e-5)
     assert (out[0, -1] == 0).all()
-    again = mt.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
+    again = mt.sparse_mla_prefill_absorbed(q, kv, pe, table, idx, w, scale)
     assert torch.equal(out, again)
 
 
@@ -186,7 +186,7 @@ def test_bad_inputs_raise_like_the_reference():
     w = torch.randn(H * 5, r)  # dn = 16 - ... : H*(dn+dv) inconsistent with q's dn
     q = torch.randn(B, T, H, 8 + dr)
     with pytest.raises(ValueError, match="kv_b_weight"):
-        mt.sparse_mla_prefill(q, kv, pe, table, idx, w, 1.0)
+        mt.sparse_mla_prefill_absorbed(q, kv, pe, table, idx, w, 1.0)
 
 
 def test_fp64_inputs_give_the_reference_result():
@@ -224,7 +224,7 @@ def test_bf16_decode_and_prefill_on_gpu():
                                     device=dev, seed=6)
     q = torch.randn(B, T, H, dn + dr, device=dev, dtype=torch.bfloat16)
     w = (torch.randn(H * (dn + dv), r, device=dev) / math.sqrt(r)).bfloat16()
-    out = mt.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
+    out = mt.sparse_mla_prefill_absorbed(q, kv, pe, table, idx, w, scale)
     ref = sparse_mla_prefill_ref(q, kv, pe, table, idx, w, scale)
     torch.testing.assert_close(out, ref, atol=3e-2 * float(ref.abs().max()), rtol=3e-2)
 
@@ -243,4 +243,4 @@ def test_prefill_position_in_a_missing_block_is_padding():
     as_padding = torch.where((idx // bs == 1) & (idx >= 0), torch.full_like(idx, -1), idx)
     want = sparse_mla_prefill_ref(q, kv, pe, table, as_padding, w, 0.3)
     torch.testing.assert_close(sparse_mla_prefill_ref(q, kv, pe, table, idx, w, 0.3), want, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(mt.sparse_mla_prefill(q, kv, pe, table, idx, w, 0.3), want, atol=5e-5, rtol=5e-5)
+    torch.testing.assert_close(mt.sparse_mla_prefill_absorbed(q, kv, pe, table, idx, w, 0.3), want, atol=5e-5, rtol=5e-5)

@@ -32,7 +32,7 @@ TRITON_KERNELS: dict[str, tuple[str, str]] = {
     "paged_index_scores": ("minidsa.ops.indexer_triton", "paged_index_scores"),
     "topk_indices": ("minidsa.ops.topk_triton", "topk_indices"),
     "sparse_mla_decode": ("minidsa.ops.mla_attention_triton", "sparse_mla_decode"),
-    "sparse_mla_prefill": ("minidsa.ops.mla_attention_triton", "sparse_mla_prefill"),
+    "sparse_mla_prefill": ("minidsa.ops.mla_prefill_triton", "sparse_mla_prefill"),
     "kda_recurrent": ("minidsa.ops.kda_triton", "kda_recurrent"),
     "kda_chunk": ("minidsa.ops.kda_triton", "kda_chunk"),
     "mxfp4_to_fp8": ("minidsa.ops.moe_experts_triton", "mxfp4_to_fp8"),

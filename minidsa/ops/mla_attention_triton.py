@@ -496,11 +496,12 @@ def sparse_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_plan
     return out
 
 
-def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plane: torch.Tensor,
-                       block_table: torch.Tensor, indices: torch.Tensor, kv_b_weight: torch.Tensor,
-                       scale: float) -> torch.Tensor:
+def sparse_mla_prefill_absorbed(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plane: torch.Tensor,
+                                block_table: torch.Tensor, indices: torch.Tensor, kv_b_weight: torch.Tensor,
+                                scale: float) -> torch.Tensor:
     """Sparse MLA prefill: the contract, shapes and dtypes of ``sparse_mla_prefill_ref``, computed in the
-    absorbed form (see the module docstring): W_UK folded into q, the latent kernel, W_UV after."""
+    absorbed form (see the module docstring): W_UK folded into q, the latent kernel, W_UV after. The op
+    (mla_prefill_triton.sparse_mla_prefill) runs this form when the query tiles' unions are large."""
     B, T, H, dn, dv = check_prefill_args(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight)
     r = kv_latent_plane.shape[-1]
     if torch.float64 in (q.dtype, kv_latent_plane.dtype, k_pe_plane.dtype, kv_b_weight.dtype):

@@ -1,0 +1,311 @@
+"""Triton kernels for sparse MLA prefill: union-aggregated masked attention in decompressed (MHA) form.
+
+Same contract and signature as ``mla_attention.sparse_mla_prefill_ref`` (docs/design.md §4, §12):
+q [B, T, H, dn + dr] against the paged latent planes at the positions the indexer selected, out
+[B, T, H, dv] fp32. The reference gathers, per tile of 64 queries, the union of the cache blocks the
+tile selected, decompresses them and attends with remapped indices. This file does the same
+aggregation at the granularity of single positions, in four steps:
+
+1. Decompress once. The latent rows of positions 0 .. S-1 (S = the highest selected position + 1) are
+   read from the paged planes in logical order and multiplied by W_kvb in one GEMM: kv [B, S, H, dn +
+   dv] in the weight's dtype, the reference's rounding. k_pe [B, S, dr] stays one vector per position,
+   shared by all heads (it is never expanded to H copies).
+2. ``_selection_bits``: one bit per (query, position): bits [B, T, ceil(S / 32)] int32, set with
+   atomic OR (order-free, so the result is deterministic). A -1 entry, or a position whose block is
+   -1 or past the block table, sets nothing: it is padding, as in the reference.
+3. ``_tile_union``: the OR of the bit rows of each tile of BLOCK_M queries, then (torch) the sorted
+   list of the positions in that union and their count: union [B, n_tiles, S + 1] int32, count
+   [B, n_tiles]. With no host sync: the list is compacted with a cumulative sum and a scatter.
+4. ``_union_attn_fwd``, one program per (tile, head, sequence): FlashAttention over the tile's union
+   list, BLOCK_N positions at a time, each query masked to its own selection by its bits:
+
+       pos  = union[n0 : n0 + BLOCK_N]                      gathered key rows of this head
+       s    = q_nope @ k_nope[pos]^T + q_pe @ k_pe[pos]^T    [BLOCK_M, BLOCK_N]
+       s    = -inf where bit (query, pos) is 0
+       online softmax (fp32, base 2);  acc = acc * alpha + p @ v[pos]
+
+Why a union of positions and not of blocks: a tile's cost is BLOCK_M x (union size) x (2 (dn + dr) +
+2 dv) FLOPs, and a union of positions is never larger than the union of the blocks holding them. When
+neighbouring queries keep most of each other's selections (the indexer's scores move slowly from one
+query to the next), the union of a tile is a small multiple of top-k even when the picks are scattered
+over the whole prefix, while the union of 64-position blocks of 2,048 scattered picks is nearly the
+whole prefix. Positions are gathered rows of the decompressed kv (one contiguous row of dn, dv values
+per head), so a single position costs a row read like a block's position does.
+
+Why MHA form and not the absorbed form that decode uses: per (query, selected key) the absorbed form
+costs H * 2 (2 r + dr) FLOPs, the MHA form H * 2 (dn + dr + dv), 3.4x fewer at the K3 dims; the
+absorbed form's advantage, one gathered latent row for all H heads, matters when every query has its
+own rows (decode), not when a tile shares one list. With random, independent selections (no overlap
+between neighbours) the union is the whole causal prefix and this kernel is masked dense attention.
+
+Load balance: the union grows with the tile's position (causal), so the grid runs the last tiles first;
+consecutive programs are tiles of one head and share that head's kv rows in L2.
+
+Masks and padding. Rows past T and union slots past the count are masked loads; a query with no valid
+position keeps l = 0 and gets zeros, like the reference. A row of the union that one query of the tile
+selected is read for every query of the tile, with p = 0 for the others, so a NaN stored in that row
+reaches the whole tile (the reference reads it only for the queries that selected it); rows no query
+selected are never read.
+
+Precision: fp32 accumulation and softmax; bf16/fp16 kv gives tensor-core dots on q and p cast to that
+dtype; fp32 kv runs input_precision="ieee" (no TF32), so fp32 agrees with the reference to ~1e-6.
+fp64 inputs go to the reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .mla_attention import check_prefill_args, sparse_mla_prefill_ref
+from .mla_attention_triton import sparse_mla_prefill_absorbed
+from .paging import gather_slots, paged_slots
+
+_LOG2E = 1.4426950408889634
+# Which form runs: "auto" picks per call (use_union_form); "union" / "absorbed" force one (tests, benchmarks).
+FORM = os.environ.get("MINIDSA_PREFILL_FORM", "auto")
+# Pairs (query, union slot) per pair (query, selected position) below which the union form is faster. Measured
+# on the H200 at T=32,768, top-k 2048, H=16, K3 dims, bf16, GPU time per pair with all heads: union form
+# 4.2e-11 s (attention) + 1.8e-11 s per selected pair (masks), absorbed form 2.6e-10 s: break-even 5.8.
+UNION_BREAK_EVEN = 5.5
+
+
+@triton.jit
+def _selected(idx_ptr, table_ptr, b, t, k0, T, K, S, max_blocks, s_ib, s_it, s_tb, BS: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """Entries k0 .. k0+BLOCK_K of query (b, t) -> (pos [BLOCK_K], valid [BLOCK_K]). A position is valid
+    when it is not padding (-1), lies below S and inside the block table, and its block entry is not -1
+    (the reference's padding rule; an invalid position's table entry is never read)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    pos = tl.load(idx_ptr + b * s_ib + t * s_it + k, mask=k < K, other=-1)
+    blk = tl.where(pos >= 0, pos, 0) // BS
+    valid = (pos >= 0) & (pos < S) & (blk < max_blocks)
+    entry = tl.load(table_ptr + b * s_tb + blk, mask=valid, other=-1)
+    return pos, valid & (entry >= 0)
+
+
+@triton.jit
+def _mark_chosen(idx_ptr, table_ptr, chosen_ptr, T, K, S, max_blocks, n_tiles, s_ib, s_it, s_tb,
+                 BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One query (b, t): chosen[b, tile(t), pos] = 1 for each valid selected pos. Queries of one tile
+    store the same 1 to the same bytes: the order does not matter."""
+    bt = tl.program_id(0).to(tl.int64)
+    b, t = bt // T, bt % T
+    row = chosen_ptr + (b * n_tiles + t // BLOCK_M) * S
+    for k0 in range(0, K, BLOCK_K):
+        pos, valid = _selected(idx_ptr, table_ptr, b, t, k0, T, K, S, max_blocks, s_ib, s_it, s_tb, BS, BLOCK_K)
+        tl.store(row + pos, tl.full([BLOCK_K], 1, tl.uint8), mask=valid)
+
+
+@triton.jit
+def _compact(chosen_ptr, rank_ptr, union_ptr, S, L, BLOCK: tl.constexpr):
+    """union[b, tile, rank[pos]] = pos for every chosen pos: the tile's union, sorted by position."""
+    bi = tl.program_id(0).to(tl.int64)
+    pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = pos < S
+    chosen = tl.load(chosen_ptr + bi * S + pos, mask=inside, other=0) != 0
+    rank = tl.load(rank_ptr + bi * S + pos, mask=inside, other=0)
+    tl.store(union_ptr + bi * L + rank, pos, mask=chosen)
+
+
+@triton.jit
+def _mark_mask(idx_ptr, table_ptr, rank_ptr, mask_ptr, mask_off_ptr, stride_ptr, T, K, S, max_blocks, n_tiles,
+               s_ib, s_it, s_tb, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One query (b, t): its row of the tile mask, 1 at the union slot of each valid selected pos."""
+    bt = tl.program_id(0).to(tl.int64)
+    b, t = bt // T, bt % T
+    bi = b * n_tiles + t // BLOCK_M
+    row = mask_ptr + tl.load(mask_off_ptr + bi) + (t % BLOCK_M) * tl.load(stride_ptr + bi)
+    for k0 in range(0, K, BLOCK_K):
+        pos, valid = _selected(idx_ptr, table_ptr, b, t, k0, T, K, S, max_blocks, s_ib, s_it, s_tb, BS, BLOCK_K)
+        slot = tl.load(rank_ptr + bi * S + pos, mask=valid, other=0)
+        tl.store(row + slot, tl.full([BLOCK_K], 1, tl.uint8), mask=valid)
+
+
+@triton.jit
+def _head_rows(ptr, rows, row_ok, s_row, W: tl.constexpr, BLOCK_W: tl.constexpr):
+    """[len(rows), BLOCK_W] values at ptr + row * s_row + column (0 outside the rows and past W)."""
+    cols = tl.arange(0, BLOCK_W)
+    return tl.load(ptr + rows[:, None] * s_row + cols[None, :], mask=row_ok[:, None] & (cols < W)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, count_ptr, o_ptr,
+                    T, L, n_tiles, qk_scale,
+                    s_qb, s_qt, s_qh, s_kb, s_ks, s_kh, s_pb, s_ps, s_ob, s_ot, s_oh,
+                    DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, BLOCK_DN: tl.constexpr,
+                    BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # Heads vary fastest: the H programs of a tile run together and share its union list and masks in L2.
+    h = tl.program_id(0).to(tl.int64)
+    tile = n_tiles - 1 - tl.program_id(1)  # the longest unions (the last tiles) start first
+    b = tl.program_id(2).to(tl.int64)
+    dot_dtype = kv_ptr.dtype.element_ty
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    q_row = q_ptr + b * s_qb + h * s_qh
+    q_nope = _head_rows(q_row, rows, row_ok, s_qt, DN, BLOCK_DN).to(dot_dtype)
+    q_pe = _head_rows(q_row + DN, rows, row_ok, s_qt, DR, BLOCK_DR).to(dot_dtype)
+    k_row, v_row, pe_row = kv_ptr + b * s_kb + h * s_kh, kv_ptr + b * s_kb + h * s_kh + DN, pe_ptr + b * s_pb
+    union = union_ptr + (b * n_tiles + tile) * L
+    count = tl.load(count_ptr + b * n_tiles + tile)
+    # The tile's mask: [BLOCK_M, stride] bytes, row m = which union slots query m selected; stride is count
+    # rounded up to BLOCK_N (zeros past count, and past T), so its loads need no bounds and are 16-byte
+    # vectors. Each chunk's mask is loaded one iteration ahead: its latency hides behind the dots.
+    stride = tl.multiple_of((count + BLOCK_N - 1) // BLOCK_N * BLOCK_N, 16)
+    mask_start = tl.multiple_of(tl.load(mask_off_ptr + b * n_tiles + tile), 16)
+    mask_rows = mask_ptr + mask_start + tl.arange(0, BLOCK_M).to(tl.int64)[:, None] * stride
+    chunk = tl.arange(0, BLOCK_N)[None, :]
+    chosen_next = tl.load(mask_rows + chunk)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for n0 in range(0, count, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < count
+        pos = tl.load(union + n, mask=n_ok, other=0)
+        k = _head_rows(k_row, pos, n_ok, s_ks, DN, BLOCK_DN)  # [BLOCK_N, BLOCK_DN]
+        pe = _head_rows(pe_row, pos, n_ok, s_ps, DR, BLOCK_DR)
+        v = _head_rows(v_row, pos, n_ok, s_ks, DV, BLOCK_DV)
+        s = tl.dot(q_nope, tl.trans(k), input_precision=DOT_PRECISION)
+        s = tl.dot(q_pe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION)
+        chosen = chosen_next != 0
+        chosen_next = tl.load(mask_rows + (n0 + BLOCK_N) + chunk)  # the last one reads spare bytes
+        s = tl.where(chosen, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep exponents finite
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(dot_dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    cols = tl.arange(0, BLOCK_DV)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a query with nothing selected: acc = 0, stays 0
+    tl.store(o_ptr + b * s_ob + rows[:, None] * s_ot + h * s_oh + cols[None, :], o,
+             mask=row_ok[:, None] & (cols < DV)[None, :])
+
+
+def _blocks(on_gpu: bool, elt: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Measured on the H200 (bf16, T=32,768, H=16, top-k 2048,
+    attention kernel alone, 2026-12-01): 64 x 64, 4 warps, 3 stages 22.0 ms for random selections and 5.8 ms
+    for selections whose tile unions average 2x top-k; 128 x 64 (8 warps) 22.1-24.2 / 6.2-6.7; 64 x 32
+    21.7-22.3 / 5.7-5.9; 64 x 128 31.1 / 8.1; 128 x 32 30.8 / 8.0-8.4; 64 x 64 with 8 warps 46.0 / 11.7.
+    The interpreter costs ~4 ms per program instance and loop step: CPU runs take the smallest tiles."""
+    if not on_gpu:
+        return 16, 16, 4, 1
+    if elt >= 4:  # fp32 kv: twice the bytes per row and per register
+        return 64, 32, 4, 2
+    return 64, 64, 4, 3
+
+
+def _decompress(kv_latent_plane, k_pe_plane, block_table, kv_b_weight, B: int, S: int, H: int):
+    """Positions 0..S-1 of each sequence, decompressed: (kv [B, S, H, dn+dv], k_pe [B, S, dr]) in the
+    weight's dtype. Positions without a block are zero rows (never selected, never read)."""
+    positions = torch.arange(S, device=block_table.device).expand(B, S)
+    slots = paged_slots(block_table, positions, kv_latent_plane.shape[1])  # one address computation, two planes
+    wdt = kv_b_weight.dtype
+    latent = gather_slots(kv_latent_plane, slots).to(wdt)
+    kv = F.linear(latent, kv_b_weight).view(B, S, H, -1)
+    return kv, gather_slots(k_pe_plane, slots).to(wdt).contiguous()
+
+
+def _block_k(K: int, on_gpu: bool) -> int:
+    return min(1024 if on_gpu else 64, triton.next_power_of_2(K))
+
+
+def _tile_unions(idx, table, bs: int, B: int, T: int, S: int, BLOCK_M: int, on_gpu: bool):
+    """Per tile of BLOCK_M queries, the sorted union of the valid positions its queries selected.
+
+    idx int32 [B, T, K], table int32 [B, max_blocks] -> (rank int32 [B*n_tiles, S]: a chosen position's
+    slot in its tile's union; union int32 [B, n_tiles, S]: the first count[b, tile] entries are the
+    positions; count int32 [B, n_tiles]). No host sync.
+    """
+    dev, K = idx.device, idx.shape[-1]
+    n_tiles = triton.cdiv(T, BLOCK_M)
+    chosen = torch.zeros(B * n_tiles, S, dtype=torch.uint8, device=dev)
+    _mark_chosen[(B * T,)](idx, table, chosen, T, K, S, table.shape[1], n_tiles, idx.stride(0), idx.stride(1),
+                           table.stride(0), BS=bs, BLOCK_M=BLOCK_M, BLOCK_K=_block_k(K, on_gpu))
+    rank = torch.cumsum(chosen, -1, dtype=torch.int32) - 1
+    count = (rank[:, -1] + 1).view(B, n_tiles)
+    union = torch.zeros(B * n_tiles, S, dtype=torch.int32, device=dev)
+    block = min(1024 if on_gpu else 64, triton.next_power_of_2(S))
+    _compact[(B * n_tiles, triton.cdiv(S, block))](chosen, rank, union, S, S, BLOCK=block)
+    return rank, union.view(B, n_tiles, S), count
+
+
+def _tile_masks(idx, table, rank, stride, total: int, bs: int, T: int, S: int, BLOCK_M: int, BLOCK_N: int,
+                on_gpu: bool):
+    """Each query's selection as bytes over its tile's union: (mask uint8, mask_off int64 [B * n_tiles]).
+
+    Tile i is [BLOCK_M, stride[i]] at mask_off[i] (stride = count rounded up to BLOCK_N), 1 where the
+    query selected that union slot. Zeros past count and past T, and BLOCK_N spare bytes at the end, let
+    the attention loop load every chunk (and the one after the last) without bounds.
+    """
+    sizes = stride * BLOCK_M
+    mask_off = torch.cumsum(sizes, 0) - sizes
+    mask = torch.zeros(total * BLOCK_M + BLOCK_N, dtype=torch.uint8, device=idx.device)
+    K = idx.shape[-1]
+    _mark_mask[(idx.shape[0] * T,)](idx, table, rank, mask, mask_off, stride, T, K, S, table.shape[1],
+                                    stride.numel() // idx.shape[0], idx.stride(0), idx.stride(1), table.stride(0),
+                                    BS=bs, BLOCK_M=BLOCK_M, BLOCK_K=_block_k(K, on_gpu))
+    return mask, mask_off
+
+
+def _attend(q, kv, k_pe, union, count, mask, mask_off, out, dn: int, scale: float, BLOCK_M: int, BLOCK_N: int,
+            num_warps: int, num_stages: int) -> None:
+    """Launch _union_attn_fwd: q [B, T, H, dn+dr], kv [B, S, H, dn+dv], k_pe [B, S, dr] -> out [B, T, H, dv]."""
+    B, T, H, dq = q.shape
+    dr, dv, n_tiles = dq - dn, out.shape[-1], union.shape[1]
+    _union_attn_fwd[(H, n_tiles, B)](
+        q, kv, k_pe, mask, mask_off, union, count, out, T, union.shape[-1], n_tiles, scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), k_pe.stride(0),
+        k_pe.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        DN=dn, DR=dr, DV=dv, BLOCK_DN=max(16, triton.next_power_of_2(dn)),
+        BLOCK_DR=max(16, triton.next_power_of_2(dr)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION="ieee" if kv.element_size() >= 4 else "tf32",
+        num_warps=num_warps, num_stages=num_stages)
+
+
+def use_union_form(union_pairs: int, selected: int) -> bool:
+    """Whether the union form is expected to beat the absorbed form: FORM, or for "auto" the ratio of
+    (query, union slot) pairs to (query, selected position) pairs against UNION_BREAK_EVEN."""
+    if FORM not in ("auto", "union", "absorbed"):
+        raise ValueError(f"mla_prefill_triton.FORM is {FORM!r}; use 'auto', 'union' or 'absorbed'")
+    if FORM != "auto":
+        return FORM == "union"
+    return union_pairs < UNION_BREAK_EVEN * selected
+
+
+def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plane: torch.Tensor,
+                       block_table: torch.Tensor, indices: torch.Tensor, kv_b_weight: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """Sparse MLA prefill: the contract, shapes and dtypes of ``sparse_mla_prefill_ref``. Masked attention
+    over each query tile's union of selected positions, or the absorbed per-query form when the unions are
+    too large for that to pay (see the module docstring)."""
+    B, T, H, dn, dv = check_prefill_args(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight)
+    if torch.float64 in (q.dtype, kv_latent_plane.dtype, k_pe_plane.dtype, kv_b_weight.dtype):
+        return sparse_mla_prefill_ref(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
+    bs = kv_latent_plane.shape[1]
+    # Prefill may synchronise (decode never does): keys are decompressed up to the highest selected position.
+    S = min(int(indices.max()) + 1, block_table.shape[1] * bs) if indices.numel() else 0
+    if B * T == 0 or S <= 0:
+        return torch.zeros(B, T, H, dv, dtype=torch.float32, device=q.device)
+    on_gpu = q.device.type == "cuda"
+    BLOCK_M, BLOCK_N, num_warps, num_stages = _blocks(on_gpu, kv_b_weight.element_size())
+    idx, table = indices.to(torch.int32), block_table.to(torch.int32)
+    rank, union, count = _tile_unions(idx, table, bs, B, T, S, BLOCK_M, on_gpu)
+    stride = (count.view(-1).long() + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    total, pairs, selected = torch.stack([stride.sum(), count.sum(), (idx >= 0).sum()]).tolist()  # one sync
+    if not use_union_form(pairs * BLOCK_M, selected):
+        return sparse_mla_prefill_absorbed(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
+    kv, k_pe = _decompress(kv_latent_plane, k_pe_plane, block_table, kv_b_weight, B, S, H)
+    mask, mask_off = _tile_masks(idx, table, rank, stride, total, bs, T, S, BLOCK_M, BLOCK_N, on_gpu)
+    out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
+    _attend(q if q.stride(-1) == 1 else q.contiguous(), kv, k_pe, union, count, mask, mask_off, out, dn, scale,
+            BLOCK_M, BLOCK_N, num_warps, num_stages)
+    return out

@@ -1,0 +1,132 @@
+"""Sparse MLA prefill kernels (minidsa/ops/mla_prefill_triton.py) against the reference.
+
+Under the interpreter (no GPU) shapes stay tiny and odd and everything is fp32 (bf16 tl.dot is wrong
+there, docs/design.md §10 trap 9). The planes come from ``paged_case``: NaN in every row no query
+selects, an out-of-order block table, -1 padding inside rows and a query with nothing selected.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from conftest import kernel_device  # noqa: E402
+from test_triton_mla import paged_case  # noqa: E402
+
+from minidsa.ops import mla_prefill_triton as mp  # noqa: E402
+from minidsa.ops.mla_attention import sparse_mla_prefill_ref  # noqa: E402
+from minidsa.ops.paging import paged_slots  # noqa: E402
+
+# fp32: IEEE dots (no TF32) and an online softmax: the union form differs from the reference only in the
+# order of the sums (a few fp32 ulps at O(1) values); the absorbed form also reorders the W_kvb products.
+# A wrong mask entry costs ~1e-1.
+FP32_TOL = dict(atol=5e-5, rtol=5e-5)
+
+
+def prefill_case(B=2, T=63, H=3, r=20, dr=8, dn=52, dv=10, K=9, bs=4, contexts=(63, 40), seed=0):
+    """dn + dr = 60, T = 63 (not a multiple of the tile), contexts that differ per sequence."""
+    dev = kernel_device()
+    kv, pe, table, idx = paged_case(B, T, K, r, dr, bs, contexts=list(contexts), device=dev, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    q = torch.randn(B, T, H, dn + dr, generator=g).to(dev)
+    w = (torch.randn(H * (dn + dv), r, generator=g) / math.sqrt(r)).to(dev)
+    return q, kv, pe, table, idx, w, (dn + dr) ** -0.5
+
+
+def test_signature_is_the_reference_signature():
+    assert inspect.signature(mp.sparse_mla_prefill) == inspect.signature(sparse_mla_prefill_ref)
+
+
+@pytest.mark.parametrize("form", ["union", "absorbed", "auto"])
+def test_each_form_matches_the_reference(form, monkeypatch):
+    monkeypatch.setattr(mp, "FORM", form)
+    q, kv, pe, table, idx, w, scale = prefill_case()
+    out = mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
+    ref = sparse_mla_prefill_ref(q, kv, pe, table, idx, w, scale)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert torch.isfinite(out).all()  # NaN rows nobody selected are never read
+    torch.testing.assert_close(out, ref, **FP32_TOL)
+    assert (out[0, -1] == 0).all()  # the query with nothing selected
+    assert torch.equal(out, mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale))  # run to run
+
+
+def test_union_form_with_a_missing_block_and_overlapping_selections(monkeypatch):
+    """Neighbouring queries share most positions (the case the union form is for), and one block of the
+    table is -1: its positions are padding, as in the reference."""
+    monkeypatch.setattr(mp, "FORM", "union")
+    q, kv, pe, table, idx, w, scale = prefill_case(B=1, T=40, K=12, contexts=(40,), seed=7)
+    shared = torch.randperm(40, generator=torch.Generator().manual_seed(1))[:12].int().to(idx.device)
+    idx[0, 20:] = shared  # queries 20.. select the same 12 positions
+    idx[0, 30:, :3] = -1
+    table[0, 2] = -1  # positions 8..11 lose their block
+    kv, pe = torch.nan_to_num(kv), torch.nan_to_num(pe)
+    out = mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
+    torch.testing.assert_close(out, sparse_mla_prefill_ref(q, kv, pe, table, idx, w, scale), **FP32_TOL)
+
+
+def test_tile_unions_and_masks_list_exactly_the_selections():
+    """Union lists, counts and byte masks against Python sets of the valid selections."""
+    _, _, _, table, idx, _, _ = prefill_case()
+    bs, (B, T, K), BM, BN, S = 4, idx.shape, 16, 16, int(idx.max()) + 1
+    rank, union, count = mp._tile_unions(idx, table, bs, B, T, S, BM, on_gpu=False)
+    stride = (count.view(-1).long() + BN - 1) // BN * BN
+    mask, off = mp._tile_masks(idx, table, rank, stride, int(stride.sum()), bs, T, S, BM, BN, on_gpu=False)
+    valid = paged_slots(table, idx.reshape(B, -1), bs).view(B, T, K) >= 0
+    for b in range(B):
+        for tile in range(union.shape[1]):
+            rows = range(tile * BM, min(T, (tile + 1) * BM))
+            sel = [set(idx[b, t][valid[b, t]].tolist()) for t in rows]
+            want = sorted(set().union(*sel))
+            n = int(count[b, tile])
+            assert union[b, tile, :n].tolist() == want
+            i = b * union.shape[1] + tile
+            m = mask[int(off[i]): int(off[i]) + BM * int(stride[i])].view(BM, -1)
+            for row, s in enumerate(sel):
+                assert [j for j in range(n) if m[row, j]] == [want.index(p) for p in sorted(s)]
+            assert int(m[len(sel):].sum()) == 0 and int(m[:, n:].sum()) == 0  # rows past T, slots past count
+
+
+def test_forms_are_chosen_by_the_pair_ratio(monkeypatch):
+    monkeypatch.setattr(mp, "FORM", "auto")
+    assert mp.use_union_form(int(mp.UNION_BREAK_EVEN * 100) - 1, 100)
+    assert not mp.use_union_form(int(mp.UNION_BREAK_EVEN * 100) + 1, 100)
+    monkeypatch.setattr(mp, "FORM", "absorbed")
+    assert not mp.use_union_form(0, 100)
+    monkeypatch.setattr(mp, "FORM", "dense")
+    with pytest.raises(ValueError, match="'dense'"):
+        mp.use_union_form(0, 100)
+
+
+def test_empty_and_all_padding_give_zeros():
+    q, kv, pe, table, idx, w, scale = prefill_case(B=1, T=5, contexts=(5,))
+    out = mp.sparse_mla_prefill(q, kv, pe, table, torch.full_like(idx, -1), w, scale)
+    assert out.shape == (1, 5, 3, 10) and (out == 0).all()
+    out = mp.sparse_mla_prefill(q[:, :0], kv, pe, table, idx[:, :0], w, scale)
+    assert out.shape == (1, 0, 3, 10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tl.dot is only meaningful compiled on a GPU")
+@pytest.mark.parametrize("form", ["union", "absorbed"])
+def test_bf16_at_the_real_widths_on_gpu(form, monkeypatch):
+    """r=512, dr=64, dn=dv=128, 16 heads, bf16. Both forms round q and p to bf16 for the tensor cores where
+    the reference works in fp32 on the same bf16 k, v: 3% of the output scale (as for the decode kernel)."""
+    monkeypatch.setattr(mp, "FORM", form)
+    dev = "cuda"
+    B, T, H, r, dr, dn, dv, K, bs = 2, 300, 16, 512, 64, 128, 128, 200, 64
+    kv, pe, table, idx = paged_case(B, T, K, r, dr, bs, contexts=[1000, 301], dtype=torch.bfloat16, device=dev,
+                                    seed=6)
+    q = torch.randn(B, T, H, dn + dr, device=dev, dtype=torch.bfloat16)
+    w = (torch.randn(H * (dn + dv), r, device=dev) / math.sqrt(r)).bfloat16()
+    scale = (dn + dr) ** -0.5
+    out = mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
+    ref = sparse_mla_prefill_ref(q, kv, pe, table, idx, w, scale)
+    torch.testing.assert_close(out, ref, atol=3e-2 * float(ref.abs().max()), rtol=3e-2)
+    assert torch.equal(out, mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale))
+    out32 = mp.sparse_mla_prefill(q.float(), kv.float(), pe.float(), table, idx, w.float(), scale)
+    ref32 = sparse_mla_prefill_ref(q.float(), kv.float(), pe.float(), table, idx, w.float(), scale)
+    torch.testing.assert_close(out32, ref32, **FP32_TOL)
