@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from .mla_attention import check_prefill_args, sparse_mla_prefill_ref
-from .mla_attention_triton import sparse_mla_prefill_absorbed
+from .mla_attention_triton import _softmax_step, sparse_mla_prefill_absorbed
 from .paging import gather_slots, paged_slots
 
 _LOG2E = 1.4426950408889634
@@ -177,13 +177,8 @@ def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, co
         chosen = chosen_next != 0
         chosen_next = tl.load(mask_rows + (n0 + BLOCK_N) + chunk)  # the last one reads spare bytes
         s = tl.where(chosen, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep exponents finite
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)  # the decode kernel's online-softmax step
         acc = tl.dot(p.to(dot_dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
     cols = tl.arange(0, BLOCK_DV)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a query with nothing selected: acc = 0, stays 0
     tl.store(o_ptr + b * s_ob + rows[:, None] * s_ot + h * s_oh + cols[None, :], o,
