@@ -192,75 +192,150 @@ def bench_decode(dev: str, dry: bool, results: dict) -> bool:
     return ok
 
 
-def bench_prefill(dev: str, dry: bool, results: dict) -> bool:
-    from minidsa.ops import PREFILL_TILE
-    from minidsa.ops import mla_attention_triton as mt
-    from minidsa.ops.mla_attention import decompress_kv, sparse_mla_prefill_ref
+def shared_topk(T: int, K: int, sigma: float, device: str, chunk: int = 1024, seed: int = 0) -> torch.Tensor:
+    """int32 [T, K]: query t keeps the top-K over positions <= t of a[s] + sigma * n[t, s], where a ~ N(0, 1)
+    is one importance per position that every query shares and n is independent noise. sigma sets how
+    many picks neighbouring queries share (an indexer's scores move slowly from one query to the next);
+    sigma -> inf gives causal_topk's independent picks. Fewer than K candidates leave -1 at the end."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    a = torch.randn(T, device=device, generator=gen)
+    out = torch.empty(T, K, dtype=torch.int32, device=device)
+    for t0 in range(0, T, chunk):
+        rows = torch.arange(t0, min(T, t0 + chunk), device=device)
+        s = a[None, :] + sigma * torch.randn(rows.numel(), T, device=device, generator=gen)
+        s.masked_fill_(torch.arange(T, device=device)[None, :] > rows[:, None], float("-inf"))
+        val, idx = s.topk(K, dim=-1)
+        out[t0: t0 + rows.numel()] = torch.where(torch.isfinite(val), idx, -1).int()
+    return out
+
+
+def selection_stats(idx: torch.Tensor, K: int, tile: int, samples: int = 16) -> tuple[float, float]:
+    """(mean share of a query's picks that the next query keeps, mean size of a tile's union / K), over
+    evenly spaced queries and tiles past the first K positions (where every query has K picks)."""
+    T = idx.shape[0]
+    starts = torch.linspace(K, T - tile - 1, samples).long().tolist() if T > K + tile + 1 else [0]
+    share, union = [], []
+    for t in starts:
+        a, b = idx[t], idx[t + 1]
+        share.append(torch.isin(b[b >= 0], a[a >= 0]).float().mean().item())
+        rows = idx[t: t + tile]
+        union.append(torch.unique(rows[rows >= 0]).numel() / K)
+    return sum(share) / len(share), sum(union) / len(union)
+
+
+def prefill_setup(dev: str, dry: bool):
     T, K, H, dn, dr, dv, r, bs = (32768, 2048, 16, 128, 64, 128, 512, 64) if not dry else (80, 24, 3, 10, 12, 7, 60, 16)
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     g = torch.Generator().manual_seed(1)
-    scale = (dn + dr) ** -0.5
     latent = torch.randn(1, T, r, generator=g).to(dev, dt)
     kpe = torch.randn(1, T, dr, generator=g).to(dev, dt)
     kv_plane, pe_plane, table = paged(latent, kpe, bs, g)
-    idx = causal_topk(T, T, K, dev).view(1, T, K)
     q = torch.randn(1, T, H, dn + dr, generator=g).to(dev, dt)
     w = (torch.randn(H * (dn + dv), r, generator=g) / math.sqrt(r)).to(dev, dt)
-    bench = timer(dev)
     print(f"prefill: T={T} top-k={K} H={H} dn={dn} dr={dr} dv={dv} r={r} {str(dt)[6:]} block_size={bs}")
+    return dict(T=T, K=K, H=H, dn=dn, dr=dr, dv=dv, r=r), (q, kv_plane, pe_plane, table), w, latent, kpe
 
-    out = mt.sparse_mla_prefill(q, kv_plane, pe_plane, table, idx, w, scale)
-    t_kernel = bench(lambda: mt.sparse_mla_prefill(q, kv_plane, pe_plane, table, idx, w, scale), rep_ms=300)
-    chunk = 1024 if not dry else 32
-    peer = torch_sparse_prefill(q[0], kv_plane, pe_plane, table, idx[0], w, scale, chunk)
-    t_peer = bench(lambda: torch_sparse_prefill(q[0], kv_plane, pe_plane, table, idx[0], w, scale, chunk), rep_ms=300)
-    # Dense causal SDPA on decompressed tensors: q [1, H, T, dn+dr], k [1, H, T, dn+dr], v [1, H, T, dv].
+
+def dense_prefill_time(bench, q, latent, kpe, w, H: int, dn: int, scale: float) -> float:
+    """Dense causal SDPA on decompressed tensors: q [1, H, T, dn+dr], k [1, H, T, dn+dr], v [1, H, T, dv]."""
+    from minidsa.ops.mla_attention import decompress_kv
     k, v = decompress_kv(latent, kpe, w, H, dn)
-    qd, kd, vd = q.transpose(1, 2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
-    qd = qd.contiguous()
+    qd, kd, vd = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
     del k, v
+    return bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale), rep_ms=300)
 
-    def dense():
-        return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
-    t_dense = bench(dense, rep_ms=300)
-    del qd, kd, vd
-    # Reference op: evenly spaced tiles of 64 queries (the reference's own tile), scaled to all tiles.
+
+def reference_prefill_time(args, idx, w, scale, out, tol) -> tuple[float, bool]:
+    """The reference op on evenly spaced tiles of 64 queries (its own tile), scaled to all tiles; checks the
+    kernel's output on the first and last sampled tile."""
+    from minidsa.ops import PREFILL_TILE
+    from minidsa.ops.mla_attention import sparse_mla_prefill_ref
+    q, kv_plane, pe_plane, table = args
+    T = q.shape[1]
     n_tiles = math.ceil(T / PREFILL_TILE)
     sample = sorted({int(x) for x in torch.linspace(0, n_tiles - 1, min(8, n_tiles)).round()})
-    t_tiles, ref_ok = [], True
-    tol = 3e-2 if dt == torch.bfloat16 else 1e-4
+    times, ok = [], True
     for i, tile in enumerate(sample):
         sl = slice(tile * PREFILL_TILE, (tile + 1) * PREFILL_TILE)
-        def ref_tile():
-            return sparse_mla_prefill_ref(q[:, sl], kv_plane, pe_plane, table, idx[:, sl], w, scale)
-        ref = ref_tile()
-        if dev == "cuda":
+        ref = sparse_mla_prefill_ref(q[:, sl], kv_plane, pe_plane, table, idx[:, sl], w, scale)
+        if q.is_cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        ref_tile()
-        if dev == "cuda":
+        sparse_mla_prefill_ref(q[:, sl], kv_plane, pe_plane, table, idx[:, sl], w, scale)
+        if q.is_cuda:
             torch.cuda.synchronize()
-        t_tiles.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
         if i in (0, len(sample) - 1):
-            ref_ok &= check(f"kernel vs reference, tile {tile}", out[:, sl], ref, tol)
-    t_ref = sum(t_tiles) / len(t_tiles) * n_tiles
+            ok &= check(f"kernel vs reference, tile {tile}", out[:, sl], ref, tol)
     print(f"  (reference timed on {len(sample)} of {n_tiles} tiles of {PREFILL_TILE} queries, scaled x{n_tiles})")
-    res = report("sparse_mla_prefill (triton)", t_kernel, {"reference op (torch, scaled)": t_ref,
-                                                          "plain-torch sparse (chunked)": t_peer,
-                                                          "dense causal SDPA (decompressed)": t_dense})
+    return sum(times) / len(times) * n_tiles, ok
+
+
+def form_flops(idx, table, shape: dict, bs: int) -> dict:
+    """FLOPs each form executes (attention dots, with the absorbed form's two absorptions): the union form
+    runs every (query, union slot) pair of its 64-query tiles, the absorbed form every selected pair."""
+    from minidsa.ops import mla_prefill_triton as mp
+    T, H, dn, dr, dv, r = (shape[k] for k in ("T", "H", "dn", "dr", "dv", "r"))
+    BM = mp._blocks(idx.is_cuda, 2)[0]
+    count = mp._tile_unions(idx.int(), table, bs, 1, T, int(idx.max()) + 1, BM, idx.is_cuda)[2]
     valid = int((idx >= 0).sum())
-    flops = 2 * H * valid * (2 * r + dr) + 2 * T * H * r * (dn + dv)  # attention + the two absorptions
-    nbytes = valid * (r + dr) * kv_plane.element_size()  # gathered rows (mostly L2 hits: the cache is small)
-    print(f"  {flops / 1e12:.2f} TFLOP absorbed ({flops / t_kernel / 1e12:.0f} TFLOP/s, "
-          f"{flops / t_kernel / PEAK * 100:.1f} % of bf16 peak); gathered {nbytes / 1e9:.1f} GB "
-          f"({nbytes / t_kernel / 1e12:.1f} TB/s, mostly from L2)")
+    return {"union": 2 * H * int(count.sum()) * BM * (dn + dr + dv),
+            "absorbed": 2 * H * valid * (2 * r + dr) + 2 * T * H * r * (dn + dv)}
+
+
+def time_forms(bench, args, idx, w, scale) -> dict:
+    """The op (form chosen per call) and each form forced: seconds, and each form's output."""
+    from minidsa.ops import mla_prefill_triton as mp
+    q, kv_plane, pe_plane, table = args
+    res = {}
+    for form in ("auto", "union", "absorbed"):
+        mp.FORM = form
+        res[form] = (bench(lambda: mp.sparse_mla_prefill(q, kv_plane, pe_plane, table, idx, w, scale), rep_ms=300),
+                     mp.sparse_mla_prefill(q, kv_plane, pe_plane, table, idx, w, scale))
+    mp.FORM = "auto"
+    return res
+
+
+def bench_prefill(dev: str, dry: bool, results: dict) -> bool:
+    shape, args, w, latent, kpe = prefill_setup(dev, dry)
+    T, K, H, dn, dr, dv, r = (shape[k] for k in ("T", "K", "H", "dn", "dr", "dv", "r"))
+    q, kv_plane, pe_plane, table = args
+    scale = (dn + dr) ** -0.5
+    bench = timer(dev)
+    tol = 3e-2 if q.dtype == torch.bfloat16 else 1e-4
+    t_dense = dense_prefill_time(bench, q, latent, kpe, w, H, dn, scale)
     dense_flops = 2 * H * T * (T + 1) / 2 * (dn + dr + dv)
-    print(f"  dense causal SDPA: {dense_flops / 1e12:.2f} TFLOP, {dense_flops / t_dense / 1e12:.0f} TFLOP/s; "
-          f"speed-up floor 2x: {'MET' if t_dense / t_kernel >= 2 else 'NOT MET'}")
-    ok = ref_ok & check("kernel vs plain-torch", out[0], peer, tol)
-    results["prefill"] = dict(res, shape=dict(T=T, K=K, H=H, dn=dn, dr=dr, dv=dv, r=r), flops=flops,
-                              pct_peak=flops / t_kernel / PEAK * 100, speedup_vs_dense=t_dense / t_kernel,
-                              agree=ok)
+    print(f"  dense causal SDPA (decompressed) {t_dense * 1e3:.3f} ms: {dense_flops / 1e12:.2f} TFLOP, "
+          f"{dense_flops / t_dense / 1e12:.0f} TFLOP/s; the floor (2x faster) is {t_dense / 2 * 1e3:.3f} ms")
+    patterns = [("independent (random) picks", None), ("shared importance, sigma 0.5", 0.5),
+                ("shared importance, sigma 0.25", 0.25)]
+    ok, rows = True, {}
+    for name, sigma in patterns:
+        idx = causal_topk(T, T, K, dev) if sigma is None else shared_topk(T, K, sigma, dev)
+        share, union = selection_stats(idx, K, 64)
+        idx = idx.view(1, T, K)
+        forms = time_forms(bench, args, idx, w, scale)
+        t_op, out = forms["auto"]
+        print(f"  selections: {name}: the next query keeps {share * 100:.0f} % of a query's picks; "
+              f"a 64-query tile's union is {union:.2f} x top-k")
+        peers = {"union form (forced)": forms["union"][0], "absorbed form (forced)": forms["absorbed"][0],
+                 "dense causal SDPA (decompressed)": t_dense}
+        if sigma is None:  # the references do not depend on the selection pattern: timed once
+            chunk = 1024 if not dry else 32
+            peer = torch_sparse_prefill(q[0], kv_plane, pe_plane, table, idx[0], w, scale, chunk)
+            peers["plain-torch sparse (chunked)"] = bench(
+                lambda: torch_sparse_prefill(q[0], kv_plane, pe_plane, table, idx[0], w, scale, chunk), rep_ms=300)
+            peers["reference op (torch, scaled)"], ref_ok = reference_prefill_time(args, idx, w, scale, out, tol)
+            ok &= ref_ok & check("kernel vs plain-torch", out[0], peer, tol)
+        res = report("sparse_mla_prefill (triton)", t_op, peers)
+        flops = form_flops(idx, table, shape, kv_plane.shape[1])
+        for form, f in flops.items():
+            print(f"  {form} form: {f / 1e12:.2f} TFLOP, {f / forms[form][0] / 1e12:.0f} TFLOP/s "
+                  f"({f / forms[form][0] / PEAK * 100:.1f} % of bf16 peak)")
+        ok &= check("union vs absorbed form", forms["union"][1], forms["absorbed"][1], tol)
+        print(f"  speed-up over dense SDPA {t_dense / t_op:.2f}x; floor 2x: {'MET' if t_dense / t_op >= 2 else 'NOT MET'}")
+        rows[name] = dict(res, next_query_keeps=share, tile_union_over_k=union, speedup_vs_dense=t_dense / t_op)
+    results["prefill"] = dict(shape=shape, dense_ms=t_dense * 1e3, patterns=rows, agree=ok)
     return ok
 
 

@@ -102,6 +102,19 @@ def test_forms_are_chosen_by_the_pair_ratio(monkeypatch):
         mp.use_union_form(0, 100)
 
 
+def test_auto_form_follows_the_estimated_union(monkeypatch):
+    """The estimate from sampled tiles: independent picks (a tile's union is ~16 x top-k here) take the
+    absorbed form, picks that every query shares (union = top-k) the union form."""
+    monkeypatch.setattr(mp, "FORM", "auto")
+    monkeypatch.setattr(mp, "DECISION_TILES", 2)
+    _, _, _, table, idx, _, _ = prefill_case(B=1, T=64, K=2, contexts=(64,), seed=2)
+    idx[0, :, 0] = torch.arange(64, device=idx.device)  # query t picks itself and one random earlier position
+    assert mp._plan(idx, table, 4, 1, 64, 16, on_gpu=False) == (64, False)
+    shared = idx.clone()
+    shared[0, :] = torch.tensor([3, 7], dtype=torch.int32, device=idx.device)
+    assert mp._plan(shared, table, 4, 1, 64, 16, on_gpu=False) == (8, True)
+
+
 def test_empty_and_all_padding_give_zeros():
     q, kv, pe, table, idx, w, scale = prefill_case(B=1, T=5, contexts=(5,))
     out = mp.sparse_mla_prefill(q, kv, pe, table, torch.full_like(idx, -1), w, scale)

@@ -72,6 +72,8 @@ FORM = os.environ.get("MINIDSA_PREFILL_FORM", "auto")
 # on the H200 at T=32,768, top-k 2048, H=16, K3 dims, bf16, GPU time per pair with all heads: union form
 # 4.2e-11 s (attention) + 1.8e-11 s per selected pair (masks), absorbed form 2.6e-10 s: break-even 5.8.
 UNION_BREAK_EVEN = 5.5
+# Tiles whose unions are built to estimate the union form's work before choosing (evenly spaced, last included).
+DECISION_TILES = 16
 
 
 @triton.jit
@@ -210,7 +212,9 @@ def _decompress(kv_latent_plane, k_pe_plane, block_table, kv_b_weight, B: int, S
 
 
 def _block_k(K: int, on_gpu: bool) -> int:
-    return min(1024 if on_gpu else 64, triton.next_power_of_2(K))
+    """Selections per step of the marking kernels: 256 with 2 warps measured 1.0 ms for _mark_chosen at
+    T=32,768, top-k 2048 on the H200 (512 / 4 warps 1.1, 1024 / 4 warps 1.2, 2048 / 8 warps 1.5)."""
+    return min(256 if on_gpu else 64, triton.next_power_of_2(K))
 
 
 def _tile_unions(idx, table, bs: int, B: int, T: int, S: int, BLOCK_M: int, on_gpu: bool):
@@ -224,7 +228,7 @@ def _tile_unions(idx, table, bs: int, B: int, T: int, S: int, BLOCK_M: int, on_g
     n_tiles = triton.cdiv(T, BLOCK_M)
     chosen = torch.zeros(B * n_tiles, S, dtype=torch.uint8, device=dev)
     _mark_chosen[(B * T,)](idx, table, chosen, T, K, S, table.shape[1], n_tiles, idx.stride(0), idx.stride(1),
-                           table.stride(0), BS=bs, BLOCK_M=BLOCK_M, BLOCK_K=_block_k(K, on_gpu))
+                           table.stride(0), BS=bs, BLOCK_M=BLOCK_M, BLOCK_K=_block_k(K, on_gpu), num_warps=2)
     rank = torch.cumsum(chosen, -1, dtype=torch.int32) - 1
     count = (rank[:, -1] + 1).view(B, n_tiles)
     union = torch.zeros(B * n_tiles, S, dtype=torch.int32, device=dev)
@@ -247,7 +251,7 @@ def _tile_masks(idx, table, rank, stride, total: int, bs: int, T: int, S: int, B
     K = idx.shape[-1]
     _mark_mask[(idx.shape[0] * T,)](idx, table, rank, mask, mask_off, stride, T, K, S, table.shape[1],
                                     stride.numel() // idx.shape[0], idx.stride(0), idx.stride(1), table.stride(0),
-                                    BS=bs, BLOCK_M=BLOCK_M, BLOCK_K=_block_k(K, on_gpu))
+                                    BS=bs, BLOCK_M=BLOCK_M, BLOCK_K=_block_k(K, on_gpu), num_warps=2)
     return mask, mask_off
 
 
@@ -266,7 +270,7 @@ def _attend(q, kv, k_pe, union, count, mask, mask_off, out, dn: int, scale: floa
         num_warps=num_warps, num_stages=num_stages)
 
 
-def use_union_form(union_pairs: int, selected: int) -> bool:
+def use_union_form(union_pairs: float, selected: int) -> bool:
     """Whether the union form is expected to beat the absorbed form: FORM, or for "auto" the ratio of
     (query, union slot) pairs to (query, selected position) pairs against UNION_BREAK_EVEN."""
     if FORM not in ("auto", "union", "absorbed"):
@@ -274,6 +278,24 @@ def use_union_form(union_pairs: int, selected: int) -> bool:
     if FORM != "auto":
         return FORM == "union"
     return union_pairs < UNION_BREAK_EVEN * selected
+
+
+def _plan(idx, table, bs: int, B: int, T: int, BLOCK_M: int, on_gpu: bool) -> tuple[int, bool]:
+    """(S = highest selected position + 1, whether the union form runs), in one host sync (prefill may
+    synchronise; decode never does). The union form's work is estimated from DECISION_TILES evenly spaced
+    tiles (all tiles when there are fewer), so a call that ends in the absorbed form builds no unions."""
+    n_tiles = triton.cdiv(T, BLOCK_M)
+    stats = [idx.max(), (idx >= 0).sum()]
+    if FORM == "auto":
+        tiles = torch.linspace(0, n_tiles - 1, min(n_tiles, DECISION_TILES), device=idx.device).round().long()
+        rows = (tiles[:, None] * BLOCK_M + torch.arange(BLOCK_M, device=idx.device)).clamp_max(T - 1).view(-1)
+        # (rows past T repeat the last query: the union does not change)
+        count = _tile_unions(idx[:, rows].contiguous(), table, bs, B, rows.numel(), table.shape[1] * bs, BLOCK_M,
+                             on_gpu)[2]
+        stats.append(count.sum() * (n_tiles * BLOCK_M / tiles.numel()))
+    top, selected, *pairs = torch.stack([x.double() for x in stats]).tolist()
+    S = min(int(top) + 1, table.shape[1] * bs)
+    return S, S > 0 and use_union_form(pairs[0] if pairs else 0.0, int(selected))
 
 
 def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plane: torch.Tensor,
@@ -285,21 +307,18 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     B, T, H, dn, dv = check_prefill_args(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight)
     if torch.float64 in (q.dtype, kv_latent_plane.dtype, k_pe_plane.dtype, kv_b_weight.dtype):
         return sparse_mla_prefill_ref(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
-    bs = kv_latent_plane.shape[1]
-    # Prefill may synchronise (decode never does): keys are decompressed up to the highest selected position.
-    S = min(int(indices.max()) + 1, block_table.shape[1] * bs) if indices.numel() else 0
-    if B * T == 0 or S <= 0:
-        return torch.zeros(B, T, H, dv, dtype=torch.float32, device=q.device)
-    on_gpu = q.device.type == "cuda"
+    if B * T == 0 or indices.shape[-1] == 0 or FORM == "absorbed":
+        return sparse_mla_prefill_absorbed(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
+    bs, on_gpu = kv_latent_plane.shape[1], q.device.type == "cuda"
     BLOCK_M, BLOCK_N, num_warps, num_stages = _blocks(on_gpu, kv_b_weight.element_size())
     idx, table = indices.to(torch.int32), block_table.to(torch.int32)
+    S, union_form = _plan(idx, table, bs, B, T, BLOCK_M, on_gpu)
+    if not union_form:  # (S = 0: nothing selected anywhere; the absorbed form returns zeros)
+        return sparse_mla_prefill_absorbed(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
     rank, union, count = _tile_unions(idx, table, bs, B, T, S, BLOCK_M, on_gpu)
     stride = (count.view(-1).long() + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    total, pairs, selected = torch.stack([stride.sum(), count.sum(), (idx >= 0).sum()]).tolist()  # one sync
-    if not use_union_form(pairs * BLOCK_M, selected):
-        return sparse_mla_prefill_absorbed(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
     kv, k_pe = _decompress(kv_latent_plane, k_pe_plane, block_table, kv_b_weight, B, S, H)
-    mask, mask_off = _tile_masks(idx, table, rank, stride, total, bs, T, S, BLOCK_M, BLOCK_N, on_gpu)
+    mask, mask_off = _tile_masks(idx, table, rank, stride, int(stride.sum()), bs, T, S, BLOCK_M, BLOCK_N, on_gpu)
     out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
     _attend(q if q.stride(-1) == 1 else q.contiguous(), kv, k_pe, union, count, mask, mask_off, out, dn, scale,
             BLOCK_M, BLOCK_N, num_warps, num_stages)
