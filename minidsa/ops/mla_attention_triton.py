@@ -50,18 +50,20 @@ dtype for tl.dot (tensor cores; the reference rounds the same rows to bf16 in th
 planes the dots run with input_precision="ieee" (no TF32), so fp32 results agree with the reference
 to ~1e-6. fp64 inputs (exactness tests only) are passed to the reference.
 
-Prefill scheme: absorbed per-query attention, not block aggregation. The wrapper folds W_UK into q
-(q_latent[h] = q_nope[h] @ W_UK[h], one batched matmul over heads), runs the decode kernel over every
-query (M = the H heads of one query), and applies W_UV after (o[h] = o_latent[h] @ W_UV[h]^T). Per
-query this costs 2*H*K*(2r + dr) FLOPs and K*(r + dr) gathered cache values (L2 hits: a 32k-token
-layer's latent cache is 38 MB), however the selections of neighbouring queries overlap. The
-reference's block-aggregated MHA form gathers the union of the blocks a 64-query tile selected and
-decompresses them; for top-2048 selections spread over a long causal prefix a 64-position block is
-missed by one query with probability (1 - 2048/p)^64 (0.016 at p = 32k), so the union is nearly
-the whole prefix and that form costs about dense causal attention plus decompression. It can only
-win when selections are local. Measured on the H200 (benchmarks/bench_mla.py, bf16, random causal
-top-k), triton 3.6; decode in GPU time (a CUDA graph replay: an eager call also pays about 0.1 ms of
-host launch cost, as much as the kernels):
+Absorbed prefill (``sparse_mla_prefill_absorbed``). The wrapper folds W_UK into q (q_latent[h] =
+q_nope[h] @ W_UK[h], one batched matmul over heads), runs the decode kernel over every query (M = the H
+heads of one query), and applies W_UV after (o[h] = o_latent[h] @ W_UV[h]^T). Per query this costs
+2*H*K*(2r + dr) FLOPs and K*(r + dr) gathered cache values (L2 hits: a 32k-token layer's latent cache
+is 38 MB), however the selections of neighbouring queries overlap. The prefill op
+(mla_prefill_triton.py) runs this form when the 64-query tiles' unions of selected positions are large
+(independent picks: a union of 8.5x top-k at T = 32k), and its union form otherwise; for top-2048
+picks spread over a long prefix a 64-position block is missed by one query with probability
+(1 - 2048/p)^64 (0.016 at p = 32k), so the reference's union of blocks is nearly the whole
+prefix.
+
+Measured on the H200 (benchmarks/bench_mla.py, bf16, random causal top-k), triton 3.6; decode in GPU
+time (a CUDA graph replay: an eager call also pays about 0.1 ms of host launch cost, as much as the
+kernels):
 
   decode  B=32, 65,536 cached, top-k 2048, H=96:  0.100-0.101 ms = 19.6-19.9 % of the memory roofline
           (19.9 us); before (each step timed against the previous one in one process): 0.157 ms with
@@ -69,19 +71,19 @@ host launch cost, as much as the kernels):
           arithmetic in the loop; plain-torch gather + bmm 0.32 ms in a CUDA graph (0.45 eager),
           dense SDPA over all keys 6.03 ms, reference 37.6 ms. An eager call costs 0.19-0.22 ms: three
           launches (row numbers, attention, split combine) of host time, where two cost 0.11-0.12 ms.
-  prefill T=32,768, top-k 2048, H=16, dn=128, dr=64, dv=128:  17.0-17.1 ms (2.40 TFLOP absorbed,
+  absorbed prefill T=32,768, top-k 2048, H=16, dn=128, dr=64, dv=128:  17.0-17.2 ms (2.40 TFLOP,
           140 TFLOP/s; 17.5 ms with the row arithmetic in the loop, 18.0 ms with int64 offsets); dense
           causal SDPA (decompressed) 9.2-9.3 ms (590-597 TFLOP/s), plain-torch sparse 184 ms, reference
           about 6.2-6.8 s
 
 The prefill floor (2x faster than dense SDPA, i.e. <= 4.6 ms) is NOT met, and is out of reach of this
-form with random selections: the rows each query must gather (2,048 x 1,152 bytes, 74.9 GB in all)
-would have to arrive at 16 TB/s, and the 2.40 TFLOP at 520 TFLOP/s from mma tiles with M = 16 heads
-(mma.sync m16n8k16: the SASS is 272 HMMA.16816 per 128 positions; wgmma needs M = 64). The fastest row
-gather measured on this GPU is about 9.9 TB/s: the Gluon decode loop with its dots removed (8 warps issuing
-the cp.async copies), 128 programs gathering [64, 576] bf16 tiles of random rows from a cache that sits in
-L2, 0.95 us per tile (34.5 us for 16 tiles a program, 26.9 us for 8). At that rate the 74.9 GB take 7.6 ms,
-over the floor.
+form with random selections (for the union form see mla_prefill_triton.py): the rows each query must
+gather (2,048 x 1,152 bytes, 74.9 GB in all) would have to arrive at 16 TB/s, and the 2.40 TFLOP at
+520 TFLOP/s from mma tiles with M = 16 heads (mma.sync m16n8k16: the SASS is 272 HMMA.16816 per 128
+positions; wgmma needs M = 64). The fastest row gather measured on this GPU is about 9.9 TB/s: the Gluon
+decode loop with its dots removed (8 warps issuing the cp.async copies), 128 programs gathering [64, 576]
+bf16 tiles of random rows from a cache that sits in L2, 0.95 us per tile (34.5 us for 16 tiles a program,
+26.9 us for 8). At that rate the 74.9 GB take 7.6 ms, over the floor.
 
 What binds this file's decode kernel (20 % of the roofline; floor 35 %). Not memory: the time (int64
 offsets then) was the same, 120-122 us, for random, sorted and contiguous selections, an identity block

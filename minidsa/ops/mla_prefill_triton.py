@@ -1,55 +1,78 @@
-"""Triton kernels for sparse MLA prefill: union-aggregated masked attention in decompressed (MHA) form.
+"""Triton kernels for sparse MLA prefill: masked attention over each query tile's union of selected
+positions, in decompressed (MHA) form; the absorbed form of mla_attention_triton.py where that is faster.
 
-Same contract and signature as ``mla_attention.sparse_mla_prefill_ref`` (docs/design.md §4, §12):
-q [B, T, H, dn + dr] against the paged latent planes at the positions the indexer selected, out
-[B, T, H, dv] fp32. The reference gathers, per tile of 64 queries, the union of the cache blocks the
-tile selected, decompresses them and attends with remapped indices. This file does the same
-aggregation at the granularity of single positions, in four steps:
+Same contract and signature as ``mla_attention.sparse_mla_prefill_ref`` (docs/design.md §4, §12): q
+[B, T, H, dn + dr] against the paged latent planes at the positions the indexer selected, out [B, T,
+H, dv] fp32. The reference gathers, per tile of 64 queries, the union of the cache blocks the tile
+selected, decompresses them and attends with remapped indices. The union form here aggregates the
+same way at the granularity of single positions:
 
-1. Decompress once. The latent rows of positions 0 .. S-1 (S = the highest selected position + 1) are
-   read from the paged planes in logical order and multiplied by W_kvb in one GEMM: kv [B, S, H, dn +
-   dv] in the weight's dtype, the reference's rounding. k_pe [B, S, dr] stays one vector per position,
-   shared by all heads (it is never expanded to H copies).
-2. ``_selection_bits``: one bit per (query, position): bits [B, T, ceil(S / 32)] int32, set with
-   atomic OR (order-free, so the result is deterministic). A -1 entry, or a position whose block is
-   -1 or past the block table, sets nothing: it is padding, as in the reference.
-3. ``_tile_union``: the OR of the bit rows of each tile of BLOCK_M queries, then (torch) the sorted
-   list of the positions in that union and their count: union [B, n_tiles, S + 1] int32, count
-   [B, n_tiles]. With no host sync: the list is compacted with a cumulative sum and a scatter.
-4. ``_union_attn_fwd``, one program per (tile, head, sequence): FlashAttention over the tile's union
-   list, BLOCK_N positions at a time, each query masked to its own selection by its bits:
+1. Decompress once: the latent rows of positions 0 .. S-1 (S = the highest selected position + 1) are
+   read through the block table in logical order and multiplied by W_kvb in one GEMM, kv [B, S, H,
+   dn + dv] in the weight's dtype (the reference's rounding); k_pe [B, S, dr] stays one vector per
+   position, shared by the heads.
+2. ``_mark_chosen`` (one program per query) stores a 1 in chosen[tile, pos] for each valid selected
+   pos (not -1, inside the block table, its block not -1: the reference's padding rule). A cumulative
+   sum gives each chosen position its slot in the tile's union, and ``_compact`` writes the sorted
+   union list [B, n_tiles, S] and its count.
+3. ``_mark_mask`` (one program per query) writes the query's row of its tile's byte mask: [BLOCK_M,
+   stride] per tile, 1 at the union slot of each position the query selected, stride = count rounded
+   up to BLOCK_N. Every store writes a 1 or a distinct value, so the result does not depend on order.
+4. ``_union_attn_fwd``, one program per (head, tile, sequence): FlashAttention over the tile's union
+   list, BLOCK_N slots at a time:
 
-       pos  = union[n0 : n0 + BLOCK_N]                      gathered key rows of this head
-       s    = q_nope @ k_nope[pos]^T + q_pe @ k_pe[pos]^T    [BLOCK_M, BLOCK_N]
-       s    = -inf where bit (query, pos) is 0
+       pos  = union[n0 : n0 + BLOCK_N]                       gathered rows of this head's k, v
+       s    = q_nope @ k_nope[pos]^T + q_pe @ k_pe[pos]^T     [BLOCK_M, BLOCK_N]
+       s    = -inf where mask[query, slot] = 0
        online softmax (fp32, base 2);  acc = acc * alpha + p @ v[pos]
 
-Why a union of positions and not of blocks: a tile's cost is BLOCK_M x (union size) x (2 (dn + dr) +
-2 dv) FLOPs, and a union of positions is never larger than the union of the blocks holding them. When
-neighbouring queries keep most of each other's selections (the indexer's scores move slowly from one
-query to the next), the union of a tile is a small multiple of top-k even when the picks are scattered
-over the whole prefix, while the union of 64-position blocks of 2,048 scattered picks is nearly the
-whole prefix. Positions are gathered rows of the decompressed kv (one contiguous row of dn, dv values
-per head), so a single position costs a row read like a block's position does.
+   The mask rows are padded (zeros past count and past T) so their loads need no bounds and are
+   16-byte vectors, each chunk's mask loaded one iteration ahead. Heads vary fastest in the grid: the
+   H programs of a tile run together and share its list and mask in L2; the last tiles (longest
+   unions) start first.
 
-Why MHA form and not the absorbed form that decode uses: per (query, selected key) the absorbed form
-costs H * 2 (2 r + dr) FLOPs, the MHA form H * 2 (dn + dr + dv), 3.4x fewer at the K3 dims; the
-absorbed form's advantage, one gathered latent row for all H heads, matters when every query has its
-own rows (decode), not when a tile shares one list. With random, independent selections (no overlap
-between neighbours) the union is the whole causal prefix and this kernel is masked dense attention.
+Why positions and not blocks: a tile costs BLOCK_M x (union size) x 2 (dn + dr + dv) FLOPs per head,
+and a union of positions is never larger than the union of the blocks holding them. When neighbouring
+queries keep most of each other's picks (an indexer's scores move slowly from one query to the next)
+a tile's union is a small multiple of top-k even when the picks are scattered over the whole prefix,
+while 2,048 scattered picks touch nearly every 64-position block. A gathered position is one row of
+dn (or dv) values per head, as a block's position would be.
 
-Load balance: the union grows with the tile's position (causal), so the grid runs the last tiles first;
-consecutive programs are tiles of one head and share that head's kv rows in L2.
+Which form runs (``use_union_form``, FORM = "auto"): the union form costs per selected pair (marks,
+masks, decompression) plus per (query, union slot) pair; the absorbed form (W_UK folded into q, the
+latent kernel over each query's own rows, W_UV after; 3.4x the FLOPs per pair at the K3 dims, but one
+gathered latent row serves all heads) costs per selected pair. The ratio of union pairs to selected
+pairs is estimated from the unions of DECISION_TILES evenly spaced tiles, before anything else is
+built, and compared with UNION_BREAK_EVEN. FORM = "union" / "absorbed" forces one (tests, benchmarks).
 
-Masks and padding. Rows past T and union slots past the count are masked loads; a query with no valid
-position keeps l = 0 and gets zeros, like the reference. A row of the union that one query of the tile
-selected is read for every query of the tile, with p = 0 for the others, so a NaN stored in that row
-reaches the whole tile (the reference reads it only for the queries that selected it); rows no query
-selected are never read.
+Measured on the H200 (benchmarks/bench_mla.py, bf16, T=32,768, top-k 2048, H=16, dn=dv=128, dr=64,
+r=512; triton 3.6; three selection patterns: independent random picks, and picks of a shared
+per-position importance plus noise, where the next query keeps 62 % or 79 % of a query's picks):
+
+  selections (tile union / top-k)     op        union form   absorbed form   dense causal SDPA
+  independent (8.47)                  18.5 ms   26.7 ms      17.2 ms         9.2 ms
+  next query keeps 62 % (3.48)        13.2 ms   13.0 ms      17.0 ms
+  next query keeps 79 % (2.11)         9.2 ms    9.0 ms      17.1 ms
+
+In the union form at 79 %: 0.4 ms decompression, about 2.2 ms of unions and masks (the two marking
+kernels store 67 M scattered bytes each, about 1 ms apiece), and 5.8 ms of attention (1.40 TFLOP, 243
+TFLOP/s; 4.0 ms without the mask loads and selects). The attention tiles (BLOCK_M x BLOCK_N, warps,
+stages) are in ``_blocks``.
+
+The floor of issue 9 (2x faster than dense causal SDPA, 4.6 ms) is not met. With independent picks no
+form can: the union is the whole prefix (masked dense attention), and the absorbed form must gather
+74.9 GB of rows (module docstring of mla_attention_triton.py). With overlapping picks the union form's
+fixed costs alone (2.6 ms here) leave 2 ms for 1.40 TFLOP of attention at 79 % overlap, 700 TFLOP/s;
+meeting the floor needs both an attention kernel near FlashAttention-3's rate (warp-specialised, in
+Gluon, as for decode) and a faster union build, or picks that overlap more than these.
+
+Masks and padding: a query with no valid position keeps l = 0 and gets zeros, like the reference. A row
+of the union that one query of the tile selected is read for every query of the tile (with p = 0 for
+the others), so a NaN stored in that row reaches the whole tile, where the reference reads it only for
+the queries that selected it; rows no query of the tile selected are never read.
 
 Precision: fp32 accumulation and softmax; bf16/fp16 kv gives tensor-core dots on q and p cast to that
-dtype; fp32 kv runs input_precision="ieee" (no TF32), so fp32 agrees with the reference to ~1e-6.
-fp64 inputs go to the reference.
+dtype; fp32 kv runs input_precision="ieee" (no TF32). fp64 inputs go to the reference.
 """
 
 from __future__ import annotations
@@ -68,10 +91,11 @@ from .paging import gather_slots, paged_slots
 _LOG2E = 1.4426950408889634
 # Which form runs: "auto" picks per call (use_union_form); "union" / "absorbed" force one (tests, benchmarks).
 FORM = os.environ.get("MINIDSA_PREFILL_FORM", "auto")
-# Pairs (query, union slot) per pair (query, selected position) below which the union form is faster. Measured
-# on the H200 at T=32,768, top-k 2048, H=16, K3 dims, bf16, GPU time per pair with all heads: union form
-# 4.2e-11 s (attention) + 1.8e-11 s per selected pair (masks), absorbed form 2.6e-10 s: break-even 5.8.
-UNION_BREAK_EVEN = 5.5
+# Pairs (query, union slot) per pair (query, selected position) below which the union form is faster.
+# Measured on the H200 (T=32,768, top-k 2048, H=16, K3 dims, bf16; GPU time per selected pair): the union
+# form costs 5.4e-11 s per selected pair (unions, masks, decompression) plus 4.35e-11 s per union pair, the
+# absorbed form 2.65e-10 s per selected pair: (2.65 - 0.54) / 0.435 = 4.85.
+UNION_BREAK_EVEN = 4.8
 # Tiles whose unions are built to estimate the union form's work before choosing (evenly spaced, last included).
 DECISION_TILES = 16
 
@@ -217,6 +241,16 @@ def _block_k(K: int, on_gpu: bool) -> int:
     return min(256 if on_gpu else 64, triton.next_power_of_2(K))
 
 
+def _chosen(idx, table, bs: int, B: int, T: int, S: int, BLOCK_M: int, on_gpu: bool) -> torch.Tensor:
+    """uint8 [B * n_tiles, S]: 1 where some query of the tile selected that valid position."""
+    K = idx.shape[-1]
+    n_tiles = triton.cdiv(T, BLOCK_M)
+    chosen = torch.zeros(B * n_tiles, S, dtype=torch.uint8, device=idx.device)
+    _mark_chosen[(B * T,)](idx, table, chosen, T, K, S, table.shape[1], n_tiles, idx.stride(0), idx.stride(1),
+                           table.stride(0), BS=bs, BLOCK_M=BLOCK_M, BLOCK_K=_block_k(K, on_gpu), num_warps=2)
+    return chosen
+
+
 def _tile_unions(idx, table, bs: int, B: int, T: int, S: int, BLOCK_M: int, on_gpu: bool):
     """Per tile of BLOCK_M queries, the sorted union of the valid positions its queries selected.
 
@@ -224,17 +258,13 @@ def _tile_unions(idx, table, bs: int, B: int, T: int, S: int, BLOCK_M: int, on_g
     slot in its tile's union; union int32 [B, n_tiles, S]: the first count[b, tile] entries are the
     positions; count int32 [B, n_tiles]). No host sync.
     """
-    dev, K = idx.device, idx.shape[-1]
-    n_tiles = triton.cdiv(T, BLOCK_M)
-    chosen = torch.zeros(B * n_tiles, S, dtype=torch.uint8, device=dev)
-    _mark_chosen[(B * T,)](idx, table, chosen, T, K, S, table.shape[1], n_tiles, idx.stride(0), idx.stride(1),
-                           table.stride(0), BS=bs, BLOCK_M=BLOCK_M, BLOCK_K=_block_k(K, on_gpu), num_warps=2)
+    chosen = _chosen(idx, table, bs, B, T, S, BLOCK_M, on_gpu)
     rank = torch.cumsum(chosen, -1, dtype=torch.int32) - 1
-    count = (rank[:, -1] + 1).view(B, n_tiles)
-    union = torch.zeros(B * n_tiles, S, dtype=torch.int32, device=dev)
+    count = (rank[:, -1] + 1).view(B, -1)
+    union = torch.zeros_like(rank)
     block = min(1024 if on_gpu else 64, triton.next_power_of_2(S))
-    _compact[(B * n_tiles, triton.cdiv(S, block))](chosen, rank, union, S, S, BLOCK=block)
-    return rank, union.view(B, n_tiles, S), count
+    _compact[(chosen.shape[0], triton.cdiv(S, block))](chosen, rank, union, S, S, BLOCK=block)
+    return rank, union.view(B, -1, S), count
 
 
 def _tile_masks(idx, table, rank, stride, total: int, bs: int, T: int, S: int, BLOCK_M: int, BLOCK_N: int,
@@ -290,9 +320,9 @@ def _plan(idx, table, bs: int, B: int, T: int, BLOCK_M: int, on_gpu: bool) -> tu
         tiles = torch.linspace(0, n_tiles - 1, min(n_tiles, DECISION_TILES), device=idx.device).round().long()
         rows = (tiles[:, None] * BLOCK_M + torch.arange(BLOCK_M, device=idx.device)).clamp_max(T - 1).view(-1)
         # (rows past T repeat the last query: the union does not change)
-        count = _tile_unions(idx[:, rows].contiguous(), table, bs, B, rows.numel(), table.shape[1] * bs, BLOCK_M,
-                             on_gpu)[2]
-        stats.append(count.sum() * (n_tiles * BLOCK_M / tiles.numel()))
+        # (a sum, not the cumulative sum of _tile_unions: a scan over few long rows is slow on the GPU)
+        chosen = _chosen(idx[:, rows].contiguous(), table, bs, B, rows.numel(), table.shape[1] * bs, BLOCK_M, on_gpu)
+        stats.append(chosen.sum(dtype=torch.int64) * (n_tiles * BLOCK_M / tiles.numel()))
     top, selected, *pairs = torch.stack([x.double() for x in stats]).tolist()
     S = min(int(top) + 1, table.shape[1] * bs)
     return S, S > 0 and use_union_form(pairs[0] if pairs else 0.0, int(selected))
