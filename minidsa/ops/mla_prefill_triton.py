@@ -91,11 +91,11 @@ from .paging import gather_slots, paged_slots
 _LOG2E = 1.4426950408889634
 # Which form runs: "auto" picks per call (use_union_form); "union" / "absorbed" force one (tests, benchmarks).
 FORM = os.environ.get("MINIDSA_PREFILL_FORM", "auto")
-# Pairs (query, union slot) per pair (query, selected position) below which the union form is faster.
-# Measured on the H200 (T=32,768, top-k 2048, H=16, K3 dims, bf16; GPU time per selected pair): the union
-# form costs 5.4e-11 s per selected pair (unions, masks, decompression) plus 4.35e-11 s per union pair, the
-# absorbed form 2.65e-10 s per selected pair: (2.65 - 0.54) / 0.435 = 4.85.
-UNION_BREAK_EVEN = 4.8
+# Pairs (query, union slot) per pair (query, selected position) below which the union form is faster. Measured
+# on the H200 (T=32,768, top-k 2048, H=16, K3 dims, bf16, 128-query tiles; three selection patterns, GPU time):
+# the union form costs 5.0e-11 s per selected pair (unions, masks, decompression) plus 2.8e-11 s per union
+# pair, the absorbed form 2.62e-10 s per selected pair: (2.62 - 0.50) / 0.28 = 7.6.
+UNION_BREAK_EVEN = 7.5
 # Tiles whose unions are built to estimate the union form's work before choosing (evenly spaced, last included).
 DECISION_TILES = 16
 
@@ -312,20 +312,22 @@ def use_union_form(union_pairs: float, selected: int) -> bool:
 
 def _plan(idx, table, bs: int, B: int, T: int, BLOCK_M: int, on_gpu: bool) -> tuple[int, bool]:
     """(S = highest selected position + 1, whether the union form runs), in one host sync (prefill may
-    synchronise; decode never does). The union form's work is estimated from DECISION_TILES evenly spaced
-    tiles (all tiles when there are fewer), so a call that ends in the absorbed form builds no unions."""
-    n_tiles = triton.cdiv(T, BLOCK_M)
-    stats = [idx.max(), (idx >= 0).sum()]
+    synchronise; decode never does). For FORM = "auto" the ratio of union pairs to selected pairs is
+    taken from DECISION_TILES evenly spaced tiles (all tiles when there are fewer), before anything else
+    is built: a call that ends in the absorbed form builds no unions."""
+    stats = [idx.max()]
     if FORM == "auto":
+        n_tiles, S_all, K = triton.cdiv(T, BLOCK_M), table.shape[1] * bs, idx.shape[-1]
         tiles = torch.linspace(0, n_tiles - 1, min(n_tiles, DECISION_TILES), device=idx.device).round().long()
-        rows = (tiles[:, None] * BLOCK_M + torch.arange(BLOCK_M, device=idx.device)).clamp_max(T - 1).view(-1)
-        # (rows past T repeat the last query: the union does not change)
-        # (a sum, not the cumulative sum of _tile_unions: a scan over few long rows is slow on the GPU)
-        chosen = _chosen(idx[:, rows].contiguous(), table, bs, B, rows.numel(), table.shape[1] * bs, BLOCK_M, on_gpu)
-        stats.append(chosen.sum(dtype=torch.int64) * (n_tiles * BLOCK_M / tiles.numel()))
-    top, selected, *pairs = torch.stack([x.double() for x in stats]).tolist()
+        rows = tiles[:, None] * BLOCK_M + torch.arange(BLOCK_M, device=idx.device)  # [tiles, BLOCK_M]
+        real = rows < T
+        sub = idx[:, rows.clamp_max(T - 1).view(-1)].contiguous()  # rows past T repeat the last query
+        # A sum of the chosen bytes (a cumulative sum over these few long rows would be slow on the GPU).
+        count = _chosen(sub, table, bs, B, rows.numel(), S_all, BLOCK_M, on_gpu).view(B, -1, S_all).sum(-1)
+        stats += [(count * real.sum(-1)).sum(), ((sub.view(B, *rows.shape, K) >= 0) & real[..., None]).sum()]
+    top, *ratio = torch.stack([x.double() for x in stats]).tolist()
     S = min(int(top) + 1, table.shape[1] * bs)
-    return S, S > 0 and use_union_form(pairs[0] if pairs else 0.0, int(selected))
+    return S, S > 0 and use_union_form(*(ratio or (0.0, 0)))
 
 
 def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plane: torch.Tensor,
