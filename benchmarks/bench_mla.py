@@ -1,4 +1,4 @@
-"""Sparse MLA kernels (minidsa/ops/mla_attention_triton.py) on the H200: time, peers, % of roofline.
+"""Sparse MLA kernels (minidsa/ops/mla_attention_triton.py, mla_prefill_triton.py) on the H200: time, peers, % of limit.
 
     PYTHONPATH=. python benchmarks/bench_mla.py            # GPU, full shapes (about a minute)
     PYTHONPATH=. python benchmarks/bench_mla.py --dry-run  # CPU, tiny shapes, Triton interpreter
@@ -8,14 +8,19 @@ an out-of-order block table. Peers: the reference op, the fastest plain-torch sp
 gather of the selected rows through the block table, bmm, softmax, bmm) and dense SDPA over all
 cached keys. Roofline = max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s) (docs/design.md §11).
 
-Prefill: B=1, T=32,768, top-k 2048 (causal), H=16, dn=128, dr=64, dv=128, r=512. Peers: dense causal
-SDPA on the decompressed q, k, v (the floor: the kernel should be >= 2x faster), the plain-torch
-sparse form chunked over queries, and the reference op (too slow at full size: timed on evenly
-spaced 64-query tiles and scaled to all tiles, as printed).
+Prefill: B=1, T=32,768, top-k 2048, H=16, dn=128, dr=64, dv=128, r=512, over three selection patterns:
+independent random picks (causal_topk: the worst case for aggregation) and picks of a shared
+per-position importance plus noise (shared_topk, sigma 0.5 and 0.25), where neighbouring queries keep
+most of each other's picks (printed: the share the next query keeps, a 64-query tile's union / top-k).
+For each: the op (mla_prefill_triton.sparse_mla_prefill, which picks its form per call), each form
+forced, and the FLOP rate of each form. Peers: dense causal SDPA on the decompressed q, k, v (the
+floor: the op should be >= 2x faster), the plain-torch sparse form chunked over queries, and the
+reference op (too slow at full size: timed on evenly spaced 64-query tiles and scaled to all tiles, as
+printed), the last two with the independent picks.
 
-Indices are causal and distinct per query: the top-k of random scores among positions <= the
-query's. Agreement with the plain-torch peer (and the reference) is checked at bf16 tolerance and
-printed as PASS/FAIL. With $OUT set, results also go to $OUT/bench_mla.json.
+Decode indices are causal and distinct per query: the top-k of random scores among positions <= the
+query's. Agreement with the plain-torch peer (and the reference, and between the two prefill forms) is
+checked at bf16 tolerance and printed as PASS/FAIL. With $OUT set, results also go to $OUT/bench_mla.json.
 """
 
 from __future__ import annotations

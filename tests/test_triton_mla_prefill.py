@@ -95,6 +95,8 @@ def test_forms_are_chosen_by_the_pair_ratio(monkeypatch):
     monkeypatch.setattr(mp, "FORM", "auto")
     assert mp.use_union_form(int(mp.UNION_BREAK_EVEN * 100) - 1, 100)
     assert not mp.use_union_form(int(mp.UNION_BREAK_EVEN * 100) + 1, 100)
+    assert not mp.use_union_form(int(mp.UNION_BREAK_EVEN * 100) - 1, 100, heads=32)  # threshold halves
+    assert mp.use_union_form(int(mp.UNION_BREAK_EVEN * 50) - 1, 100, heads=32)
     monkeypatch.setattr(mp, "FORM", "absorbed")
     assert not mp.use_union_form(0, 100)
     monkeypatch.setattr(mp, "FORM", "dense")
@@ -109,10 +111,10 @@ def test_auto_form_follows_the_estimated_union(monkeypatch):
     monkeypatch.setattr(mp, "DECISION_TILES", 2)
     _, _, _, table, idx, _, _ = prefill_case(B=1, T=64, K=2, contexts=(64,), seed=2)
     idx[0, :, 0] = torch.arange(64, device=idx.device)  # query t picks itself and one random earlier position
-    assert mp._plan(idx, table, 4, 1, 64, 16, on_gpu=False) == (64, False)
+    assert mp._plan(idx, table, 4, 1, 64, 3, 16, on_gpu=False) == (64, False)
     shared = idx.clone()
     shared[0, :] = torch.tensor([3, 7], dtype=torch.int32, device=idx.device)
-    assert mp._plan(shared, table, 4, 1, 64, 16, on_gpu=False) == (8, True)
+    assert mp._plan(shared, table, 4, 1, 64, 3, 16, on_gpu=False) == (8, True)
 
 
 def test_empty_and_all_padding_give_zeros():

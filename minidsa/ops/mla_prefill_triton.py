@@ -42,29 +42,32 @@ Which form runs (``use_union_form``, FORM = "auto"): the union form costs per se
 masks, decompression) plus per (query, union slot) pair; the absorbed form (W_UK folded into q, the
 latent kernel over each query's own rows, W_UV after; 3.4x the FLOPs per pair at the K3 dims, but one
 gathered latent row serves all heads) costs per selected pair. The ratio of union pairs to selected
-pairs is estimated from the unions of DECISION_TILES evenly spaced tiles, before anything else is
-built, and compared with UNION_BREAK_EVEN. FORM = "union" / "absorbed" forces one (tests, benchmarks).
+pairs is taken from DECISION_TILES evenly spaced tiles before anything else is built and compared with
+UNION_BREAK_EVEN (measured at 16 heads; scaled by 16 / H for more heads, an extrapolation). FORM =
+"union" / "absorbed" forces one (tests, benchmarks).
 
 Measured on the H200 (benchmarks/bench_mla.py, bf16, T=32,768, top-k 2048, H=16, dn=dv=128, dr=64,
-r=512; triton 3.6; three selection patterns: independent random picks, and picks of a shared
-per-position importance plus noise, where the next query keeps 62 % or 79 % of a query's picks):
+r=512, triton 3.6, one run, 2026-12-01) with three selection patterns: independent random picks, and
+picks of a shared per-position importance plus noise, where the next query keeps 62 % or 79 % of a
+query's picks:
 
-  selections (tile union / top-k)     op        union form   absorbed form   dense causal SDPA
-  independent (8.47)                  18.5 ms   26.7 ms      17.2 ms         9.2 ms
-  next query keeps 62 % (3.48)        13.2 ms   13.0 ms      17.0 ms
-  next query keeps 79 % (2.11)         9.2 ms    9.0 ms      17.1 ms
+  selections (64-query tile union / top-k)   op        union form   absorbed form   dense causal SDPA
+  independent (8.47)                         18.1 ms   17.8 ms      17.2 ms          9.4 ms
+  next query keeps 62 % (3.48)                9.8 ms    9.5 ms      17.2 ms
+  next query keeps 79 % (2.11)                7.0 ms    6.8 ms      17.2 ms
 
-In the union form at 79 %: 0.4 ms decompression, about 2.2 ms of unions and masks (the two marking
-kernels store 67 M scattered bytes each, about 1 ms apiece), and 5.8 ms of attention (1.40 TFLOP, 243
-TFLOP/s; 4.0 ms without the mask loads and selects). The attention tiles (BLOCK_M x BLOCK_N, warps,
-stages) are in ``_blocks``.
+The op pays 0.2-1 ms over the form it picks for the decision (a max over the indices, the sampled
+unions, one sync). The union form with independent picks is masked dense attention over the whole
+prefix: 5.52 TFLOP at 310 TFLOP/s. At 79 %: the attention kernel 3.9 ms (1.51 TFLOP, 385 TFLOP/s; the
+mask loads and selects cost 0.2 ms of it), unions 1.3 ms (``_mark_chosen`` stores 67 M scattered bytes
+in about 1 ms), masks 1.2 ms (``_mark_mask`` as many), decompression 0.4 ms.
 
-The floor of issue 9 (2x faster than dense causal SDPA, 4.6 ms) is not met. With independent picks no
-form can: the union is the whole prefix (masked dense attention), and the absorbed form must gather
-74.9 GB of rows (module docstring of mla_attention_triton.py). With overlapping picks the union form's
-fixed costs alone (2.6 ms here) leave 2 ms for 1.40 TFLOP of attention at 79 % overlap, 700 TFLOP/s;
-meeting the floor needs both an attention kernel near FlashAttention-3's rate (warp-specialised, in
-Gluon, as for decode) and a faster union build, or picks that overlap more than these.
+The floor of issue 9 (2x faster than dense causal SDPA: 4.7 ms) is not met. With independent picks no
+form here can: the union is the whole prefix, and the absorbed form must gather 74.9 GB of rows (module
+docstring of mla_attention_triton.py). With overlapping picks the union form is 1.33x faster than dense
+at 79 %; its fixed costs alone (2.9 ms) leave 1.8 ms for 1.51 TFLOP of attention, more than the peak
+rate. Meeting the floor needs a union build that does not store one scattered byte per selected pair
+twice, and attention nearer FlashAttention-3's rate, or picks that overlap more than these.
 
 Masks and padding: a query with no valid position keeps l = 0 and gets zeros, like the reference. A row
 of the union that one query of the tile selected is read for every query of the tile (with p = 0 for
@@ -300,17 +303,20 @@ def _attend(q, kv, k_pe, union, count, mask, mask_off, out, dn: int, scale: floa
         num_warps=num_warps, num_stages=num_stages)
 
 
-def use_union_form(union_pairs: float, selected: int) -> bool:
+def use_union_form(union_pairs: float, selected: int, heads: int = 16) -> bool:
     """Whether the union form is expected to beat the absorbed form: FORM, or for "auto" the ratio of
-    (query, union slot) pairs to (query, selected position) pairs against UNION_BREAK_EVEN."""
+    (query, union slot) pairs to (query, selected position) pairs against UNION_BREAK_EVEN (measured with
+    16 heads). With more heads the threshold shrinks as 16 / heads: the union form's work grows with the
+    heads, the absorbed form's gathers (what bind it at 16) do not. That scaling is an extrapolation, not
+    a measurement; it errs towards the absorbed form."""
     if FORM not in ("auto", "union", "absorbed"):
         raise ValueError(f"mla_prefill_triton.FORM is {FORM!r}; use 'auto', 'union' or 'absorbed'")
     if FORM != "auto":
         return FORM == "union"
-    return union_pairs < UNION_BREAK_EVEN * selected
+    return union_pairs < UNION_BREAK_EVEN * min(1.0, 16 / heads) * selected
 
 
-def _plan(idx, table, bs: int, B: int, T: int, BLOCK_M: int, on_gpu: bool) -> tuple[int, bool]:
+def _plan(idx, table, bs: int, B: int, T: int, H: int, BLOCK_M: int, on_gpu: bool) -> tuple[int, bool]:
     """(S = highest selected position + 1, whether the union form runs), in one host sync (prefill may
     synchronise; decode never does). For FORM = "auto" the ratio of union pairs to selected pairs is
     taken from DECISION_TILES evenly spaced tiles (all tiles when there are fewer), before anything else
@@ -327,7 +333,7 @@ def _plan(idx, table, bs: int, B: int, T: int, BLOCK_M: int, on_gpu: bool) -> tu
         stats += [(count * real.sum(-1)).sum(), ((sub.view(B, *rows.shape, K) >= 0) & real[..., None]).sum()]
     top, *ratio = torch.stack([x.double() for x in stats]).tolist()
     S = min(int(top) + 1, table.shape[1] * bs)
-    return S, S > 0 and use_union_form(*(ratio or (0.0, 0)))
+    return S, S > 0 and use_union_form(*(ratio or (0.0, 0)), heads=H)
 
 
 def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plane: torch.Tensor,
@@ -344,7 +350,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     bs, on_gpu = kv_latent_plane.shape[1], q.device.type == "cuda"
     BLOCK_M, BLOCK_N, num_warps, num_stages = _blocks(on_gpu, kv_b_weight.element_size())
     idx, table = indices.to(torch.int32), block_table.to(torch.int32)
-    S, union_form = _plan(idx, table, bs, B, T, BLOCK_M, on_gpu)
+    S, union_form = _plan(idx, table, bs, B, T, H, BLOCK_M, on_gpu)
     if not union_form:  # (S = 0: nothing selected anywhere; the absorbed form returns zeros)
         return sparse_mla_prefill_absorbed(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
     rank, union, count = _tile_unions(idx, table, bs, B, T, S, BLOCK_M, on_gpu)
