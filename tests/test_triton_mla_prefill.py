@@ -55,6 +55,15 @@ def test_each_form_matches_the_reference(form, monkeypatch):
     assert torch.equal(out, mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale))  # run to run
 
 
+def test_int64_offsets_give_the_same_result(monkeypatch):
+    """The int64 addressing that tensors of 2^31 elements take, forced on a small case: bitwise the same."""
+    monkeypatch.setattr(mp, "FORM", "union")
+    q, kv, pe, table, idx, w, scale = prefill_case(B=1, T=20, contexts=(20,))
+    want = mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
+    monkeypatch.setattr(mp, "INT32_OFFSETS_BELOW", 0)
+    assert torch.equal(mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale), want)
+
+
 def test_union_form_with_a_missing_block_and_overlapping_selections(monkeypatch):
     """Neighbouring queries share most positions (the case the union form is for), and one block of the
     table is -1: its positions are padding, as in the reference."""

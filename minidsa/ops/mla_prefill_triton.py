@@ -99,6 +99,8 @@ FORM = os.environ.get("MINIDSA_PREFILL_FORM", "auto")
 # the union form costs 5.0e-11 s per selected pair (unions, masks, decompression) plus 2.8e-11 s per union
 # pair, the absorbed form 2.62e-10 s per selected pair: (2.62 - 0.50) / 0.28 = 7.6.
 UNION_BREAK_EVEN = 7.5
+# Tensors with fewer elements than this are addressed with int32 row offsets in the attention kernel.
+INT32_OFFSETS_BELOW = 2**31
 # Tiles whose unions are built to estimate the union form's work before choosing (evenly spaced, last included).
 DECISION_TILES = 16
 
@@ -169,7 +171,7 @@ def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, co
                     s_qb, s_qt, s_qh, s_kb, s_ks, s_kh, s_pb, s_ps, s_ob, s_ot, s_oh,
                     DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, BLOCK_DN: tl.constexpr,
                     BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, OFF64: tl.constexpr):
     # Heads vary fastest: the H programs of a tile run together and share its union list and masks in L2.
     h = tl.program_id(0).to(tl.int64)
     tile = n_tiles - 1 - tl.program_id(1)  # the longest unions (the last tiles) start first
@@ -177,6 +179,8 @@ def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, co
     dot_dtype = kv_ptr.dtype.element_ty
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < T
+    if OFF64:  # tensors of 2^31 elements or more: row offsets in int64 (else int32, half the arithmetic)
+        rows = rows.to(tl.int64)
     q_row = q_ptr + b * s_qb + h * s_qh
     q_nope = _head_rows(q_row, rows, row_ok, s_qt, DN, BLOCK_DN).to(dot_dtype)
     q_pe = _head_rows(q_row + DN, rows, row_ok, s_qt, DR, BLOCK_DR).to(dot_dtype)
@@ -199,6 +203,8 @@ def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, co
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < count
         pos = tl.load(union + n, mask=n_ok, other=0)
+        if OFF64:
+            pos = pos.to(tl.int64)
         k = _head_rows(k_row, pos, n_ok, s_ks, DN, BLOCK_DN)  # [BLOCK_N, BLOCK_DN]
         pe = _head_rows(pe_row, pos, n_ok, s_ps, DR, BLOCK_DR)
         v = _head_rows(v_row, pos, n_ok, s_ks, DV, BLOCK_DV)
@@ -300,7 +306,7 @@ def _attend(q, kv, k_pe, union, count, mask, mask_off, out, dn: int, scale: floa
         DN=dn, DR=dr, DV=dv, BLOCK_DN=max(16, triton.next_power_of_2(dn)),
         BLOCK_DR=max(16, triton.next_power_of_2(dr)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION="ieee" if kv.element_size() >= 4 else "tf32",
-        num_warps=num_warps, num_stages=num_stages)
+        OFF64=max(q.numel(), kv.numel(), out.numel()) >= INT32_OFFSETS_BELOW, num_warps=num_warps, num_stages=num_stages)
 
 
 def use_union_form(union_pairs: float, selected: int, heads: int = 16) -> bool:
