@@ -27,7 +27,10 @@ same way at the granularity of single positions:
        online softmax (fp32, base 2);  acc = acc * alpha + p @ v[pos]
 
    The mask rows are padded (zeros past count and past T) so their loads need no bounds and are
-   16-byte vectors, staged by the pipeliner like the k, v rows. Heads vary fastest in the grid: the
+   16-byte vectors, staged by the pipeliner like the k, v rows. (Loaded by hand one iteration ahead, the
+   carried mask kept its load layout and the compiler ran the softmax twice, in that layout for the row
+   sums and in the dot's for p: 66 exp2 per thread per chunk instead of 34, 913 SASS instructions
+   instead of 770, and 4.56 against 5.75 ms of attention at 79 % overlap below.) Heads vary fastest in the grid: the
    H programs of a tile run together and share its list and mask in L2; the last tiles (longest
    unions) start first.
 
@@ -187,11 +190,8 @@ def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, co
     k_row, v_row, pe_row = kv_ptr + b * s_kb + h * s_kh, kv_ptr + b * s_kb + h * s_kh + DN, pe_ptr + b * s_pb
     union = union_ptr + (b * n_tiles + tile) * L
     count = tl.load(count_ptr + b * n_tiles + tile)
-    # The tile's mask: [BLOCK_M, stride] bytes, row m = which union slots query m selected; stride is count
-    # rounded up to BLOCK_N (zeros past count, and past T), so its loads need no bounds: 16-byte vectors
-    # that the pipeliner stages like the k, v rows. (Loaded by hand one iteration ahead, the carried mask
-    # kept its load layout; the compiler then ran the softmax twice, in that layout for the row sums and
-    # in the dot's for p: 66 exp2 per thread per chunk instead of 34, 913 SASS instructions instead of 770.)
+    # The tile's mask [BLOCK_M, stride]: stride = count rounded up to BLOCK_N, zeros past count and T, so its
+    # loads are unbounded 16-byte vectors staged by the pipeliner (why it is not carried: module docstring).
     stride = tl.multiple_of((count + BLOCK_N - 1) // BLOCK_N * BLOCK_N, 16)
     mask_start = tl.multiple_of(tl.load(mask_off_ptr + b * n_tiles + tile), 16)
     mask_rows = mask_ptr + mask_start + tl.arange(0, BLOCK_M).to(tl.int64)[:, None] * stride
