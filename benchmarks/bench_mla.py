@@ -45,17 +45,23 @@ PEAK = 790e12  # FLOP/s, measured H200 bf16 dense matmul
 
 
 
-def causal_topk(T: int, ctx: int, K: int, device: str, chunk: int = 2048) -> torch.Tensor:
-    """int32 [T, K]: query i (at position ctx - T + i) picks the top-K of random scores over positions
-    <= its own; fewer candidates than K leave -1 at the end of the row (like ops.topk_indices)."""
+def causal_topk_of(scores, T: int, ctx: int, K: int, device: str, chunk: int) -> torch.Tensor:
+    """int32 [T, K]: query i (at position ctx - T + i) keeps the top-K of ``scores(rows)`` [len(rows), ctx]
+    over positions <= its own; fewer candidates than K leave -1 at the end of the row (like
+    ops.topk_indices)."""
     out = torch.empty(T, K, dtype=torch.int32, device=device)
     for t0 in range(0, T, chunk):
         rows = torch.arange(t0, min(T, t0 + chunk), device=device) + (ctx - T)
-        scores = torch.rand(rows.numel(), ctx, device=device)
-        scores.masked_fill_(torch.arange(ctx, device=device)[None, :] > rows[:, None], float("-inf"))
-        val, idx = scores.topk(K, dim=-1)
+        s = scores(rows)
+        s.masked_fill_(torch.arange(ctx, device=device)[None, :] > rows[:, None], float("-inf"))
+        val, idx = s.topk(K, dim=-1)
         out[t0: t0 + rows.numel()] = torch.where(torch.isfinite(val), idx, -1).int()
     return out
+
+
+def causal_topk(T: int, ctx: int, K: int, device: str, chunk: int = 2048) -> torch.Tensor:
+    """Independent picks: the top-K of random scores (causal_topk_of)."""
+    return causal_topk_of(lambda rows: torch.rand(rows.numel(), ctx, device=device), T, ctx, K, device, chunk)
 
 
 def paged(latent: torch.Tensor, pe: torch.Tensor, bs: int, gen: torch.Generator):
@@ -204,14 +210,8 @@ def shared_topk(T: int, K: int, sigma: float, device: str, chunk: int = 1024, se
     sigma -> inf gives causal_topk's independent picks. Fewer than K candidates leave -1 at the end."""
     gen = torch.Generator(device=device).manual_seed(seed)
     a = torch.randn(T, device=device, generator=gen)
-    out = torch.empty(T, K, dtype=torch.int32, device=device)
-    for t0 in range(0, T, chunk):
-        rows = torch.arange(t0, min(T, t0 + chunk), device=device)
-        s = a[None, :] + sigma * torch.randn(rows.numel(), T, device=device, generator=gen)
-        s.masked_fill_(torch.arange(T, device=device)[None, :] > rows[:, None], float("-inf"))
-        val, idx = s.topk(K, dim=-1)
-        out[t0: t0 + rows.numel()] = torch.where(torch.isfinite(val), idx, -1).int()
-    return out
+    return causal_topk_of(lambda rows: a[None, :] + sigma * torch.randn(rows.numel(), T, device=device, generator=gen),
+                          T, T, K, device, chunk)
 
 
 def selection_stats(idx: torch.Tensor, K: int, tile: int, samples: int = 16) -> tuple[float, float]:

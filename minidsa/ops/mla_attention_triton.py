@@ -220,10 +220,11 @@ def _gather(ptrs, W: tl.constexpr, BLOCK_W: tl.constexpr):
 
 
 @triton.jit
-def _query_rows(q_ptr, hoff, head_ok, W: tl.constexpr, BLOCK_W: tl.constexpr):
-    """The query block [BLOCK_H, BLOCK_W] at element offsets ``hoff`` (padded heads: 0)."""
+def _rows_at(ptr, offs, ok, W: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Rows [len(offs), BLOCK_W] at element offsets ``offs``: 0 where ``ok`` is False (padded heads, rows
+    past the end) and in columns past W. The query block of the decode loop; the prefill kernel's q, k, v."""
     cols = tl.arange(0, BLOCK_W)
-    return tl.load(q_ptr + hoff[:, None] + cols[None, :], mask=head_ok[:, None] & (cols < W)[None, :], other=0.0)
+    return tl.load(ptr + offs[:, None] + cols[None, :], mask=ok[:, None] & (cols < W)[None, :], other=0.0)
 
 
 @triton.jit
@@ -249,8 +250,8 @@ def _attend_selected(q_ptr, qpe_ptr, kv_ptr, pe_ptr, zero_ptr, rows_ptr, hoff, h
     dot_dtype = kv_ptr.dtype.element_ty  # bf16 planes -> bf16 tensor-core dots; fp32 -> ieee fp32
     # The query block is loaded once (padded heads: q = 0, never stored); on Hopper the compiler keeps it
     # in shared memory, where the score wgmma reads it.
-    q = _query_rows(q_ptr, hoff * s_qh, head_ok, R, BLOCK_R).to(dot_dtype)
-    qpe = _query_rows(qpe_ptr, hoff * s_ph, head_ok, DR, BLOCK_DR).to(dot_dtype)
+    q = _rows_at(q_ptr, hoff * s_qh, head_ok, R, BLOCK_R).to(dot_dtype)
+    qpe = _rows_at(qpe_ptr, hoff * s_ph, head_ok, DR, BLOCK_DR).to(dot_dtype)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of log2-scaled scores
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of 2^(s - m_i)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)

@@ -93,10 +93,10 @@ import triton
 import triton.language as tl
 
 from .mla_attention import check_prefill_args, sparse_mla_prefill_ref
-from .mla_attention_triton import _softmax_step, sparse_mla_prefill_absorbed
+from .mla_attention_triton import (_LOG2E, INT32_OFFSETS_BELOW, _rows_at, _softmax_step,
+                                   sparse_mla_prefill_absorbed)
 from .paging import gather_slots, paged_slots
 
-_LOG2E = 1.4426950408889634
 # Which form runs: "auto" picks per call (use_union_form); "union" / "absorbed" force one (tests, benchmarks).
 FORM = os.environ.get("MINIDSA_PREFILL_FORM", "auto")
 # Pairs (query, union slot) per pair (query, selected position) below which the union form is faster. Measured
@@ -104,8 +104,6 @@ FORM = os.environ.get("MINIDSA_PREFILL_FORM", "auto")
 # the union form costs 5.0e-11 s per selected pair (unions, masks, decompression) plus 2.8e-11 s per union
 # pair, the absorbed form 2.62e-10 s per selected pair: (2.62 - 0.50) / 0.28 = 7.6.
 UNION_BREAK_EVEN = 7.5
-# Tensors with fewer elements than this are addressed with int32 row offsets in the attention kernel.
-INT32_OFFSETS_BELOW = 2**31
 # Tiles whose unions are built to estimate the union form's work before choosing (evenly spaced, last included).
 DECISION_TILES = 16
 
@@ -163,14 +161,6 @@ def _mark_mask(idx_ptr, table_ptr, rank_ptr, mask_ptr, mask_off_ptr, stride_ptr,
 
 
 @triton.jit
-def _head_rows(ptr, rows, row_ok, s_row, W: tl.constexpr, BLOCK_W: tl.constexpr):
-    """[len(rows), BLOCK_W] values at ptr + row * s_row + column (0 outside the rows and past W)."""
-    cols = tl.arange(0, BLOCK_W)
-    return tl.load(ptr + rows[:, None] * s_row + cols[None, :], mask=row_ok[:, None] & (cols < W)[None, :],
-                   other=0.0)
-
-
-@triton.jit
 def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, count_ptr, o_ptr,
                     T, L, n_tiles, qk_scale,
                     s_qb, s_qt, s_qh, s_kb, s_ks, s_kh, s_pb, s_ps, s_ob, s_ot, s_oh,
@@ -187,8 +177,8 @@ def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, co
     if OFF64:  # tensors of 2^31 elements or more: row offsets in int64 (else int32, half the arithmetic)
         rows = rows.to(tl.int64)
     q_row = q_ptr + b * s_qb + h * s_qh
-    q_nope = _head_rows(q_row, rows, row_ok, s_qt, DN, BLOCK_DN).to(dot_dtype)
-    q_pe = _head_rows(q_row + DN, rows, row_ok, s_qt, DR, BLOCK_DR).to(dot_dtype)
+    q_nope = _rows_at(q_row, rows * s_qt, row_ok, DN, BLOCK_DN).to(dot_dtype)
+    q_pe = _rows_at(q_row + DN, rows * s_qt, row_ok, DR, BLOCK_DR).to(dot_dtype)
     k_row, v_row, pe_row = kv_ptr + b * s_kb + h * s_kh, kv_ptr + b * s_kb + h * s_kh + DN, pe_ptr + b * s_pb
     union = union_ptr + (b * n_tiles + tile) * L
     count = tl.load(count_ptr + b * n_tiles + tile)
@@ -207,9 +197,9 @@ def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, co
         pos = tl.load(union + n, mask=n_ok, other=0)
         if OFF64:
             pos = pos.to(tl.int64)
-        k = _head_rows(k_row, pos, n_ok, s_ks, DN, BLOCK_DN)  # [BLOCK_N, BLOCK_DN]
-        pe = _head_rows(pe_row, pos, n_ok, s_ps, DR, BLOCK_DR)
-        v = _head_rows(v_row, pos, n_ok, s_ks, DV, BLOCK_DV)
+        k = _rows_at(k_row, pos * s_ks, n_ok, DN, BLOCK_DN)  # [BLOCK_N, BLOCK_DN]
+        pe = _rows_at(pe_row, pos * s_ps, n_ok, DR, BLOCK_DR)
+        v = _rows_at(v_row, pos * s_ks, n_ok, DV, BLOCK_DV)
         s = tl.dot(q_nope, tl.trans(k), input_precision=DOT_PRECISION)
         s = tl.dot(q_pe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION)
         chosen = tl.load(mask_rows + n0 + chunk) != 0
@@ -308,7 +298,8 @@ def _attend(q, kv, k_pe, union, count, mask, mask_off, out, dn: int, scale: floa
         DN=dn, DR=dr, DV=dv, BLOCK_DN=max(16, triton.next_power_of_2(dn)),
         BLOCK_DR=max(16, triton.next_power_of_2(dr)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION="ieee" if kv.element_size() >= 4 else "tf32",
-        OFF64=max(q.numel(), kv.numel(), out.numel()) >= INT32_OFFSETS_BELOW, num_warps=num_warps, num_stages=num_stages)
+        OFF64=max(q.numel(), kv.numel(), out.numel()) >= INT32_OFFSETS_BELOW,  # the decode kernel's limit
+        num_warps=num_warps, num_stages=num_stages)
 
 
 def use_union_form(union_pairs: float, selected: int, heads: int = 16) -> bool:
