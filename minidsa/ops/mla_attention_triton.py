@@ -55,8 +55,8 @@ q_nope[h] @ W_UK[h], one batched matmul over heads), runs the decode kernel over
 heads of one query), and applies W_UV after (o[h] = o_latent[h] @ W_UV[h]^T). Per query this costs
 2*H*K*(2r + dr) FLOPs and K*(r + dr) gathered cache values (L2 hits: a 32k-token layer's latent cache
 is 38 MB), however the selections of neighbouring queries overlap. The prefill op
-(mla_prefill_triton.py) runs this form when the 64-query tiles' unions of selected positions are large
-(independent picks: a union of 8.5x top-k at T = 32k), and its union form otherwise; for top-2048
+(mla_prefill_triton.py) runs this form when the query tiles' unions of selected positions are large
+(independent picks: a 64-query tile's union is 8.5x top-k at T = 32k), and its union form otherwise; for top-2048
 picks spread over a long prefix a 64-position block is missed by one query with probability
 (1 - 2048/p)^64 (0.016 at p = 32k), so the reference's union of blocks is nearly the whole
 prefix.
