@@ -8,10 +8,10 @@ an out-of-order block table. Peers: the reference op, the fastest plain-torch sp
 gather of the selected rows through the block table, bmm, softmax, bmm) and dense SDPA over all
 cached keys. Roofline = max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s) (docs/design.md §11).
 
-Prefill: B=1, T=32,768, top-k 2048, H=16, dn=128, dr=64, dv=128, r=512, over three selection patterns:
+Prefill: B=1, T=32,768, top-k 2048, H=16, dn=128, dr=64, dv=128, r=512, over four selection patterns:
 independent random picks (causal_topk: the worst case for aggregation) and picks of a shared
-per-position importance plus noise (shared_topk, sigma 0.5 and 0.25), where neighbouring queries keep
-most of each other's picks (printed: the share the next query keeps, a 64-query tile's union / top-k).
+per-position importance plus noise (shared_topk, sigma 0.5, 0.25 and 0.1), where neighbouring queries
+keep most of each other's picks (printed: the share the next query keeps, a 64-query tile's union / top-k).
 For each: the op (mla_prefill_triton.sparse_mla_prefill, which picks its form per call), each form
 forced, and the FLOP rate of each form. Peers: dense causal SDPA on the decompressed q, k, v (the
 floor: the op should be >= 2x faster), the plain-torch sparse form chunked over queries, and the
@@ -278,11 +278,11 @@ def reference_prefill_time(args, idx, w, scale, out, tol) -> tuple[float, bool]:
 
 def form_flops(idx, table, shape: dict, bs: int) -> dict:
     """FLOPs each form executes (attention dots, with the absorbed form's two absorptions): the union form
-    runs every (query, union slot) pair of its 64-query tiles, the absorbed form every selected pair."""
+    runs every (query, union slot) pair of its query tiles, the absorbed form every selected pair."""
     from minidsa.ops import mla_prefill_triton as mp
     T, H, dn, dr, dv, r = (shape[k] for k in ("T", "H", "dn", "dr", "dv", "r"))
-    BM = mp._blocks(idx.is_cuda, 2)[0]
-    count = mp._tile_unions(idx.int(), table, bs, 1, T, int(idx.max()) + 1, BM, idx.is_cuda)[2]
+    BM, S = mp._blocks(idx.is_cuda, 2)[0], int(idx.max()) + 1
+    count = mp._tile_unions(mp._bitmaps(idx.int(), table, bs, 1, T, S, idx.is_cuda)[0], 1, T, S, BM, idx.is_cuda)[1]
     valid = int((idx >= 0).sum())
     return {"union": 2 * H * int(count.sum()) * BM * (dn + dr + dv),
             "absorbed": 2 * H * valid * (2 * r + dr) + 2 * T * H * r * (dn + dv)}
@@ -313,7 +313,7 @@ def bench_prefill(dev: str, dry: bool, results: dict) -> bool:
     print(f"  dense causal SDPA (decompressed) {t_dense * 1e3:.3f} ms: {dense_flops / 1e12:.2f} TFLOP, "
           f"{dense_flops / t_dense / 1e12:.0f} TFLOP/s; the floor (2x faster) is {t_dense / 2 * 1e3:.3f} ms")
     patterns = [("independent (random) picks", None), ("shared importance, sigma 0.5", 0.5),
-                ("shared importance, sigma 0.25", 0.25)]
+                ("shared importance, sigma 0.25", 0.25), ("shared importance, sigma 0.1", 0.1)]
     ok, rows = True, {}
     for name, sigma in patterns:
         idx = causal_topk(T, T, K, dev) if sigma is None else shared_topk(T, K, sigma, dev)

@@ -79,13 +79,25 @@ def test_union_form_with_a_missing_block_and_overlapping_selections(monkeypatch)
 
 
 def test_tile_unions_and_masks_list_exactly_the_selections():
-    """Union lists, counts and byte masks against Python sets of the valid selections."""
+    """Bit rows, union lists, counts and byte masks against Python sets of the valid selections."""
     _, _, _, table, idx, _, _ = prefill_case()
+    table[0, 1] = -1  # positions 4..7 of sequence 0 lose their block: selected there, but not valid
     bs, (B, T, K), BM, BN, S = 4, idx.shape, 16, 16, int(idx.max()) + 1
-    rank, union, count = mp._tile_unions(idx, table, bs, B, T, S, BM, on_gpu=False)
+    assert ((idx[0] >= 4) & (idx[0] < 8)).any()
+    bits, n_valid = mp._bitmaps(idx, table, bs, B, T, S, on_gpu=False)
+    union, count = mp._tile_unions(bits, B, T, S, BM, on_gpu=False)
     stride = (count.view(-1).long() + BN - 1) // BN * BN
-    mask, off = mp._tile_masks(idx, table, rank, stride, int(stride.sum()), bs, T, S, BM, BN, on_gpu=False)
+    pairs, selected, total = mp._union_work(count, stride, n_valid, T, BM)
+    off = torch.cumsum(stride * BM, 0) - stride * BM
+    mask = mp._tile_masks(bits, union, count, stride, off, total, T, BM, on_gpu=False)
     valid = paged_slots(table, idx.reshape(B, -1), bs).view(B, T, K) >= 0
+    assert n_valid.tolist() == valid.sum(-1).view(-1).tolist() and selected == int(valid.sum())
+    for b, t in [(0, 0), (0, T - 1), (B - 1, T // 2)]:
+        want_bits = set(idx[b, t][valid[b, t]].tolist())
+        got_bits = {32 * w + j for w, word in enumerate(bits[b * T + t].tolist()) for j in range(32) if word >> j & 1}
+        assert got_bits == want_bits
+    assert pairs == sum(int(count[b, i]) * len(range(i * BM, min(T, (i + 1) * BM)))
+                        for b in range(B) for i in range(count.shape[1]))
     for b in range(B):
         for tile in range(union.shape[1]):
             rows = range(tile * BM, min(T, (tile + 1) * BM))
@@ -113,17 +125,20 @@ def test_forms_are_chosen_by_the_pair_ratio(monkeypatch):
         mp.use_union_form(0, 100)
 
 
-def test_auto_form_follows_the_estimated_union(monkeypatch):
-    """The estimate from sampled tiles: independent picks (a tile's union is ~16 x top-k here) take the
-    absorbed form, picks that every query shares (union = top-k) the union form."""
+def test_auto_form_follows_the_union_size(monkeypatch):
+    """Independent picks (a tile's union is ~12 x top-k here) take the absorbed form, picks that every
+    query shares (union = top-k) the union form; each form is then the only one that runs."""
     monkeypatch.setattr(mp, "FORM", "auto")
-    monkeypatch.setattr(mp, "DECISION_TILES", 2)
-    _, _, _, table, idx, _, _ = prefill_case(B=1, T=64, K=2, contexts=(64,), seed=2)
+    q, kv, pe, table, idx, w, scale = prefill_case(B=1, T=64, K=2, contexts=(64,), seed=2)
     idx[0, :, 0] = torch.arange(64, device=idx.device)  # query t picks itself and one random earlier position
-    assert mp._plan(idx, table, 4, 1, 64, 3, 16, on_gpu=False) == (64, False)
     shared = idx.clone()
     shared[0, :] = torch.tensor([3, 7], dtype=torch.int32, device=idx.device)
-    assert mp._plan(shared, table, 4, 1, 64, 3, 16, on_gpu=False) == (8, True)
+    calls = []
+    monkeypatch.setattr(mp, "_attend", lambda *a: calls.append("union"))
+    monkeypatch.setattr(mp, "sparse_mla_prefill_absorbed", lambda *a: calls.append("absorbed"))
+    mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
+    mp.sparse_mla_prefill(q, kv, pe, table, shared, w, scale)
+    assert calls == ["absorbed", "union"]
 
 
 def test_empty_and_all_padding_give_zeros():

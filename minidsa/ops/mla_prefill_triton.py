@@ -11,15 +11,21 @@ same way at the granularity of single positions:
    read through the block table in logical order and multiplied by W_kvb in one GEMM, kv [B, S, H,
    dn + dv] in the weight's dtype (the reference's rounding); k_pe [B, S, dr] stays one vector per
    position, shared by the heads.
-2. ``_mark_chosen`` (one program per query) stores a 1 in chosen[tile, pos] for each valid selected
-   pos (not -1, inside the block table, its block not -1: the reference's padding rule). A cumulative
-   sum gives each chosen position its slot in the tile's union, and ``_compact`` writes the sorted
-   union list [B, n_tiles, S] and its count.
-3. ``_mark_mask`` (one program per query) writes the query's row of its tile's byte mask: [BLOCK_M,
-   stride] per tile, 1 at the union slot of each position the query selected, stride = count rounded
-   up to BLOCK_N. Every store writes a 1 or a distinct value, so the result does not depend on order.
-   The mask takes BLOCK_M bytes per union slot: 0.15 GB at T = 32k when a tile's union is 2.3x top-k,
-   0.56 GB when it is the whole prefix (then the absorbed form runs, unless forced).
+2. ``_mark_bits`` (one program per query) sets one bit per valid selected pos (not -1, inside the
+   block table, its block not -1: the reference's padding rule) in the query's bit row, [B * T,
+   ceil(S / 32)] int32, with an atomic OR, and counts the valid selections. ``_tile_union`` (one
+   program per tile) ORs its queries' rows word by word and unpacks the set bits, in order, into the
+   sorted union list [B, n_tiles, S] and its count.
+3. ``_mask_row`` (one program per query) writes the query's row of its tile's byte mask: [BLOCK_M,
+   stride] per tile, stride = count rounded up to BLOCK_N, byte r = the query's bit for position
+   union[r]. It reads the union list in order and looks bits up in its own 4 KB row, and writes the
+   row contiguously. The mask takes BLOCK_M bytes per union slot: 0.15 GB at T = 32k when a tile's
+   union is 2.3x top-k, 0.56 GB when it is the whole prefix.
+   Why bits: the previous build stored a byte per selected pair twice, at scattered addresses (a byte
+   per (tile, position) whose cumulative sum ranked the union, then a byte per mask entry through that
+   rank): 2.5 ms at T = 32k, top-k 2048, against 0.8 ms for these three kernels. Sorting each query's
+   picks first would make the stores contiguous but costs more than it saves (torch.sort 1.8 ms,
+   tl.sort in the marking kernel 3.2 ms).
 4. ``_union_attn_fwd``, one program per (head, tile, sequence): FlashAttention over the tile's union
    list, BLOCK_N slots at a time:
 
@@ -44,35 +50,39 @@ while 2,048 scattered picks touch nearly every 64-position block. A gathered pos
 dn (or dv) values per head, as a block's position would be.
 
 Which form runs (``use_union_form``, FORM = "auto"): the union form costs per selected pair (marks,
-masks, decompression) plus per (query, union slot) pair; the absorbed form (W_UK folded into q, the
-latent kernel over each query's own rows, W_UV after; 3.4x the FLOPs per pair at the K3 dims, but one
-gathered latent row serves all heads) costs per selected pair. The ratio of union pairs to selected
-pairs is taken from DECISION_TILES evenly spaced tiles before anything else is built and compared with
-UNION_BREAK_EVEN (measured at 16 heads; scaled by 16 / H for more heads, an extrapolation). FORM =
-"union" / "absorbed" forces one (tests, benchmarks).
+decompression) plus per (query, union slot) pair; the absorbed form (W_UK folded into q, the latent
+kernel over each query's own rows, W_UV after; 3.4x the FLOPs per pair at the K3 dims, but one gathered
+latent row serves all heads) costs per selected pair. The unions are built first (cheap, and the union
+form reuses them); their exact pair count against the selected pairs, compared with UNION_BREAK_EVEN
+(measured at 16 heads; scaled by 16 / H for more heads, an extrapolation), decides. A call that ends in
+the absorbed form has paid for the bits, the unions and the decompression (about 1 ms at T = 32k, 6 %
+of that form's time). FORM = "union" / "absorbed" forces one (tests, benchmarks). Two host syncs: S,
+and the pair counts with the mask's size.
 
 Measured on the H200 (benchmarks/bench_mla.py, bf16, T=32,768, top-k 2048, H=16, dn=dv=128, dr=64,
-r=512, triton 3.6, one run, 2026-12-01) with three selection patterns: independent random picks, and
-picks of a shared per-position importance plus noise, where the next query keeps 62 % or 79 % of a
-query's picks:
+r=512, triton 3.6, one run, 2026-12-01) with four selection patterns: independent random picks, and
+picks of a shared per-position importance plus noise, where the next query keeps 62 %, 79 % or 92 % of
+a query's picks:
 
   selections (64-query tile union / top-k)   op        union form   absorbed form   dense causal SDPA
-  independent (8.47)                         18.1 ms   17.8 ms      17.2 ms          9.4 ms
-  next query keeps 62 % (3.48)                9.8 ms    9.5 ms      17.2 ms
-  next query keeps 79 % (2.11)                7.0 ms    6.8 ms      17.2 ms
+  independent (8.47)                         15.6 ms   15.5 ms      17.2 ms          9.2 ms
+  next query keeps 62 % (3.48)                7.8 ms    7.9 ms      17.2 ms          (op: 1.17x faster)
+  next query keeps 79 % (2.11)                5.3 ms    5.3 ms      17.1 ms          (op: 1.75x faster)
+  next query keeps 92 % (1.39)                3.8 ms    3.8 ms      17.0 ms          (op: 2.41x faster)
 
-The op pays 0.2-1 ms over the form it picks for the decision (a max over the indices, the sampled
-unions, one sync). The union form with independent picks is masked dense attention over the whole
-prefix: 5.52 TFLOP at 310 TFLOP/s. At 79 %: the attention kernel 3.9 ms (1.51 TFLOP, 385 TFLOP/s; the
-mask loads and selects cost 0.2 ms of it), unions 1.3 ms (``_mark_chosen`` stores 67 M scattered bytes
-in about 1 ms), masks 1.2 ms (``_mark_mask`` as many), decompression 0.4 ms.
+Repeated runs of the same call spread by about 8 % (5.25-5.68 ms at 79 %). At 79 % the GPU spends
+0.58 ms marking bits, 0.06 ms on unions, 0.19 ms on masks, 0.3 ms decompressing, 0.07 ms on the
+maximum and 3.8 ms in the attention kernel (1.51 TFLOP, 400 TFLOP/s); the rest is host time between
+launches. The union form with independent picks is masked dense attention over the whole prefix (5.52
+TFLOP at 356 TFLOP/s): slower than dense SDPA, which runs the same FLOPs at 597 TFLOP/s.
 
-The floor of issue 9 (2x faster than dense causal SDPA: 4.7 ms) is not met. With independent picks no
-form here can: the union is the whole prefix, and the absorbed form must gather 74.9 GB of rows (module
-docstring of mla_attention_triton.py). With overlapping picks the union form is 1.33x faster than dense
-at 79 %; its fixed costs alone (2.9 ms) leave 1.8 ms for 1.51 TFLOP of attention, more than the peak
-rate. Meeting the floor needs a union build that does not store one scattered byte per selected pair
-twice, and attention nearer FlashAttention-3's rate, or picks that overlap more than these.
+The floor of issue 9 (2x faster than dense causal SDPA) holds when neighbouring queries keep about 90 %
+of each other's picks, not below. With independent picks no form here can meet it: the union is the
+whole prefix, and the absorbed form must gather 74.9 GB of rows (module docstring of
+mla_attention_triton.py). Between, the attention kernel binds: 128 x 32 tiles at about half of the
+bf16 peak, against the 75 % that FlashAttention reaches on dense tiles. Larger key tiles were slower
+here (``_blocks``); closing that gap needs a warp-specialised kernel (Triton 3.6 ignores
+``warp_specialize`` on sm_90; the SASS is the same) like the Gluon decode kernel.
 
 Masks and padding: a query with no valid position keeps l = 0 and gets zeros, like the reference. A row
 of the union that one query of the tile selected is read for every query of the tile (with p = 0 for
@@ -99,13 +109,12 @@ from .paging import gather_slots, paged_slots
 
 # Which form runs: "auto" picks per call (use_union_form); "union" / "absorbed" force one (tests, benchmarks).
 FORM = os.environ.get("MINIDSA_PREFILL_FORM", "auto")
-# Pairs (query, union slot) per pair (query, selected position) below which the union form is faster. Measured
-# on the H200 (T=32,768, top-k 2048, H=16, K3 dims, bf16, 128-query tiles; three selection patterns, GPU time):
-# the union form costs 5.0e-11 s per selected pair (unions, masks, decompression) plus 2.8e-11 s per union
-# pair, the absorbed form 2.62e-10 s per selected pair: (2.62 - 0.50) / 0.28 = 7.6.
-UNION_BREAK_EVEN = 7.5
-# Tiles whose unions are built to estimate the union form's work before choosing (evenly spaced, last included).
-DECISION_TILES = 16
+# Pairs (query, union slot) per pair (query, selected position) below which the union form is faster. Fitted
+# on the H200 (T=32,768, top-k 2048, H=16, K3 dims, bf16, 128-query tiles; the op's time with each form forced,
+# four selection patterns, 2026-12-01): the union form costs 2.1e-11 s per selected pair (bits, unions,
+# decompression) plus 2.63e-11 s per union pair, the absorbed form 2.63e-10 s per selected pair:
+# (2.63 - 0.21) / 0.263 = 9.2. Independent picks at T = 32k are 8.3 union pairs per selected pair.
+UNION_BREAK_EVEN = 9.2
 
 
 @triton.jit
@@ -123,41 +132,70 @@ def _selected(idx_ptr, table_ptr, b, t, k0, T, K, S, max_blocks, s_ib, s_it, s_t
 
 
 @triton.jit
-def _mark_chosen(idx_ptr, table_ptr, chosen_ptr, T, K, S, max_blocks, n_tiles, s_ib, s_it, s_tb,
-                 BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One query (b, t): chosen[b, tile(t), pos] = 1 for each valid selected pos. Queries of one tile
-    store the same 1 to the same bytes: the order does not matter."""
+def _mark_bits(idx_ptr, table_ptr, bits_ptr, n_valid_ptr, T, K, S, W, max_blocks, s_ib, s_it, s_tb,
+               BS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One query (b, t): bit pos % 32 of bits[b * T + t, pos // 32] for each valid selected pos, and the
+    number of valid selections in n_valid[b * T + t]. An atomic OR per selection (relaxed: only the final
+    words are read, by later launches); OR is order-free, so the words do not depend on the order the
+    atomics land in. A query's selections usually hit distinct words, so the atomics rarely contend."""
     bt = tl.program_id(0).to(tl.int64)
     b, t = bt // T, bt % T
-    row = chosen_ptr + (b * n_tiles + t // BLOCK_M) * S
+    row = bits_ptr + bt * W
+    n_valid = 0
     for k0 in range(0, K, BLOCK_K):
         pos, valid = _selected(idx_ptr, table_ptr, b, t, k0, T, K, S, max_blocks, s_ib, s_it, s_tb, BS, BLOCK_K)
-        tl.store(row + pos, tl.full([BLOCK_K], 1, tl.uint8), mask=valid)
+        one = tl.full([BLOCK_K], 1, tl.int32) << (pos & 31)
+        tl.atomic_or(row + (pos >> 5), one, mask=valid, sem="relaxed")
+        n_valid += tl.sum(valid.to(tl.int32), 0)
+    tl.store(n_valid_ptr + bt, n_valid)
 
 
 @triton.jit
-def _compact(chosen_ptr, rank_ptr, union_ptr, S, L, BLOCK: tl.constexpr):
-    """union[b, tile, rank[pos]] = pos for every chosen pos: the tile's union, sorted by position."""
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _tile_union(bits_ptr, union_ptr, count_ptr, T, W, L, n_tiles, BLOCK_M: tl.constexpr,
+                BLOCK_W: tl.constexpr):
+    """One tile (b, tile): the OR of its queries' bit rows, unpacked into the sorted list of positions
+    union[b, tile, :count] and its count. A running rank carries the list across word chunks."""
     bi = tl.program_id(0).to(tl.int64)
-    pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = pos < S
-    chosen = tl.load(chosen_ptr + bi * S + pos, mask=inside, other=0) != 0
-    rank = tl.load(rank_ptr + bi * S + pos, mask=inside, other=0)
-    tl.store(union_ptr + bi * L + rank, pos, mask=chosen)
+    b, tile = bi // n_tiles, bi % n_tiles
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ptr = bits_ptr + (b * T + rows.to(tl.int64))[:, None] * W
+    total = 0
+    for w0 in range(0, W, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)
+        words = tl.load(row_ptr + w[None, :], mask=(rows < T)[:, None] & (w < W)[None, :], other=0)
+        chosen = tl.reduce(words, 0, _or)  # [BLOCK_W]
+        flag = ((chosen[:, None] >> tl.arange(0, 32)[None, :]) & 1).reshape(BLOCK_W * 32)  # bit j = pos w*32+j
+        rank = total + tl.cumsum(flag, 0) - flag
+        tl.store(union_ptr + bi * L + rank, w0 * 32 + tl.arange(0, BLOCK_W * 32), mask=flag != 0)
+        total += tl.sum(flag, 0)
+    tl.store(count_ptr + bi, total)
 
 
 @triton.jit
-def _mark_mask(idx_ptr, table_ptr, rank_ptr, mask_ptr, mask_off_ptr, stride_ptr, T, K, S, max_blocks, n_tiles,
-               s_ib, s_it, s_tb, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One query (b, t): its row of the tile mask, 1 at the union slot of each valid selected pos."""
+def _mask_row(bits_ptr, union_ptr, count_ptr, mask_ptr, mask_off_ptr, stride_ptr, T, W, L, n_tiles,
+              BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One query row (b, tile * BLOCK_M + m) of its tile's byte mask: byte r = the query's bit for
+    position union[r], for r < count, then zeros up to the row's stride. Rows past T are all zeros. One
+    query per program keeps the bit lookups inside one 4-byte-per-32-positions row (cached) and the
+    stores contiguous."""
     bt = tl.program_id(0).to(tl.int64)
-    b, t = bt // T, bt % T
+    b, t = bt // (n_tiles * BLOCK_M), bt % (n_tiles * BLOCK_M)
     bi = b * n_tiles + t // BLOCK_M
-    row = mask_ptr + tl.load(mask_off_ptr + bi) + (t % BLOCK_M) * tl.load(stride_ptr + bi)
-    for k0 in range(0, K, BLOCK_K):
-        pos, valid = _selected(idx_ptr, table_ptr, b, t, k0, T, K, S, max_blocks, s_ib, s_it, s_tb, BS, BLOCK_K)
-        slot = tl.load(rank_ptr + bi * S + pos, mask=valid, other=0)
-        tl.store(row + slot, tl.full([BLOCK_K], 1, tl.uint8), mask=valid)
+    stride = tl.load(stride_ptr + bi)
+    count = tl.where(t < T, tl.load(count_ptr + bi), 0)
+    out = mask_ptr + tl.load(mask_off_ptr + bi) + (t % BLOCK_M) * stride
+    row = bits_ptr + (b * T + t) * W
+    for r0 in range(0, stride, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        live = r < count
+        pos = tl.load(union_ptr + bi * L + r, mask=live, other=0)
+        word = tl.load(row + (pos >> 5), mask=live, other=0)
+        tl.store(out + r, ((word >> (pos & 31)) & 1).to(tl.uint8), mask=r < stride)
 
 
 @triton.jit
@@ -217,7 +255,10 @@ def _blocks(on_gpu: bool, elt: int) -> tuple[int, int, int, int]:
     attention kernel alone, 2026-12-01), for independent picks / picks whose next query keeps 62 % / 79 %:
     128 x 32, 8 warps, 3 stages 14.0 / 6.6 / 3.9 ms; 64 x 64, 4 warps, 3 stages 16.9 / 7.3 / 4.6; 64 x 32,
     4 warps, 3 stages 16.9 / 7.3 / 4.5; 128 x 64, 8 warps, 3 stages 18.7 / 8.7 / 5.2; 2 stages slower in
-    each. The interpreter costs ~4 ms per program instance and loop step: CPU runs take the smallest tiles."""
+    each. Again with the bit-row build (the whole op, 79 % / 92 %): 128 x 32 with 3 or 4 stages within the
+    run-to-run spread (5.25-5.43 / 3.89-4.33 ms), 5 stages 6.8 / 5.2, 128 x 64 7.5-8.1 / 5.3-6.0, 64 x 64
+    6.4 / 5.6. The interpreter costs ~4 ms per program instance and loop step: CPU runs take the smallest
+    tiles."""
     if not on_gpu:
         return 16, 16, 4, 1
     if elt >= 4:  # fp32 kv: twice the bytes per row and per register
@@ -236,54 +277,49 @@ def _decompress(kv_latent_plane, k_pe_plane, block_table, kv_b_weight, B: int, S
     return kv, gather_slots(k_pe_plane, slots).to(wdt).contiguous()
 
 
-def _block_k(K: int, on_gpu: bool) -> int:
-    """Selections per step of the marking kernels: 256 with 2 warps measured 1.0 ms for _mark_chosen at
-    T=32,768, top-k 2048 on the H200 (512 / 4 warps 1.1, 1024 / 4 warps 1.2, 2048 / 8 warps 1.5)."""
-    return min(256 if on_gpu else 64, triton.next_power_of_2(K))
+def _extent(idx, table, bs: int) -> int:
+    """S = the highest selected position + 1, capped at the block table's reach: one host sync (prefill may
+    synchronise; decode never does)."""
+    return min(int(idx.max()) + 1, table.shape[1] * bs)
 
 
-def _chosen(idx, table, bs: int, B: int, T: int, S: int, BLOCK_M: int, on_gpu: bool) -> torch.Tensor:
-    """uint8 [B * n_tiles, S]: 1 where some query of the tile selected that valid position."""
+def _bitmaps(idx, table, bs: int, B: int, T: int, S: int, on_gpu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bits int32 [B * T, ceil(S / 32)], n_valid int32 [B * T]): bit p % 32 of word p // 32 of row b * T + t
+    is set when query (b, t) selected the valid position p; n_valid counts its valid selections. 4 bytes
+    per query and 32 positions: 128 MB at T = S = 32k."""
     K = idx.shape[-1]
-    n_tiles = triton.cdiv(T, BLOCK_M)
-    chosen = torch.zeros(B * n_tiles, S, dtype=torch.uint8, device=idx.device)
-    _mark_chosen[(B * T,)](idx, table, chosen, T, K, S, table.shape[1], n_tiles, idx.stride(0), idx.stride(1),
-                           table.stride(0), BS=bs, BLOCK_M=BLOCK_M, BLOCK_K=_block_k(K, on_gpu), num_warps=2)
-    return chosen
+    bits = torch.zeros(B * T, triton.cdiv(S, 32), dtype=torch.int32, device=idx.device)
+    n_valid = torch.empty(B * T, dtype=torch.int32, device=idx.device)
+    # 128 selections per step and 1 warp: 0.58 ms at T = 32k, top-k 2048 on the H200 (256 / 2 warps 0.60,
+    # 512 / 4 0.63, 1024 / 4 0.67); the atomics bind it.
+    block_k = min(128 if on_gpu else 64, triton.next_power_of_2(K))
+    _mark_bits[(B * T,)](idx, table, bits, n_valid, T, K, S, bits.shape[1], table.shape[1], idx.stride(0),
+                         idx.stride(1), table.stride(0), BS=bs, BLOCK_K=block_k, num_warps=1)
+    return bits, n_valid
 
 
-def _tile_unions(idx, table, bs: int, B: int, T: int, S: int, BLOCK_M: int, on_gpu: bool):
-    """Per tile of BLOCK_M queries, the sorted union of the valid positions its queries selected.
-
-    idx int32 [B, T, K], table int32 [B, max_blocks] -> (rank int32 [B*n_tiles, S]: a chosen position's
-    slot in its tile's union; union int32 [B, n_tiles, S]: the first count[b, tile] entries are the
-    positions; count int32 [B, n_tiles]). No host sync.
-    """
-    chosen = _chosen(idx, table, bs, B, T, S, BLOCK_M, on_gpu)
-    rank = torch.cumsum(chosen, -1, dtype=torch.int32) - 1
-    count = (rank[:, -1] + 1).view(B, -1)
-    union = torch.zeros_like(rank)
-    block = min(1024 if on_gpu else 64, triton.next_power_of_2(S))
-    _compact[(chosen.shape[0], triton.cdiv(S, block))](chosen, rank, union, S, S, BLOCK=block)
-    return rank, union.view(B, -1, S), count
+def _tile_unions(bits, B: int, T: int, S: int, BLOCK_M: int, on_gpu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per tile of BLOCK_M queries, the sorted union of the positions its queries selected: (union int32
+    [B, n_tiles, S], the first count[b, tile] entries being the positions; count int32 [B, n_tiles])."""
+    n_tiles, W = triton.cdiv(T, BLOCK_M), bits.shape[1]
+    union = torch.empty(B * n_tiles, S, dtype=torch.int32, device=bits.device)
+    count = torch.empty(B * n_tiles, dtype=torch.int32, device=bits.device)
+    block_w = min(64 if on_gpu else 4, triton.next_power_of_2(W))
+    _tile_union[(B * n_tiles,)](bits, union, count, T, W, S, n_tiles, BLOCK_M=BLOCK_M, BLOCK_W=block_w,
+                                num_warps=8 if on_gpu else 1)
+    return union.view(B, n_tiles, S), count.view(B, n_tiles)
 
 
-def _tile_masks(idx, table, rank, stride, total: int, bs: int, T: int, S: int, BLOCK_M: int, BLOCK_N: int,
-                on_gpu: bool):
-    """Each query's selection as bytes over its tile's union: (mask uint8, mask_off int64 [B * n_tiles]).
-
-    Tile i is [BLOCK_M, stride[i]] at mask_off[i] (stride = count rounded up to BLOCK_N), 1 where the
-    query selected that union slot. Zeros past count and past T let the attention loop load every chunk
-    without bounds.
-    """
-    sizes = stride * BLOCK_M
-    mask_off = torch.cumsum(sizes, 0) - sizes
-    mask = torch.zeros(max(1, total * BLOCK_M), dtype=torch.uint8, device=idx.device)
-    K = idx.shape[-1]
-    _mark_mask[(idx.shape[0] * T,)](idx, table, rank, mask, mask_off, stride, T, K, S, table.shape[1],
-                                    stride.numel() // idx.shape[0], idx.stride(0), idx.stride(1), table.stride(0),
-                                    BS=bs, BLOCK_M=BLOCK_M, BLOCK_K=_block_k(K, on_gpu), num_warps=2)
-    return mask, mask_off
+def _tile_masks(bits, union, count, stride, mask_off, total: int, T: int, BLOCK_M: int, on_gpu: bool):
+    """Each query's selection as bytes over its tile's union: uint8 [total]. Tile i is [BLOCK_M, stride[i]]
+    at mask_off[i] (stride = count rounded up to BLOCK_N), 1 where the query selected that union slot.
+    Zeros past count and past T let the attention loop load every chunk without bounds."""
+    B, n_tiles, L = union.shape
+    mask = torch.empty(max(1, total), dtype=torch.uint8, device=bits.device)  # every byte is written
+    _mask_row[(B * n_tiles * BLOCK_M,)](bits, union, count, mask, mask_off, stride, T, bits.shape[1], L, n_tiles,
+                                       BLOCK_M=BLOCK_M, BLOCK_R=1024 if on_gpu else 16,
+                                       num_warps=4 if on_gpu else 1)
+    return mask
 
 
 def _attend(q, kv, k_pe, union, count, mask, mask_off, out, dn: int, scale: float, BLOCK_M: int, BLOCK_N: int,
@@ -315,24 +351,13 @@ def use_union_form(union_pairs: float, selected: int, heads: int = 16) -> bool:
     return union_pairs < UNION_BREAK_EVEN * min(1.0, 16 / heads) * selected
 
 
-def _plan(idx, table, bs: int, B: int, T: int, H: int, BLOCK_M: int, on_gpu: bool) -> tuple[int, bool]:
-    """(S = highest selected position + 1, whether the union form runs), in one host sync (prefill may
-    synchronise; decode never does). For FORM = "auto" the ratio of union pairs to selected pairs is
-    taken from DECISION_TILES evenly spaced tiles (all tiles when there are fewer), before anything else
-    is built: a call that ends in the absorbed form builds no unions."""
-    stats = [idx.max()]
-    if FORM == "auto":
-        n_tiles, S_all, K = triton.cdiv(T, BLOCK_M), table.shape[1] * bs, idx.shape[-1]
-        tiles = torch.linspace(0, n_tiles - 1, min(n_tiles, DECISION_TILES), device=idx.device).round().long()
-        rows = tiles[:, None] * BLOCK_M + torch.arange(BLOCK_M, device=idx.device)  # [tiles, BLOCK_M]
-        real = rows < T
-        sub = idx[:, rows.clamp_max(T - 1).view(-1)].contiguous()  # rows past T repeat the last query
-        # A sum of the chosen bytes (a cumulative sum over these few long rows would be slow on the GPU).
-        count = _chosen(sub, table, bs, B, rows.numel(), S_all, BLOCK_M, on_gpu).view(B, -1, S_all).sum(-1)
-        stats += [(count * real.sum(-1)).sum(), ((sub.view(B, *rows.shape, K) >= 0) & real[..., None]).sum()]
-    top, *ratio = torch.stack([x.double() for x in stats]).tolist()
-    S = min(int(top) + 1, table.shape[1] * bs)
-    return S, S > 0 and use_union_form(*(ratio or (0.0, 0)), heads=H)
+def _union_work(count, stride, n_valid, T: int, BLOCK_M: int) -> tuple[int, int, int]:
+    """(union pairs: the (query, union slot) pairs the union form attends; selected pairs; mask bytes),
+    in one host sync."""
+    rows = (T - torch.arange(count.shape[1], device=count.device) * BLOCK_M).clamp(max=BLOCK_M)  # queries per tile
+    pairs, selected, total = torch.stack([(count.long() * rows).sum(), n_valid.long().sum(),
+                                          stride.sum() * BLOCK_M]).tolist()
+    return pairs, selected, total
 
 
 def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plane: torch.Tensor,
@@ -349,13 +374,21 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     bs, on_gpu = kv_latent_plane.shape[1], q.device.type == "cuda"
     BLOCK_M, BLOCK_N, num_warps, num_stages = _blocks(on_gpu, kv_b_weight.element_size())
     idx, table = indices.to(torch.int32), block_table.to(torch.int32)
-    S, union_form = _plan(idx, table, bs, B, T, H, BLOCK_M, on_gpu)
-    if not union_form:  # (S = 0: nothing selected anywhere; the absorbed form returns zeros)
+    S = _extent(idx, table, bs)
+    if S == 0:  # nothing selected anywhere: the absorbed form returns zeros
         return sparse_mla_prefill_absorbed(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
-    rank, union, count = _tile_unions(idx, table, bs, B, T, S, BLOCK_M, on_gpu)
-    stride = (count.view(-1).long() + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    bits, n_valid = _bitmaps(idx, table, bs, B, T, S, on_gpu)
+    # Queued behind the marking kernel, so the host issues its small ops while the GPU marks, and before
+    # the sync below (wasted when the absorbed form wins: 0.3 ms at T = 32k).
     kv, k_pe = _decompress(kv_latent_plane, k_pe_plane, block_table, kv_b_weight, B, S, H)
-    mask, mask_off = _tile_masks(idx, table, rank, stride, int(stride.sum()), bs, T, S, BLOCK_M, BLOCK_N, on_gpu)
+    union, count = _tile_unions(bits, B, T, S, BLOCK_M, on_gpu)
+    stride = (count.view(-1).long() + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    mask_off = torch.cumsum(stride * BLOCK_M, 0) - stride * BLOCK_M
+    pairs, selected, total = _union_work(count, stride, n_valid, T, BLOCK_M)
+    if not use_union_form(pairs, selected, H):
+        return sparse_mla_prefill_absorbed(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
+    mask = _tile_masks(bits, union, count, stride, mask_off, total, T, BLOCK_M, on_gpu)
+    del bits  # 4 bytes per query and 32 positions, no longer needed: free them before attention runs
     out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
     _attend(q if q.stride(-1) == 1 else q.contiguous(), kv, k_pe, union, count, mask, mask_off, out, dn, scale,
             BLOCK_M, BLOCK_N, num_warps, num_stages)
