@@ -78,18 +78,19 @@ def test_union_form_with_a_missing_block_and_overlapping_selections(monkeypatch)
     torch.testing.assert_close(out, sparse_mla_prefill_ref(q, kv, pe, table, idx, w, scale), **FP32_TOL)
 
 
-def test_tile_unions_and_masks_list_exactly_the_selections():
-    """Bit rows, union lists, counts and byte masks against Python sets of the valid selections."""
+@pytest.mark.parametrize("BN", [16, 32])  # 32: the sign bit of each mask word is a slot too
+def test_tile_unions_and_masks_list_exactly_the_selections(BN):
+    """Bit rows, union lists, counts and bit masks against Python sets of the valid selections."""
     _, _, _, table, idx, _, _ = prefill_case()
     table[0, 1] = -1  # positions 4..7 of sequence 0 lose their block: selected there, but not valid
-    bs, (B, T, K), BM, BN, S = 4, idx.shape, 16, 16, int(idx.max()) + 1
+    bs, (B, T, K), BM, S = 4, idx.shape, 16, int(idx.max()) + 1
     assert ((idx[0] >= 4) & (idx[0] < 8)).any()
     bits, n_valid = mp._bitmaps(idx, table, bs, B, T, S, on_gpu=False)
     union, count = mp._tile_unions(bits, B, T, S, BM, on_gpu=False)
-    stride = (count.view(-1).long() + BN - 1) // BN * BN
-    pairs, selected, total = mp._union_work(count, stride, n_valid, T, BM)
-    off = torch.cumsum(stride * BM, 0) - stride * BM
-    mask = mp._tile_masks(bits, union, count, stride, off, total, T, BM, on_gpu=False)
+    words = (count.view(-1).long() + BN - 1) // BN * BM
+    pairs, selected, total = mp._union_work(count, words, n_valid, T, BM)
+    off = torch.cumsum(words, 0) - words
+    mask = mp._tile_masks(bits, union, count, off, total, T, BM, BN, on_gpu=False)
     valid = paged_slots(table, idx.reshape(B, -1), bs).view(B, T, K) >= 0
     assert n_valid.tolist() == valid.sum(-1).view(-1).tolist() and selected == int(valid.sum())
     for b, t in [(0, 0), (0, T - 1), (B - 1, T // 2)]:
@@ -106,10 +107,11 @@ def test_tile_unions_and_masks_list_exactly_the_selections():
             n = int(count[b, tile])
             assert union[b, tile, :n].tolist() == want
             i = b * union.shape[1] + tile
-            m = mask[int(off[i]): int(off[i]) + BM * int(stride[i])].view(BM, -1)
+            m = mask[int(off[i]): int(off[i] + words[i])].view(BM, -1)
+            slots = [[c * BN + j for c, w in enumerate(row) for j in range(BN) if w >> j & 1] for row in m.tolist()]
             for row, s in enumerate(sel):
-                assert [j for j in range(n) if m[row, j]] == [want.index(p) for p in sorted(s)]
-            assert int(m[len(sel):].sum()) == 0 and int(m[:, n:].sum()) == 0  # rows past T, slots past count
+                assert slots[row] == [want.index(p) for p in sorted(s)]
+            assert all(not r for r in slots[len(sel):]) and all(j < n for r in slots for j in r)  # past T, count
 
 
 def test_forms_are_chosen_by_the_pair_ratio(monkeypatch):

@@ -16,11 +16,11 @@ same way at the granularity of single positions:
    ceil(S / 32)] int32, with an atomic OR, and counts the valid selections. ``_tile_union`` (one
    program per tile) ORs its queries' rows word by word and unpacks the set bits, in order, into the
    sorted union list [B, n_tiles, S] and its count.
-3. ``_mask_row`` (one program per query) writes the query's row of its tile's byte mask: [BLOCK_M,
-   stride] per tile, stride = count rounded up to BLOCK_N, byte r = the query's bit for position
-   union[r]. It reads the union list in order and looks bits up in its own 4 KB row, and writes the
-   row contiguously. The mask takes BLOCK_M bytes per union slot: 0.15 GB at T = 32k when a tile's
-   union is 2.3x top-k, 0.56 GB when it is the whole prefix.
+3. ``_mask_row`` (one program per query) writes the query's row of its tile's mask: [BLOCK_M,
+   ceil(count / BLOCK_N)] int32 per tile, bit j of word c = the query's bit for position union[c *
+   BLOCK_N + j]. It reads the union list in order, looks bits up in its own 4 KB row, and writes the row
+   contiguously. The mask takes BLOCK_M / 8 bytes per union slot: 18 MB at T = 32k when a tile's union
+   is 2.3x top-k, 67 MB when it is the whole prefix.
    Why bits: the previous build stored a byte per selected pair twice, at scattered addresses (a byte
    per (tile, position) whose cumulative sum ranked the union, then a byte per mask entry through that
    rank): 2.5 ms at T = 32k, top-k 2048, against 0.8 ms for these three kernels. Sorting each query's
@@ -34,13 +34,17 @@ same way at the granularity of single positions:
        s    = -inf where mask[query, slot] = 0
        online softmax (fp32, base 2);  acc = acc * alpha + p @ v[pos]
 
-   The mask rows are padded (zeros past count and past T) so their loads need no bounds and are
-   16-byte vectors, staged by the pipeliner like the k, v rows. (Loaded by hand one iteration ahead, the
-   carried mask kept its load layout and the compiler ran the softmax twice, in that layout for the row
-   sums and in the dot's for p: 66 exp2 per thread per chunk instead of 34, 913 SASS instructions
-   instead of 770, and 4.56 against 5.75 ms of attention at 79 % overlap below.) Heads vary fastest in the grid: the
-   H programs of a tile run together and share its list and mask in L2; the last tiles (longest
-   unions) start first.
+   The mask words are padded (zeros past count and past T) so their loads need no bounds; they are
+   staged by the pipeliner like the k, v rows. (A byte mask loaded by hand one iteration ahead kept its
+   load layout and the compiler ran the softmax twice: 66 exp2 per thread per chunk instead of 34.)
+   The positions of the next chunk, though, are loaded by hand one iteration ahead: loaded in the
+   iteration, they made the pipeliner issue each chunk's gathers only one iteration ahead and wait for
+   every copy at the top of the loop (SASS: DEPBAR.LE SB0, 0x0); carried, the gathers run a stage ahead
+   (DEPBAR.LE SB0, 0x4). Two programs must share an SM to hide the latencies that remain: with the
+   word masks the three stages take 111.6 KB of shared memory and fit twice; with byte masks (118.8 KB)
+   or a fourth stage they do not, and the op took 6.5 ms instead of 5.1 at 79 % overlap below (4.6 and
+   3.75 ms at 92 %). Heads vary fastest in the grid: the H programs of a tile run together and share its
+   list and mask in L2; the last tiles (longest unions) start first.
 
 Why positions and not blocks: a tile costs BLOCK_M x (union size) x 2 (dn + dr + dv) FLOPs per head,
 and a union of positions is never larger than the union of the blocks holding them. When neighbouring
@@ -177,25 +181,29 @@ def _tile_union(bits_ptr, union_ptr, count_ptr, T, W, L, n_tiles, BLOCK_M: tl.co
 
 
 @triton.jit
-def _mask_row(bits_ptr, union_ptr, count_ptr, mask_ptr, mask_off_ptr, stride_ptr, T, W, L, n_tiles,
-              BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
-    """One query row (b, tile * BLOCK_M + m) of its tile's byte mask: byte r = the query's bit for
-    position union[r], for r < count, then zeros up to the row's stride. Rows past T are all zeros. One
-    query per program keeps the bit lookups inside one 4-byte-per-32-positions row (cached) and the
-    stores contiguous."""
+def _mask_row(bits_ptr, union_ptr, count_ptr, mask_ptr, mask_off_ptr, T, W, L, n_tiles,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One query row (b, tile * BLOCK_M + m) of its tile's mask, one int32 word per chunk of BLOCK_N union
+    slots: bit j of word c = the query's bit for position union[c * BLOCK_N + j] (0 past count; rows past
+    T are all zeros). One query per program keeps the bit lookups inside one row of 4 bytes per 32
+    positions (cached) and the stores contiguous."""
     bt = tl.program_id(0).to(tl.int64)
     b, t = bt // (n_tiles * BLOCK_M), bt % (n_tiles * BLOCK_M)
     bi = b * n_tiles + t // BLOCK_M
-    stride = tl.load(stride_ptr + bi)
-    count = tl.where(t < T, tl.load(count_ptr + bi), 0)
-    out = mask_ptr + tl.load(mask_off_ptr + bi) + (t % BLOCK_M) * stride
+    count = tl.load(count_ptr + bi)
+    chunks = (count + BLOCK_N - 1) // BLOCK_N
+    live_slots = tl.where(t < T, count, 0)
+    out = mask_ptr + tl.load(mask_off_ptr + bi) + (t % BLOCK_M) * chunks
     row = bits_ptr + (b * T + t) * W
-    for r0 in range(0, stride, BLOCK_R):
+    for r0 in range(0, chunks * BLOCK_N, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
-        live = r < count
+        live = r < live_slots
         pos = tl.load(union_ptr + bi * L + r, mask=live, other=0)
-        word = tl.load(row + (pos >> 5), mask=live, other=0)
-        tl.store(out + r, ((word >> (pos & 31)) & 1).to(tl.uint8), mask=r < stride)
+        bit = (tl.load(row + (pos >> 5), mask=live, other=0) >> (pos & 31)) & 1
+        # Distinct bits: their sum is their OR (bit 31 wraps to the sign bit, as intended).
+        word = tl.sum(bit.reshape(BLOCK_R // BLOCK_N, BLOCK_N) << tl.arange(0, BLOCK_N)[None, :], axis=1)
+        c = r0 // BLOCK_N + tl.arange(0, BLOCK_R // BLOCK_N)
+        tl.store(out + c, word, mask=c < chunks)
 
 
 @triton.jit
@@ -220,19 +228,20 @@ def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, co
     k_row, v_row, pe_row = kv_ptr + b * s_kb + h * s_kh, kv_ptr + b * s_kb + h * s_kh + DN, pe_ptr + b * s_pb
     union = union_ptr + (b * n_tiles + tile) * L
     count = tl.load(count_ptr + b * n_tiles + tile)
-    # The tile's mask [BLOCK_M, stride]: stride = count rounded up to BLOCK_N, zeros past count and T, so its
-    # loads are unbounded 16-byte vectors staged by the pipeliner (why it is not carried: module docstring).
-    stride = tl.multiple_of((count + BLOCK_N - 1) // BLOCK_N * BLOCK_N, 16)
-    mask_start = tl.multiple_of(tl.load(mask_off_ptr + b * n_tiles + tile), 16)
-    mask_rows = mask_ptr + mask_start + tl.arange(0, BLOCK_M).to(tl.int64)[:, None] * stride
-    chunk = tl.arange(0, BLOCK_N)[None, :]
+    # The tile's mask [BLOCK_M, chunks] int32: BLOCK_N bits per word, zero past count and T (loads need no bounds).
+    chunks = (count + BLOCK_N - 1) // BLOCK_N
+    mask_rows = mask_ptr + tl.load(mask_off_ptr + b * n_tiles + tile) + tl.arange(0, BLOCK_M).to(tl.int64) * chunks
+    bit = tl.arange(0, BLOCK_N)[None, :]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # Positions one chunk ahead, carried by hand: the gathers they address then run a stage ahead (docstring).
+    pos_next = tl.load(union + tl.arange(0, BLOCK_N), mask=tl.arange(0, BLOCK_N) < count, other=0)
     for n0 in range(0, count, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < count
-        pos = tl.load(union + n, mask=n_ok, other=0)
+        pos = pos_next
+        pos_next = tl.load(union + n + BLOCK_N, mask=n + BLOCK_N < count, other=0)
         if OFF64:
             pos = pos.to(tl.int64)
         k = _rows_at(k_row, pos * s_ks, n_ok, DN, BLOCK_DN)  # [BLOCK_N, BLOCK_DN]
@@ -240,7 +249,7 @@ def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, co
         v = _rows_at(v_row, pos * s_ks, n_ok, DV, BLOCK_DV)
         s = tl.dot(q_nope, tl.trans(k), input_precision=DOT_PRECISION)
         s = tl.dot(q_pe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION)
-        chosen = tl.load(mask_rows + n0 + chunk) != 0
+        chosen = ((tl.load(mask_rows + n0 // BLOCK_N)[:, None] >> bit) & 1) != 0
         s = tl.where(chosen, s * qk_scale, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)  # the decode kernel's online-softmax step
         acc = tl.dot(p.to(dot_dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -259,6 +268,7 @@ def _blocks(on_gpu: bool, elt: int) -> tuple[int, int, int, int]:
     run-to-run spread (5.25-5.43 / 3.89-4.33 ms), 5 stages 6.8 / 5.2, 128 x 64 7.5-8.1 / 5.3-6.0, 64 x 64
     6.4 / 5.6. The interpreter costs ~4 ms per program instance and loop step: CPU runs take the smallest
     tiles."""
+    # BLOCK_N <= 32: one int32 mask word per query and chunk.
     if not on_gpu:
         return 16, 16, 4, 1
     if elt >= 4:  # fp32 kv: twice the bytes per row and per register
@@ -310,14 +320,14 @@ def _tile_unions(bits, B: int, T: int, S: int, BLOCK_M: int, on_gpu: bool) -> tu
     return union.view(B, n_tiles, S), count.view(B, n_tiles)
 
 
-def _tile_masks(bits, union, count, stride, mask_off, total: int, T: int, BLOCK_M: int, on_gpu: bool):
-    """Each query's selection as bytes over its tile's union: uint8 [total]. Tile i is [BLOCK_M, stride[i]]
-    at mask_off[i] (stride = count rounded up to BLOCK_N), 1 where the query selected that union slot.
-    Zeros past count and past T let the attention loop load every chunk without bounds."""
+def _tile_masks(bits, union, count, mask_off, total: int, T: int, BLOCK_M: int, BLOCK_N: int, on_gpu: bool):
+    """Each query's selection as bits over its tile's union: int32 [total]. Tile i is [BLOCK_M,
+    ceil(count[i] / BLOCK_N)] at mask_off[i]; bit j of word c is set where the query selected union slot
+    c * BLOCK_N + j. Zeros past count and past T let the attention loop load every chunk without bounds."""
     B, n_tiles, L = union.shape
-    mask = torch.empty(max(1, total), dtype=torch.uint8, device=bits.device)  # every byte is written
-    _mask_row[(B * n_tiles * BLOCK_M,)](bits, union, count, mask, mask_off, stride, T, bits.shape[1], L, n_tiles,
-                                       BLOCK_M=BLOCK_M, BLOCK_R=1024 if on_gpu else 16,
+    mask = torch.empty(max(1, total), dtype=torch.int32, device=bits.device)  # every word is written
+    _mask_row[(B * n_tiles * BLOCK_M,)](bits, union, count, mask, mask_off, T, bits.shape[1], L, n_tiles,
+                                       BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=1024 if on_gpu else 32,
                                        num_warps=4 if on_gpu else 1)
     return mask
 
@@ -351,12 +361,12 @@ def use_union_form(union_pairs: float, selected: int, heads: int = 16) -> bool:
     return union_pairs < UNION_BREAK_EVEN * min(1.0, 16 / heads) * selected
 
 
-def _union_work(count, stride, n_valid, T: int, BLOCK_M: int) -> tuple[int, int, int]:
-    """(union pairs: the (query, union slot) pairs the union form attends; selected pairs; mask bytes),
+def _union_work(count, mask_words, n_valid, T: int, BLOCK_M: int) -> tuple[int, int, int]:
+    """(union pairs: the (query, union slot) pairs the union form attends; selected pairs; mask words),
     in one host sync."""
     rows = (T - torch.arange(count.shape[1], device=count.device) * BLOCK_M).clamp(max=BLOCK_M)  # queries per tile
     pairs, selected, total = torch.stack([(count.long() * rows).sum(), n_valid.long().sum(),
-                                          stride.sum() * BLOCK_M]).tolist()
+                                          mask_words.sum()]).tolist()
     return pairs, selected, total
 
 
@@ -382,12 +392,12 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     # the sync below (wasted when the absorbed form wins: 0.3 ms at T = 32k).
     kv, k_pe = _decompress(kv_latent_plane, k_pe_plane, block_table, kv_b_weight, B, S, H)
     union, count = _tile_unions(bits, B, T, S, BLOCK_M, on_gpu)
-    stride = (count.view(-1).long() + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    mask_off = torch.cumsum(stride * BLOCK_M, 0) - stride * BLOCK_M
-    pairs, selected, total = _union_work(count, stride, n_valid, T, BLOCK_M)
+    mask_words = (count.view(-1).long() + BLOCK_N - 1) // BLOCK_N * BLOCK_M
+    mask_off = torch.cumsum(mask_words, 0) - mask_words
+    pairs, selected, total = _union_work(count, mask_words, n_valid, T, BLOCK_M)
     if not use_union_form(pairs, selected, H):
         return sparse_mla_prefill_absorbed(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
-    mask = _tile_masks(bits, union, count, stride, mask_off, total, T, BLOCK_M, on_gpu)
+    mask = _tile_masks(bits, union, count, mask_off, total, T, BLOCK_M, BLOCK_N, on_gpu)
     del bits  # 4 bytes per query and 32 positions, no longer needed: free them before attention runs
     out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
     _attend(q if q.stride(-1) == 1 else q.contiguous(), kv, k_pe, union, count, mask, mask_off, out, dn, scale,
