@@ -69,24 +69,31 @@ picks of a shared per-position importance plus noise, where the next query keeps
 a query's picks:
 
   selections (64-query tile union / top-k)   op        union form   absorbed form   dense causal SDPA
-  independent (8.47)                         15.6 ms   15.5 ms      17.2 ms          9.2 ms
-  next query keeps 62 % (3.48)                7.8 ms    7.9 ms      17.2 ms          (op: 1.17x faster)
-  next query keeps 79 % (2.11)                5.3 ms    5.3 ms      17.1 ms          (op: 1.75x faster)
-  next query keeps 92 % (1.39)                3.8 ms    3.8 ms      17.0 ms          (op: 2.41x faster)
+  independent (8.47)                         15.4 ms   15.5 ms      17.2 ms          9.4 ms (op 0.61x)
+  next query keeps 62 % (3.48)                7.8 ms    7.9 ms      17.1 ms          (op 1.20x faster)
+  next query keeps 79 % (2.11)                5.2 ms    5.1 ms      17.2 ms          (op 1.82x faster)
+  next query keeps 92 % (1.39)                3.8 ms    3.8 ms      17.1 ms          (op 2.49x faster)
 
-Repeated runs of the same call spread by about 8 % (5.25-5.68 ms at 79 %). At 79 % the GPU spends
-0.58 ms marking bits, 0.06 ms on unions, 0.19 ms on masks, 0.3 ms decompressing, 0.07 ms on the
-maximum and 3.8 ms in the attention kernel (1.51 TFLOP, 400 TFLOP/s); the rest is host time between
-launches. The union form with independent picks is masked dense attention over the whole prefix (5.52
-TFLOP at 356 TFLOP/s): slower than dense SDPA, which runs the same FLOPs at 597 TFLOP/s.
+Repeated runs of the same call spread by up to 8 % (5.1-5.6 ms at 79 %). At 79 % the GPU spends 0.58 ms
+marking bits, 0.06 ms on unions, about 0.1 ms on masks, 0.3 ms decompressing, 0.07 ms on the maximum and
+3.9 ms in the attention kernel (147 M union pairs, 1.51 TFLOP, 385 TFLOP/s); the rest is host time
+between launches. The union form with independent picks is masked dense attention over the whole prefix
+(5.52 TFLOP at 357 TFLOP/s): slower than dense SDPA, which runs the same FLOPs at 586 TFLOP/s.
 
 The floor of issue 9 (2x faster than dense causal SDPA) holds when neighbouring queries keep about 90 %
 of each other's picks, not below. With independent picks no form here can meet it: the union is the
 whole prefix, and the absorbed form must gather 74.9 GB of rows (module docstring of
-mla_attention_triton.py). Between, the attention kernel binds: 128 x 32 tiles at about half of the
-bf16 peak, against the 75 % that FlashAttention reaches on dense tiles. Larger key tiles were slower
-here (``_blocks``); closing that gap needs a warp-specialised kernel (Triton 3.6 ignores
-``warp_specialize`` on sm_90; the SASS is the same) like the Gluon decode kernel.
+mla_attention_triton.py). Between, the attention kernel binds, at about half of the bf16 peak where
+FlashAttention reaches 75 % on dense tiles, and not through its memory traffic: at 79 % it took 3.91 ms
+on the real unions, 3.86 ms with each tile's slots at contiguous positions and 3.81 ms with every
+position inside 2,048 rows (32 MB of kv, L2-resident). Tried and slower (attention kernel alone, same
+run): a warp-specialised Gluon version (a producer warp group for the gathers, two compute groups of 64
+queries, 64-slot chunks, FlashAttention-3's overlap of the next chunk's scores with this chunk's
+softmax; 172 KB, one program per SM) 4.16-4.23 ms at 79 %, 2.80-2.90 against 2.56 at 92 %, 14.0-14.4
+against 13.9 with independent picks; Triton's ``warp_specialize`` is ignored on sm_90 (same SASS); a
+lazy rescale (acc * alpha only when a row maximum grows by more than 2^8) needed 140 registers, one
+program per SM; folding the scale into an FMA (382 instead of 398 instructions per chunk) changed
+nothing measurable.
 
 Masks and padding: a query with no valid position keeps l = 0 and gets zeros, like the reference. A row
 of the union that one query of the tile selected is read for every query of the tile (with p = 0 for
