@@ -20,7 +20,9 @@ same way at the granularity of single positions:
    ceil(count / BLOCK_N)] int32 per tile, bit j of word c = the query's bit for position union[c *
    BLOCK_N + j]. It reads the union list in order, looks bits up in its own 4 KB row, and writes the row
    contiguously. The mask takes BLOCK_M / 8 bytes per union slot: 18 MB at T = 32k when a tile's union
-   is 2.3x top-k, 67 MB when it is the whole prefix.
+   is 2.3x top-k, 67 MB when it is the whole prefix. The bit rows take T x S / 8 bytes (128 MB at T = S =
+   32k, 2 GB at 128k; the byte build before took 5 x T x S / 128: 0.64 GB at 128k); a longer prefill
+   would have to build them per range of tiles.
    Why bits: the previous build stored a byte per selected pair twice, at scattered addresses (a byte
    per (tile, position) whose cumulative sum ranked the union, then a byte per mask entry through that
    rank): 2.5 ms at T = 32k, top-k 2048, against 0.8 ms for these three kernels. Sorting each query's
@@ -91,9 +93,10 @@ run): a warp-specialised Gluon version (a producer warp group for the gathers, t
 queries, 64-slot chunks, FlashAttention-3's overlap of the next chunk's scores with this chunk's
 softmax; 172 KB, one program per SM) 4.16-4.23 ms at 79 %, 2.80-2.90 against 2.56 at 92 %, 14.0-14.4
 against 13.9 with independent picks; Triton's ``warp_specialize`` is ignored on sm_90 (same SASS); a
-lazy rescale (acc * alpha only when a row maximum grows by more than 2^8) needed 140 registers, one
-program per SM; folding the scale into an FMA (382 instead of 398 instructions per chunk) changed
-nothing measurable.
+lazy rescale (acc * alpha only when some row maximum grows by more than 2^8: a branch on a reduction over
+the program, capped at 128 registers to keep two programs per SM) 5.5-5.6 against 5.1-5.3 ms for the
+whole op at 79 %; 64-query tiles (``_blocks``); folding the scale into an FMA (382 instead of 398
+instructions per chunk) changed nothing measurable.
 
 Masks and padding: a query with no valid position keeps l = 0 and gets zeros, like the reference. A row
 of the union that one query of the tile selected is read for every query of the tile (with p = 0 for
@@ -148,7 +151,8 @@ def _mark_bits(idx_ptr, table_ptr, bits_ptr, n_valid_ptr, T, K, S, W, max_blocks
     """One query (b, t): bit pos % 32 of bits[b * T + t, pos // 32] for each valid selected pos, and the
     number of valid selections in n_valid[b * T + t]. An atomic OR per selection (relaxed: only the final
     words are read, by later launches); OR is order-free, so the words do not depend on the order the
-    atomics land in. A query's selections usually hit distinct words, so the atomics rarely contend."""
+    atomics land in. Selections within 32 positions of each other share a word and their atomics queue on
+    it: late queries at T = 32k put two selections in a word on average (0.58 ms for 67 M selections)."""
     bt = tl.program_id(0).to(tl.int64)
     b, t = bt // T, bt % T
     row = bits_ptr + bt * W
@@ -273,8 +277,9 @@ def _blocks(on_gpu: bool, elt: int) -> tuple[int, int, int, int]:
     4 warps, 3 stages 16.9 / 7.3 / 4.5; 128 x 64, 8 warps, 3 stages 18.7 / 8.7 / 5.2; 2 stages slower in
     each. Again with the bit-row build (the whole op, 79 % / 92 %): 128 x 32 with 3 or 4 stages within the
     run-to-run spread (5.25-5.43 / 3.89-4.33 ms), 5 stages 6.8 / 5.2, 128 x 64 7.5-8.1 / 5.3-6.0, 64 x 64
-    6.4 / 5.6. The interpreter costs ~4 ms per program instance and loop step: CPU runs take the smallest
-    tiles."""
+    6.4 / 5.6. With the word masks and carried positions: 128 x 32, 8 warps, 3 stages 5.2-5.5 / 3.75-3.79;
+    64 x 32, 4 warps, 2 stages (three programs per SM) 5.7 / 4.0; 3 stages 5.5-5.7 / 4.1. The interpreter
+    costs ~4 ms per program instance and loop step: CPU runs take the smallest tiles."""
     # BLOCK_N <= 32: one int32 mask word per query and chunk.
     if not on_gpu:
         return 16, 16, 4, 1
