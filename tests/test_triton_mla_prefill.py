@@ -87,9 +87,9 @@ def test_tile_unions_and_masks_list_exactly_the_selections(BN):
     assert ((idx[0] >= 4) & (idx[0] < 8)).any()
     bits, n_valid = mp._bitmaps(idx, table, bs, B, T, S, on_gpu=False)
     union, count = mp._tile_unions(bits, B, T, S, BM, on_gpu=False)
-    words = (count.view(-1).long() + BN - 1) // BN * BM
+    words, off = mp._mask_layout(count, BM, BN)
+    assert words.tolist() == [(int(c) + BN - 1) // BN * BM for c in count.view(-1)]
     pairs, selected, total = mp._union_work(count, words, n_valid, T, BM)
-    off = torch.cumsum(words, 0) - words
     mask = mp._tile_masks(bits, union, count, off, total, T, BM, BN, on_gpu=False)
     valid = paged_slots(table, idx.reshape(B, -1), bs).view(B, T, K) >= 0
     assert n_valid.tolist() == valid.sum(-1).view(-1).tolist() and selected == int(valid.sum())

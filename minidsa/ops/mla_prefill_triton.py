@@ -381,6 +381,13 @@ def use_union_form(union_pairs: float, selected: int, heads: int = 16) -> bool:
     return union_pairs < UNION_BREAK_EVEN * min(1.0, 16 / heads) * selected
 
 
+def _mask_layout(count, BLOCK_M: int, BLOCK_N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(words, offset) int64 [B * n_tiles] of each tile's mask: BLOCK_M rows of ceil(count / BLOCK_N) words,
+    tiles back to back."""
+    words = (count.view(-1).long() + BLOCK_N - 1) // BLOCK_N * BLOCK_M
+    return words, torch.cumsum(words, 0) - words
+
+
 def _union_work(count, mask_words, n_valid, T: int, BLOCK_M: int) -> tuple[int, int, int]:
     """(union pairs: the (query, union slot) pairs the union form attends; selected pairs; mask words),
     in one host sync."""
@@ -412,8 +419,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     # the sync below (wasted when the absorbed form wins: 0.3 ms at T = 32k).
     kv, k_pe = _decompress(kv_latent_plane, k_pe_plane, block_table, kv_b_weight, B, S, H)
     union, count = _tile_unions(bits, B, T, S, BLOCK_M, on_gpu)
-    mask_words = (count.view(-1).long() + BLOCK_N - 1) // BLOCK_N * BLOCK_M
-    mask_off = torch.cumsum(mask_words, 0) - mask_words
+    mask_words, mask_off = _mask_layout(count, BLOCK_M, BLOCK_N)
     pairs, selected, total = _union_work(count, mask_words, n_valid, T, BLOCK_M)
     if not use_union_form(pairs, selected, H):
         return sparse_mla_prefill_absorbed(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
