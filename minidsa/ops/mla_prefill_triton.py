@@ -98,6 +98,15 @@ the program, capped at 128 registers to keep two programs per SM) 5.5-5.6 agains
 whole op at 79 %; 64-query tiles (``_blocks``); folding the scale into an FMA (382 instead of 398
 instructions per chunk) changed nothing measurable.
 
+Splitting the union was measured and rejected (H200, 2026-12-01, the union form's op at 4.98 ms in that
+run at 79 %). Most union slots that cost the union form its waste are positions few of the tile's queries
+picked: keeping in the union only positions more than 12 of the 128 queries selected cuts it from 2.26 to
+1.51 pairs per selected pair (attention 3.79 -> 2.55 ms), and leaves 48 picks per query (max 100: 2.3 % of
+the picks) to the absorbed kernel, which took 3.88 ms for them (at 62 %: 6.24 -> 3.34 ms, the absorbed
+kernel 6.2 ms for 117 picks per query). That kernel costs about 2 ms however short the lists (one program
+per query, each a chunk or two; the q absorption alone is 0.19 ms), so the split pays only with a kernel
+for short per-query lists that runs in well under 1 ms, absorptions included; none was written.
+
 Compiled variants: Triton specialises integer arguments on divisibility by 16 (and on 1), so every prompt
 length used to compile its own variants of these kernels. The lengths (T, S, the union's row length, the
 tile count) are left unspecialised, and so are the strides that only scale them; the batch strides, which
