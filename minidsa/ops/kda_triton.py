@@ -200,7 +200,9 @@ def _copy_state(initial_state, out):
 
 
 # ------------------------------------------------------------------------------ chunked: decay
-@triton.jit
+# The lengths T, C (chunk) and NT (chunk count) only scale offsets and bound loops: left unspecialised, a new
+# prompt length compiles no new variant of the five chunk kernels (README, "cold process"); same speed.
+@triton.jit(do_not_specialize=["T", "C", "NT"])
 def _chunk_decay_kernel(q_ptr, k_ptr, g_ptr, G_ptr, qg_ptr, kd_ptr, gl_ptr,
                         T, H, HV, K, REP, C, NT, scale,
                         BC: tl.constexpr, BK: tl.constexpr):
@@ -306,7 +308,7 @@ def _extend_inverse(M, a_off, a_diag, i, BC: tl.constexpr, F32: tl.constexpr):
     return M + tl.dot(tl.trans(E_i), M_i, input_precision=F32)  # M_i into rows 16 i..
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "C", "NT"])
 def _chunk_pairs_kernel(q_ptr, k_ptr, G_ptr, aqk_ptr, akk_ptr, T, H, HV, K, REP, C, NT, scale,
                         BC: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, DOT: tl.constexpr,
                         F32: tl.constexpr):
@@ -329,7 +331,7 @@ def _chunk_pairs_kernel(q_ptr, k_ptr, G_ptr, aqk_ptr, akk_ptr, T, H, HV, K, REP,
     tl.store(akk_ptr + rows + (s16 + i * SUB)[None, :], a_diag)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "C", "NT"])
 def _chunk_solve_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, akk_ptr, w_ptr, u_ptr,
                         T, H, HV, K, V, REP, C, NT, BC: tl.constexpr, BK: tl.constexpr,
                         BVF: tl.constexpr, WC: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr):
@@ -366,7 +368,7 @@ def _chunk_solve_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, akk_ptr, w_ptr, u_ptr,
 
 
 # ---------------------------------------------------------------------------- chunked: state walk
-@triton.jit
+@triton.jit(do_not_specialize=["NT"])
 def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gl_ptr, s0_ptr, hs_ptr, vn_ptr, s_ptr, K, V, NT,
                         BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
                         HAS_S0: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr):
@@ -389,7 +391,7 @@ def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gl_ptr, s0_ptr, hs_ptr, vn_ptr, s_
     tl.store(s_ptr + state_offs, S, mask=state_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "C", "NT"])
 def _chunk_output_kernel(qg_ptr, aqk_ptr, hs_ptr, vn_ptr, o_ptr, T, HV, V, C, NT,
                          BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
                          DOT: tl.constexpr, F32: tl.constexpr):

@@ -26,7 +26,7 @@ import triton.language as tl
 from ._checks import check_tensor
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _store_rows(plane_ptr, slots_ptr, values_ptr, N, W, values_stride,
                 BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -50,6 +50,8 @@ def store_kv(plane: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tens
     if values.stride(-1) != 1:
         values = values.contiguous()
     BLOCK_W = min(triton.next_power_of_2(W), 1024)
-    BLOCK_N = max(1, min(triton.next_power_of_2(N), 16384 // (BLOCK_W * values.element_size())))
+    # 16 KB of rows per program, whatever N is: a tile that followed N (its next power of two) compiled a
+    # variant per batch size and prompt length (N itself is left unspecialised for the same reason).
+    BLOCK_N = max(1, 16384 // (BLOCK_W * values.element_size()))
     grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(W, BLOCK_W))
     _store_rows[grid](plane, slot_mapping, values, N, W, values.stride(0), BLOCK_N=BLOCK_N, BLOCK_W=BLOCK_W)

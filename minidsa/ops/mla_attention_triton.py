@@ -163,7 +163,8 @@ USE_GLUON = os.environ.get("MINIDSA_MLA_GLUON", "1") != "0"
 USE_PDL = os.environ.get("MINIDSA_MLA_PDL", "1") != "0"
 
 
-@triton.jit
+# Table width and T unspecialised (T = 1 keeps its variant): no new variant per prompt length.
+@triton.jit(do_not_specialize=["max_blocks", "s_tb"], do_not_specialize_on_alignment=["T"])
 def _row_numbers(idx_ptr, table_ptr, rows_ptr, zero_ptr, T, K, max_blocks, s_tb, s_ib, s_it,
                  BS: tl.constexpr, BLOCK: tl.constexpr, ZERO_WORDS: tl.constexpr):
     """Selected positions -> plane row numbers, once per call: rows[bt, k] = table[b, idx // BS] * BS +

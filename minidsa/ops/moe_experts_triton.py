@@ -549,7 +549,9 @@ def _down_decode(h_ptr, w2, s2, gates_ptr, part_ptr, slot, N, L, I, BLOCK_R: tl.
             _down_token(h_ptr, w2, s2, part_ptr, slot.to(tl.int64) * N + t, L, I, BLOCK_R, RB, GA, GB, HC, PTX)
 
 
-@triton.jit
+# N (tokens) is left unspecialised in the three passes: a new token count (prompt length, batch) compiles
+# no new variant; it only masks token rows and scales offsets.
+@triton.jit(do_not_specialize=["N"])
 def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_ptr, token_ptr, h_ptr,
                N, L, I, sw_e, sw_m, ss_e, ss_m, beta_gate, beta_up,
                MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, SPLIT: tl.constexpr,
@@ -592,7 +594,7 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_pt
         tl.store(h_ptr + pair[None, :] * I + rows[:, None], h, mask=row_ok[:, None] & live[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_ptr, token_ptr, part_ptr,
                  N, L, I, sw_e, sw_m, ss_e, ss_m,
                  MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, SPLIT: tl.constexpr,
@@ -630,7 +632,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_
         tl.store(part_ptr + pair[None, :] * L + rows[:, None], acc, mask=row_ok[:, None] & live[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m", "N"])
 def _combine_kernel(part_ptr, gates_ptr, rank_ptr, offset_ptr, out_ptr, m, N, L, DENSE: tl.constexpr,
                     BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr):
     """y[token, cols] = sum over slots (fixed order) of the token's per-pair rows; unrouted slots skipped."""
