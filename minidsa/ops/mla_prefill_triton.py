@@ -413,16 +413,17 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     over each query tile's union of selected positions, or the absorbed per-query form when the unions are
     too large for that to pay (see the module docstring)."""
     B, T, H, dn, dv = check_prefill_args(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight)
+    args = (q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
     if torch.float64 in (q.dtype, kv_latent_plane.dtype, k_pe_plane.dtype, kv_b_weight.dtype):
-        return sparse_mla_prefill_ref(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
+        return sparse_mla_prefill_ref(*args)
     if B * T == 0 or indices.shape[-1] == 0 or FORM == "absorbed":
-        return sparse_mla_prefill_absorbed(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
+        return sparse_mla_prefill_absorbed(*args)
     bs, on_gpu = kv_latent_plane.shape[1], q.device.type == "cuda"
     BLOCK_M, BLOCK_N, num_warps, num_stages = _blocks(on_gpu, kv_b_weight.element_size())
     idx, table = indices.to(torch.int32), block_table.to(torch.int32)
     S = _extent(idx, table, bs)
     if S == 0:  # nothing selected anywhere: the absorbed form returns zeros
-        return sparse_mla_prefill_absorbed(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
+        return sparse_mla_prefill_absorbed(*args)
     bits, n_valid = _bitmaps(idx, table, bs, B, T, S, on_gpu)
     # Queued behind the marking kernel, so the host issues its small ops while the GPU marks, and before
     # the sync below (wasted when the absorbed form wins: 0.3 ms at T = 32k).
@@ -431,7 +432,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     mask_words, mask_off = _mask_layout(count, BLOCK_M, BLOCK_N)
     pairs, selected, total = _union_work(count, mask_words, n_valid, T, BLOCK_M)
     if not use_union_form(pairs, selected, H):
-        return sparse_mla_prefill_absorbed(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
+        return sparse_mla_prefill_absorbed(*args)
     mask = _tile_masks(bits, union, count, mask_off, total, T, BLOCK_M, BLOCK_N, on_gpu)
     del bits  # 4 bytes per query and 32 positions, no longer needed: free them before attention runs
     out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
