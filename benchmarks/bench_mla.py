@@ -281,11 +281,10 @@ def form_flops(idx, table, shape: dict, bs: int) -> dict:
     runs every (query, union slot) pair of its query tiles, the absorbed form every selected pair."""
     from minidsa.ops import mla_prefill_triton as mp
     T, H, dn, dr, dv, r = (shape[k] for k in ("T", "H", "dn", "dr", "dv", "r"))
-    BM, BN = mp._blocks(idx.is_cuda, 2)[:2]
-    S = int(idx.max()) + 1
+    BM = mp._blocks(idx.is_cuda, 2)[0]
+    S = table.shape[1] * bs  # the op's S: the table's reach
     bits, n_valid = mp._bitmaps(idx.int(), table, bs, 1, T, S, idx.is_cuda)
-    count = mp._tile_unions(bits, 1, T, S, BM, idx.is_cuda)[1]
-    pairs, valid, _ = mp._union_work(count, mp._mask_layout(count, BM, BN)[0], n_valid, T, BM)  # the op's counts
+    pairs, valid = mp._tile_unions(bits, n_valid, 1, T, S, BM, idx.is_cuda)[2].tolist()  # the op's counts
     return {"union": 2 * H * pairs * (dn + dr + dv),
             "absorbed": 2 * H * valid * (2 * r + dr) + 2 * T * H * r * (dn + dv)}
 

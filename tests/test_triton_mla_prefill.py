@@ -78,40 +78,38 @@ def test_union_form_with_a_missing_block_and_overlapping_selections(monkeypatch)
     torch.testing.assert_close(out, sparse_mla_prefill_ref(q, kv, pe, table, idx, w, scale), **FP32_TOL)
 
 
-@pytest.mark.parametrize("BN", [16, 32])  # 32: the sign bit of each mask word is a slot too
-def test_tile_unions_and_masks_list_exactly_the_selections(BN):
-    """Bit rows, union lists, counts and bit masks against Python sets of the valid selections."""
-    _, _, _, table, idx, _, _ = prefill_case()
+def test_tile_unions_and_masks_list_exactly_the_selections():
+    """Bit rows, union lists, counts and the masks written over the bit rows, against Python sets of the
+    valid selections."""
+    _, _, _, table, idx, _, _ = prefill_case(K=20, contexts=(130, 90))  # unions past one 64-slot step
     table[0, 1] = -1  # positions 4..7 of sequence 0 lose their block: selected there, but not valid
-    bs, (B, T, K), BM, S = 4, idx.shape, 16, int(idx.max()) + 1
+    bs, (B, T, K), BM = 4, idx.shape, 16
+    S = table.shape[1] * bs  # the op's S
     assert ((idx[0] >= 4) & (idx[0] < 8)).any()
     bits, n_valid = mp._bitmaps(idx, table, bs, B, T, S, on_gpu=False)
-    union, count = mp._tile_unions(bits, B, T, S, BM, on_gpu=False)
-    words, off = mp._mask_layout(count, BM, BN)
-    assert words.tolist() == [(int(c) + BN - 1) // BN * BM for c in count.view(-1)]
-    pairs, selected, total = mp._union_work(count, words, n_valid, T, BM)
-    mask = mp._tile_masks(bits, union, count, off, total, T, BM, BN, on_gpu=False)
+    union, count, stats = mp._tile_unions(bits, n_valid, B, T, S, BM, on_gpu=False)
+    pairs, selected = stats.tolist()
     valid = paged_slots(table, idx.reshape(B, -1), bs).view(B, T, K) >= 0
     assert n_valid.tolist() == valid.sum(-1).view(-1).tolist() and selected == int(valid.sum())
+    sel = [[set(idx[b, t][valid[b, t]].tolist()) for t in range(T)] for b in range(B)]
     for b, t in [(0, 0), (0, T - 1), (B - 1, T // 2)]:
-        want_bits = set(idx[b, t][valid[b, t]].tolist())
         got_bits = {32 * w + j for w, word in enumerate(bits[b * T + t].tolist()) for j in range(32) if word >> j & 1}
-        assert got_bits == want_bits
+        assert got_bits == sel[b][t]
     assert pairs == sum(int(count[b, i]) * len(range(i * BM, min(T, (i + 1) * BM)))
                         for b in range(B) for i in range(count.shape[1]))
+    mask = mp._tile_masks(bits, union, count, T, BM, on_gpu=False)
+    assert mask.data_ptr() == bits.data_ptr()  # written in place
+    assert max(count.view(-1).tolist()) > 64  # more than one step of the CPU kernel's 64 slots
     for b in range(B):
         for tile in range(union.shape[1]):
             rows = range(tile * BM, min(T, (tile + 1) * BM))
-            sel = [set(idx[b, t][valid[b, t]].tolist()) for t in rows]
-            want = sorted(set().union(*sel))
+            want = sorted(set().union(*(sel[b][t] for t in rows)))
             n = int(count[b, tile])
             assert union[b, tile, :n].tolist() == want
-            i = b * union.shape[1] + tile
-            m = mask[int(off[i]): int(off[i] + words[i])].view(BM, -1)
-            slots = [[c * BN + j for c, w in enumerate(row) for j in range(BN) if w >> j & 1] for row in m.tolist()]
-            for row, s in enumerate(sel):
-                assert slots[row] == [want.index(p) for p in sorted(s)]
-            assert all(not r for r in slots[len(sel):]) and all(j < n for r in slots for j in r)  # past T, count
+            for t in rows:
+                words = mask[b * T + t, : (n + 31) // 32].tolist()
+                slots = [c * 32 + j for c, w in enumerate(words) for j in range(32) if w >> j & 1]
+                assert slots == [want.index(p) for p in sorted(sel[b][t])]  # nothing past count
 
 
 def test_forms_are_chosen_by_the_pair_ratio(monkeypatch):

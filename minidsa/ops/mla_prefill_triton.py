@@ -7,22 +7,23 @@ H, dv] fp32. The reference gathers, per tile of 64 queries, the union of the cac
 selected, decompresses them and attends with remapped indices. The union form here aggregates the
 same way at the granularity of single positions:
 
-1. Decompress once: the latent rows of positions 0 .. S-1 (S = the highest selected position + 1) are
-   read through the block table in logical order and multiplied by W_kvb in one GEMM, kv [B, S, H,
-   dn + dv] in the weight's dtype (the reference's rounding); k_pe [B, S, dr] stays one vector per
-   position, shared by the heads.
+1. Decompress once: every position the block table reaches (S = max_blocks x block_size; a selection
+   past it is padding), read block by block in logical order and multiplied by W_kvb in one GEMM, kv [B,
+   S, H, dn + dv] in the weight's dtype (the reference's rounding); k_pe [B, S, dr] stays one vector per
+   position, shared by the heads. S comes from the table's shape, not from the selections, so nothing
+   waits for the GPU before the union build is queued.
 2. ``_mark_bits`` (one program per query) sets one bit per valid selected pos (not -1, inside the
    block table, its block not -1: the reference's padding rule) in the query's bit row, [B * T,
    ceil(S / 32)] int32, with an atomic OR, and counts the valid selections. ``_tile_union`` (one
    program per tile) ORs its queries' rows word by word and unpacks the set bits, in order, into the
    sorted union list [B, n_tiles, S] and its count.
-3. ``_mask_row`` (one program per query) writes the query's row of its tile's mask: [BLOCK_M,
-   ceil(count / BLOCK_N)] int32 per tile, bit j of word c = the query's bit for position union[c *
-   BLOCK_N + j]. It reads the union list in order, looks bits up in its own 4 KB row, and writes the row
-   contiguously. The mask takes BLOCK_M / 8 bytes per union slot: 18 MB at T = 32k when a tile's union
-   is 2.3x top-k, 67 MB when it is the whole prefix. The bit rows take T x S / 8 bytes (128 MB at T = S =
-   32k, 2 GB at 128k; the byte build before took 5 x T x S / 128: 0.64 GB at 128k); a longer prefill
-   would have to build them per range of tiles.
+3. ``_mask_row`` (one program per query) turns the query's bit row, in place, into its row of the
+   tile's mask: bit j of word c = the query's bit for position union[c * 32 + j]. It reads the union list
+   in order and looks the bits up in its own 4 KB row; word c needs only the row's words >= c (the union
+   is sorted and distinct), so the words written never feed a later one (the kernel's docstring). In place,
+   the mask costs no memory and no size: its launch needs nothing from the host. The bit rows take T x S /
+   8 bytes (128 MB at T = S = 32k, 2 GB at 128k; the byte build before took 5 x T x S / 128: 0.64 GB at
+   128k); a longer prefill would have to build them per range of tiles.
    Why bits: the previous build stored a byte per selected pair twice, at scattered addresses (a byte
    per (tile, position) whose cumulative sum ranked the union, then a byte per mask entry through that
    rank): 2.5 ms at T = 32k, top-k 2048, against 0.8 ms for these three kernels. Sorting each query's
@@ -36,8 +37,8 @@ same way at the granularity of single positions:
        s    = -inf where mask[query, slot] = 0
        online softmax (fp32, base 2);  acc = acc * alpha + p @ v[pos]
 
-   The mask words are padded (zeros past count and past T) so their loads need no bounds; they are
-   staged by the pipeliner like the k, v rows. (A byte mask loaded by hand one iteration ahead kept its
+   The mask words are zero past count, and rows past T read row T - 1, so their loads need no bounds;
+   they are staged by the pipeliner like the k, v rows. (A byte mask loaded by hand one iteration ahead kept its
    load layout and the compiler ran the softmax twice: 66 exp2 per thread per chunk instead of 34.)
    The positions of the next chunk, though, are loaded by hand one iteration ahead: loaded in the
    iteration, they made the pipeliner issue each chunk's gathers only one iteration ahead and wait for
@@ -61,9 +62,11 @@ kernel over each query's own rows, W_UV after; 3.4x the FLOPs per pair at the K3
 latent row serves all heads) costs per selected pair. The unions are built first (cheap, and the union
 form reuses them); their exact pair count against the selected pairs, compared with UNION_BREAK_EVEN
 (measured at 16 heads; scaled by 16 / H for more heads, an extrapolation), decides. A call that ends in
-the absorbed form has paid for the bits, the unions and the decompression (about 1 ms at T = 32k, 6 %
-of that form's time). FORM = "union" / "absorbed" forces one (tests, benchmarks). Two host syncs: S,
-and the pair counts with the mask's size.
+the absorbed form has paid for the bits, the unions, the masks and the decompression (about 1 ms at T =
+32k, 6 % of that form's time). FORM = "union" / "absorbed" forces one (tests, benchmarks). One host
+sync, for the two counts: they are copied to pinned memory as soon as the unions are built, and the masks
+and the decompression are queued before the host waits for that copy, so the GPU has 0.35 ms of work
+while the host wakes up and launches the attention.
 
 Measured on the H200 (benchmarks/bench_mla.py, bf16, T=32,768, top-k 2048, H=16, dn=dv=128, dr=64,
 r=512, triton 3.6, one run, 2026-12-01) with four selection patterns: independent random picks, and
@@ -136,7 +139,6 @@ import triton.language as tl
 from .mla_attention import check_prefill_args, sparse_mla_prefill_ref
 from .mla_attention_triton import (_LOG2E, INT32_OFFSETS_BELOW, _rows_at, _softmax_step,
                                    sparse_mla_prefill_absorbed)
-from .paging import gather_slots, paged_slots
 
 # Which form runs: "auto" picks per call (use_union_form); "union" / "absorbed" force one (tests, benchmarks).
 FORM = os.environ.get("MINIDSA_PREFILL_FORM", "auto")
@@ -188,10 +190,11 @@ def _or(a, b):
 
 
 @triton.jit(do_not_specialize=["T", "L", "n_tiles"])
-def _tile_union(bits_ptr, union_ptr, count_ptr, T, W, L, n_tiles, BLOCK_M: tl.constexpr,
+def _tile_union(bits_ptr, n_valid_ptr, union_ptr, count_ptr, stats_ptr, T, W, L, n_tiles, BLOCK_M: tl.constexpr,
                 BLOCK_W: tl.constexpr):
     """One tile (b, tile): the OR of its queries' bit rows, unpacked into the sorted list of positions
-    union[b, tile, :count] and its count. A running rank carries the list across word chunks."""
+    union[b, tile, :count] and its count, and added into stats int64 [2]: the (query, union slot) pairs the
+    tile attends and its queries' valid selections. A running rank carries the list across word chunks."""
     bi = tl.program_id(0).to(tl.int64)
     b, tile = bi // n_tiles, bi % n_tiles
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -206,37 +209,40 @@ def _tile_union(bits_ptr, union_ptr, count_ptr, T, W, L, n_tiles, BLOCK_M: tl.co
         tl.store(union_ptr + bi * L + rank, w0 * 32 + tl.arange(0, BLOCK_W * 32), mask=flag != 0)
         total += tl.sum(flag, 0)
     tl.store(count_ptr + bi, total)
+    # Integer atomics are order-free: the sums do not depend on the order the tiles finish in.
+    selected = tl.sum(tl.load(n_valid_ptr + b * T + rows, mask=rows < T, other=0), 0)
+    tl.atomic_add(stats_ptr, total.to(tl.int64) * tl.minimum(T - tile * BLOCK_M, BLOCK_M), sem="relaxed")
+    tl.atomic_add(stats_ptr + 1, selected.to(tl.int64), sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["T", "W", "L", "n_tiles"])
-def _mask_row(bits_ptr, union_ptr, count_ptr, mask_ptr, mask_off_ptr, T, W, L, n_tiles,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """One query row (b, tile * BLOCK_M + m) of its tile's mask, one int32 word per chunk of BLOCK_N union
-    slots: bit j of word c = the query's bit for position union[c * BLOCK_N + j] (0 past count; rows past
-    T are all zeros). One query per program keeps the bit lookups inside one row of 4 bytes per 32
-    positions (cached) and the stores contiguous."""
+def _mask_row(bits_ptr, union_ptr, count_ptr, T, W, L, n_tiles, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One query (b, t): its bit row becomes, in place, its row of the tile's mask: bit j of word c is its
+    bit for position union[c * 32 + j], for the ceil(count / 32) words c that cover the union.
+
+    In place is safe: the union is sorted and its positions distinct, so union[c * 32 + j] >= c * 32 + j
+    and mask word c needs only bit-row words >= c. A step of BLOCK_R slots writes words [c0, c0 + BLOCK_R /
+    32) after a barrier that follows all of its loads (a word of the step may feed a lower word of the same
+    step, computed by another thread); later steps read only words past c0 + BLOCK_R / 32."""
     bt = tl.program_id(0).to(tl.int64)
-    b, t = bt // (n_tiles * BLOCK_M), bt % (n_tiles * BLOCK_M)
+    b, t = bt // T, bt % T
     bi = b * n_tiles + t // BLOCK_M
     count = tl.load(count_ptr + bi)
-    chunks = (count + BLOCK_N - 1) // BLOCK_N
-    live_slots = tl.where(t < T, count, 0)
-    out = mask_ptr + tl.load(mask_off_ptr + bi) + (t % BLOCK_M) * chunks
-    row = bits_ptr + (b * T + t) * W
-    for r0 in range(0, chunks * BLOCK_N, BLOCK_R):
+    row = bits_ptr + bt * W
+    for r0 in range(0, count, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
-        live = r < live_slots
+        live = r < count
         pos = tl.load(union_ptr + bi * L + r, mask=live, other=0)
         bit = (tl.load(row + (pos >> 5), mask=live, other=0) >> (pos & 31)) & 1
         # Distinct bits: their sum is their OR (bit 31 wraps to the sign bit, as intended).
-        word = tl.sum(bit.reshape(BLOCK_R // BLOCK_N, BLOCK_N) << tl.arange(0, BLOCK_N)[None, :], axis=1)
-        c = r0 // BLOCK_N + tl.arange(0, BLOCK_R // BLOCK_N)
-        tl.store(out + c, word, mask=c < chunks)
+        word = tl.sum(bit.reshape(BLOCK_R // 32, 32) << tl.arange(0, 32)[None, :], axis=1)
+        tl.debug_barrier()
+        c = r0 // 32 + tl.arange(0, BLOCK_R // 32)
+        tl.store(row + c, word, mask=c * 32 < count)
 
 
-@triton.jit(do_not_specialize=["T", "L", "n_tiles"])
-def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, count_ptr, o_ptr,
-                    T, L, n_tiles, qk_scale,
+@triton.jit(do_not_specialize=["T", "W", "L", "n_tiles"])
+def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, union_ptr, count_ptr, o_ptr, T, W, L, n_tiles, qk_scale,
                     s_qb, s_qt, s_qh, s_kb, s_ks, s_kh, s_pb, s_ps, s_ob, s_ot, s_oh,
                     DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, BLOCK_DN: tl.constexpr,
                     BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -254,11 +260,9 @@ def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, co
     q_nope = _rows_at(q_row, rows * s_qt, row_ok, DN, BLOCK_DN).to(dot_dtype)
     q_pe = _rows_at(q_row + DN, rows * s_qt, row_ok, DR, BLOCK_DR).to(dot_dtype)
     k_row, v_row, pe_row = kv_ptr + b * s_kb + h * s_kh, kv_ptr + b * s_kb + h * s_kh + DN, pe_ptr + b * s_pb
-    union = union_ptr + (b * n_tiles + tile) * L
-    count = tl.load(count_ptr + b * n_tiles + tile)
-    # The tile's mask [BLOCK_M, chunks] int32: BLOCK_N bits per word, zero past count and T (loads need no bounds).
-    chunks = (count + BLOCK_N - 1) // BLOCK_N
-    mask_rows = mask_ptr + tl.load(mask_off_ptr + b * n_tiles + tile) + tl.arange(0, BLOCK_M).to(tl.int64) * chunks
+    union, count = union_ptr + (b * n_tiles + tile) * L, tl.load(count_ptr + b * n_tiles + tile)
+    # Mask rows: row b * T + t of [B * T, W], 32 union slots per word; rows past T read row T - 1 (not stored).
+    mask_rows = mask_ptr + (b * T + tl.minimum(rows, T - 1)) * W
     bit = tl.arange(0, BLOCK_N)[None, :]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -277,7 +281,10 @@ def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, co
         v = _rows_at(v_row, pos * s_ks, n_ok, DV, BLOCK_DV)
         s = tl.dot(q_nope, tl.trans(k), input_precision=DOT_PRECISION)
         s = tl.dot(q_pe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION)
-        chosen = ((tl.load(mask_rows + n0 // BLOCK_N)[:, None] >> bit) & 1) != 0
+        word = tl.load(mask_rows + n0 // 32)
+        if BLOCK_N < 32:  # BLOCK_N divides 32: this chunk's bits start at bit n0 % 32 of the word
+            word = word >> (n0 % 32)
+        chosen = ((word[:, None] >> bit) & 1) != 0
         s = tl.where(chosen, s * qk_scale, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)  # the decode kernel's online-softmax step
         acc = tl.dot(p.to(dot_dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -305,21 +312,31 @@ def _blocks(on_gpu: bool, elt: int) -> tuple[int, int, int, int]:
     return 128, 32, 8, 3
 
 
-def _decompress(kv_latent_plane, k_pe_plane, block_table, kv_b_weight, B: int, S: int, H: int):
-    """Positions 0..S-1 of each sequence, decompressed: (kv [B, S, H, dn+dv], k_pe [B, S, dr]) in the
-    weight's dtype. Positions without a block are zero rows (never selected, never read)."""
-    positions = torch.arange(S, device=block_table.device).expand(B, S)
-    slots = paged_slots(block_table, positions, kv_latent_plane.shape[1])  # one address computation, two planes
+def _decompress(kv_latent_plane, k_pe_plane, table, kv_b_weight, B: int, H: int):
+    """Every position the block table reaches (S = max_blocks * block_size), decompressed, in logical order:
+    (kv [B, S, H, dn + dv], k_pe [B, S, dr]) in the weight's dtype. Whole blocks are gathered; a -1 entry
+    stands in block 0, whose rows are then never read (no selection there is valid)."""
+    blocks = table.clamp(min=0)
     wdt = kv_b_weight.dtype
-    latent = gather_slots(kv_latent_plane, slots).to(wdt)
-    kv = F.linear(latent, kv_b_weight).view(B, S, H, -1)
-    return kv, gather_slots(k_pe_plane, slots).to(wdt).contiguous()
+    latent = kv_latent_plane[blocks].view(B, -1, kv_latent_plane.shape[-1]).to(wdt)  # [B, S, r]
+    kv = F.linear(latent, kv_b_weight).view(B, latent.shape[1], H, -1)
+    return kv, k_pe_plane[blocks].view(B, -1, k_pe_plane.shape[-1]).to(wdt)
 
 
-def _extent(idx, table, bs: int) -> int:
-    """S = the highest selected position + 1, capped at the block table's reach: one host sync (prefill may
-    synchronise; decode never does)."""
-    return min(int(idx.max()) + 1, table.shape[1] * bs)
+def _fetch_later(t: torch.Tensor):
+    """Start copying the small tensor t to the host without waiting -> a function that waits for that copy
+    alone, not for the GPU work queued after it, and returns t's values as a list."""
+    if t.device.type != "cuda":
+        return t.tolist
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(t.device))
+
+    def wait() -> list:
+        copied.synchronize()
+        return host.tolist()
+    return wait
 
 
 def _bitmaps(idx, table, bs: int, B: int, T: int, S: int, on_gpu: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,37 +354,37 @@ def _bitmaps(idx, table, bs: int, B: int, T: int, S: int, on_gpu: bool) -> tuple
     return bits, n_valid
 
 
-def _tile_unions(bits, B: int, T: int, S: int, BLOCK_M: int, on_gpu: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per tile of BLOCK_M queries, the sorted union of the positions its queries selected: (union int32
-    [B, n_tiles, S], the first count[b, tile] entries being the positions; count int32 [B, n_tiles])."""
+def _tile_unions(bits, n_valid, B: int, T: int, S: int, BLOCK_M: int, on_gpu: bool):
+    """Per tile of BLOCK_M queries, the sorted union of the positions its queries selected -> (union int32
+    [B, n_tiles, S], the first count[b, tile] entries being the positions; count int32 [B, n_tiles]; stats
+    int64 [2]: the (query, union slot) pairs and the valid selected pairs, summed over the tiles)."""
     n_tiles, W = triton.cdiv(T, BLOCK_M), bits.shape[1]
     union = torch.empty(B * n_tiles, S, dtype=torch.int32, device=bits.device)
     count = torch.empty(B * n_tiles, dtype=torch.int32, device=bits.device)
+    stats = torch.zeros(2, dtype=torch.int64, device=bits.device)
     block_w = 64 if on_gpu else 4  # fixed, not per W: one compiled variant for every prompt length
-    _tile_union[(B * n_tiles,)](bits, union, count, T, W, S, n_tiles, BLOCK_M=BLOCK_M, BLOCK_W=block_w,
-                                num_warps=8 if on_gpu else 1)
-    return union.view(B, n_tiles, S), count.view(B, n_tiles)
+    _tile_union[(B * n_tiles,)](bits, n_valid, union, count, stats, T, W, S, n_tiles, BLOCK_M=BLOCK_M,
+                                BLOCK_W=block_w, num_warps=8 if on_gpu else 1)
+    return union.view(B, n_tiles, S), count.view(B, n_tiles), stats
 
 
-def _tile_masks(bits, union, count, mask_off, total: int, T: int, BLOCK_M: int, BLOCK_N: int, on_gpu: bool):
-    """Each query's selection as bits over its tile's union: int32 [total]. Tile i is [BLOCK_M,
-    ceil(count[i] / BLOCK_N)] at mask_off[i]; bit j of word c is set where the query selected union slot
-    c * BLOCK_N + j. Zeros past count and past T let the attention loop load every chunk without bounds."""
+def _tile_masks(bits, union, count, T: int, BLOCK_M: int, on_gpu: bool) -> torch.Tensor:
+    """Each query's selection as bits over its tile's union, written over its bit row: bits [B * T, W]
+    becomes the mask (bit j of word c of row b * T + t is set where query (b, t) selected union slot
+    c * 32 + j; words past ceil(count / 32) are stale and never read). Returns bits."""
     B, n_tiles, L = union.shape
-    mask = torch.empty(max(1, total), dtype=torch.int32, device=bits.device)  # every word is written
-    _mask_row[(B * n_tiles * BLOCK_M,)](bits, union, count, mask, mask_off, T, bits.shape[1], L, n_tiles,
-                                       BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=1024 if on_gpu else 32,
-                                       num_warps=4 if on_gpu else 1)
-    return mask
+    _mask_row[(B * T,)](bits, union, count, T, bits.shape[1], L, n_tiles, BLOCK_M=BLOCK_M,
+                        BLOCK_R=1024 if on_gpu else 64, num_warps=4 if on_gpu else 1)
+    return bits
 
 
-def _attend(q, kv, k_pe, union, count, mask, mask_off, out, dn: int, scale: float, BLOCK_M: int, BLOCK_N: int,
+def _attend(q, kv, k_pe, union, count, mask, out, dn: int, scale: float, BLOCK_M: int, BLOCK_N: int,
             num_warps: int, num_stages: int) -> None:
     """Launch _union_attn_fwd: q [B, T, H, dn+dr], kv [B, S, H, dn+dv], k_pe [B, S, dr] -> out [B, T, H, dv]."""
     B, T, H, dq = q.shape
     dr, dv, n_tiles = dq - dn, out.shape[-1], union.shape[1]
     _union_attn_fwd[(H, n_tiles, B)](
-        q, kv, k_pe, mask, mask_off, union, count, out, T, union.shape[-1], n_tiles, scale * _LOG2E,
+        q, kv, k_pe, mask, union, count, out, T, mask.shape[1], union.shape[-1], n_tiles, scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), k_pe.stride(0),
         k_pe.stride(1), out.stride(0), out.stride(1), out.stride(2),
         DN=dn, DR=dr, DV=dv, BLOCK_DN=max(16, triton.next_power_of_2(dn)),
@@ -390,22 +407,6 @@ def use_union_form(union_pairs: float, selected: int, heads: int = 16) -> bool:
     return union_pairs < UNION_BREAK_EVEN * min(1.0, 16 / heads) * selected
 
 
-def _mask_layout(count, BLOCK_M: int, BLOCK_N: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(words, offset) int64 [B * n_tiles] of each tile's mask: BLOCK_M rows of ceil(count / BLOCK_N) words,
-    tiles back to back."""
-    words = (count.view(-1).long() + BLOCK_N - 1) // BLOCK_N * BLOCK_M
-    return words, torch.cumsum(words, 0) - words
-
-
-def _union_work(count, mask_words, n_valid, T: int, BLOCK_M: int) -> tuple[int, int, int]:
-    """(union pairs: the (query, union slot) pairs the union form attends; selected pairs; mask words),
-    in one host sync."""
-    rows = (T - torch.arange(count.shape[1], device=count.device) * BLOCK_M).clamp(max=BLOCK_M)  # queries per tile
-    pairs, selected, total = torch.stack([(count.long() * rows).sum(), n_valid.long().sum(),
-                                          mask_words.sum()]).tolist()
-    return pairs, selected, total
-
-
 def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plane: torch.Tensor,
                        block_table: torch.Tensor, indices: torch.Tensor, kv_b_weight: torch.Tensor,
                        scale: float) -> torch.Tensor:
@@ -421,21 +422,23 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     bs, on_gpu = kv_latent_plane.shape[1], q.device.type == "cuda"
     BLOCK_M, BLOCK_N, num_warps, num_stages = _blocks(on_gpu, kv_b_weight.element_size())
     idx, table = indices.to(torch.int32), block_table.to(torch.int32)
-    S = _extent(idx, table, bs)
-    if S == 0:  # nothing selected anywhere: the absorbed form returns zeros
+    # S = the table's reach: a selection past it is padding. No host sync before the union build, so the
+    # GPU queue stays full while the host launches it (the highest selected position would cost a sync).
+    S = table.shape[1] * bs
+    if S == 0:  # no block at all: nothing is valid, the absorbed form returns zeros
         return sparse_mla_prefill_absorbed(*args)
     bits, n_valid = _bitmaps(idx, table, bs, B, T, S, on_gpu)
-    # Queued behind the marking kernel, so the host issues its small ops while the GPU marks, and before
-    # the sync below (wasted when the absorbed form wins: 0.3 ms at T = 32k).
-    kv, k_pe = _decompress(kv_latent_plane, k_pe_plane, block_table, kv_b_weight, B, S, H)
-    union, count = _tile_unions(bits, B, T, S, BLOCK_M, on_gpu)
-    mask_words, mask_off = _mask_layout(count, BLOCK_M, BLOCK_N)
-    pairs, selected, total = _union_work(count, mask_words, n_valid, T, BLOCK_M)
+    union, count, stats = _tile_unions(bits, n_valid, B, T, S, BLOCK_M, on_gpu)
+    work = _fetch_later(stats)
+    # Queued before the host waits for the counts, so that the GPU has the masks and the decompression to
+    # run (0.4 ms at T = 32k) while the host wakes up and launches the attention; wasted when the absorbed
+    # form wins.
+    mask = _tile_masks(bits, union, count, T, BLOCK_M, on_gpu)
+    kv, k_pe = _decompress(kv_latent_plane, k_pe_plane, table, kv_b_weight, B, H)
+    pairs, selected = work()  # the one host sync
     if not use_union_form(pairs, selected, H):
         return sparse_mla_prefill_absorbed(*args)
-    mask = _tile_masks(bits, union, count, mask_off, total, T, BLOCK_M, BLOCK_N, on_gpu)
-    del bits  # 4 bytes per query and 32 positions, no longer needed: free them before attention runs
     out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
-    _attend(q if q.stride(-1) == 1 else q.contiguous(), kv, k_pe, union, count, mask, mask_off, out, dn, scale,
+    _attend(q if q.stride(-1) == 1 else q.contiguous(), kv, k_pe, union, count, mask, out, dn, scale,
             BLOCK_M, BLOCK_N, num_warps, num_stages)
     return out
