@@ -284,7 +284,7 @@ def form_flops(idx, table, shape: dict, bs: int) -> dict:
     BM = mp._blocks(idx.is_cuda, 2)[0]
     S = table.shape[1] * bs  # the op's S: the table's reach
     bits, n_valid = mp._bitmaps(idx.int(), table, bs, 1, T, S, idx.is_cuda)
-    pairs, valid = mp._tile_unions(bits, n_valid, 1, T, S, BM, idx.is_cuda)[2].tolist()  # the op's counts
+    pairs, valid, _ = mp._tile_unions(bits, n_valid, 1, T, S, BM, idx.is_cuda)[3].tolist()  # the op's counts
     return {"union": 2 * H * pairs * (dn + dr + dv),
             "absorbed": 2 * H * valid * (2 * r + dr) + 2 * T * H * r * (dn + dv)}
 

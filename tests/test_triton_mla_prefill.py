@@ -87,8 +87,9 @@ def test_tile_unions_and_masks_list_exactly_the_selections():
     S = table.shape[1] * bs  # the op's S
     assert ((idx[0] >= 4) & (idx[0] < 8)).any()
     bits, n_valid = mp._bitmaps(idx, table, bs, B, T, S, on_gpu=False)
-    union, count, stats = mp._tile_unions(bits, n_valid, B, T, S, BM, on_gpu=False)
-    pairs, selected = stats.tolist()
+    union, count, words, stats = mp._tile_unions(bits, n_valid, B, T, S, BM, on_gpu=False)
+    pairs, selected, total = stats.tolist()
+    assert words.tolist() == [(int(c) + 31) // 32 * BM for c in count.view(-1)] and total == int(words.sum())
     valid = paged_slots(table, idx.reshape(B, -1), bs).view(B, T, K) >= 0
     assert n_valid.tolist() == valid.sum(-1).view(-1).tolist() and selected == int(valid.sum())
     sel = [[set(idx[b, t][valid[b, t]].tolist()) for t in range(T)] for b in range(B)]
@@ -97,19 +98,20 @@ def test_tile_unions_and_masks_list_exactly_the_selections():
         assert got_bits == sel[b][t]
     assert pairs == sum(int(count[b, i]) * len(range(i * BM, min(T, (i + 1) * BM)))
                         for b in range(B) for i in range(count.shape[1]))
-    mask = mp._tile_masks(bits, union, count, T, BM, on_gpu=False)
-    assert mask.data_ptr() == bits.data_ptr()  # written in place
+    off = torch.cumsum(words, 0) - words  # the op's layout: tiles back to back
+    mask = mp._tile_masks(bits, union, count, off, total, T, BM, on_gpu=False)
     assert max(count.view(-1).tolist()) > 64  # more than one step of the CPU kernel's 64 slots
     for b in range(B):
         for tile in range(union.shape[1]):
+            i, n = b * union.shape[1] + tile, int(count[b, tile])
             rows = range(tile * BM, min(T, (tile + 1) * BM))
             want = sorted(set().union(*(sel[b][t] for t in rows)))
-            n = int(count[b, tile])
             assert union[b, tile, :n].tolist() == want
-            for t in rows:
-                words = mask[b * T + t, : (n + 31) // 32].tolist()
-                slots = [c * 32 + j for c, w in enumerate(words) for j in range(32) if w >> j & 1]
-                assert slots == [want.index(p) for p in sorted(sel[b][t])]  # nothing past count
+            m = mask[int(off[i]): int(off[i] + words[i])].view(-1, BM).t()  # [BM, chunks]: chunk-major in memory
+            slots = [[c * 32 + j for c, w in enumerate(row) for j in range(32) if w >> j & 1] for row in m.tolist()]
+            for row, t in enumerate(rows):
+                assert slots[row] == [want.index(p) for p in sorted(sel[b][t])]  # nothing past count
+            assert all(not r for r in slots[len(rows):])  # rows past T: zeros
 
 
 def test_forms_are_chosen_by_the_pair_ratio(monkeypatch):

@@ -17,12 +17,13 @@ same way at the granularity of single positions:
    ceil(S / 32)] int32, with an atomic OR, and counts the valid selections. ``_tile_union`` (one
    program per tile) ORs its queries' rows word by word and unpacks the set bits, in order, into the
    sorted union list [B, n_tiles, S] and its count.
-3. ``_mask_row`` (one program per query) turns the query's bit row, in place, into its row of the
-   tile's mask: bit j of word c = the query's bit for position union[c * 32 + j]. It reads the union list
-   in order and looks the bits up in its own 4 KB row; word c needs only the row's words >= c (the union
-   is sorted and distinct), so the words written never feed a later one (the kernel's docstring). In place,
-   the mask costs no memory and no size: its launch needs nothing from the host. The bit rows take T x S /
-   8 bytes (128 MB at T = S = 32k, 2 GB at 128k; the byte build before took 5 x T x S / 128: 0.64 GB at
+3. ``_mask_row`` (one program per query) writes the query's column of its tile's mask: [ceil(count /
+   32), BLOCK_M] int32 per tile, bit j of word (c, m) = query m's bit for position union[c * 32 + j]. It
+   reads the union list in order and looks bits up in its own 4 KB row. Chunk-major, so that the
+   attention loop reads a chunk's 128 words as one 512-byte run (tile-row-major, 128 words 600 bytes
+   apart, the attention took 3 % longer). The mask takes BLOCK_M / 8 bytes per union slot: 18 MB at T =
+   32k when a tile's union is 2.3x top-k, 67 MB when it is the whole prefix. The bit rows take T x S / 8
+   bytes (128 MB at T = S = 32k, 2 GB at 128k; the byte build before took 5 x T x S / 128: 0.64 GB at
    128k); a longer prefill would have to build them per range of tiles.
    Why bits: the previous build stored a byte per selected pair twice, at scattered addresses (a byte
    per (tile, position) whose cumulative sum ranked the union, then a byte per mask entry through that
@@ -37,8 +38,8 @@ same way at the granularity of single positions:
        s    = -inf where mask[query, slot] = 0
        online softmax (fp32, base 2);  acc = acc * alpha + p @ v[pos]
 
-   The mask words are zero past count, and rows past T read row T - 1, so their loads need no bounds;
-   they are staged by the pipeliner like the k, v rows. (A byte mask loaded by hand one iteration ahead kept its
+   The mask words are padded (zeros past count and past T) so their loads need no bounds; they are
+   staged by the pipeliner like the k, v rows. (A byte mask loaded by hand one iteration ahead kept its
    load layout and the compiler ran the softmax twice: 66 exp2 per thread per chunk instead of 34.)
    The positions of the next chunk, though, are loaded by hand one iteration ahead: loaded in the
    iteration, they made the pipeliner issue each chunk's gathers only one iteration ahead and wait for
@@ -62,11 +63,11 @@ kernel over each query's own rows, W_UV after; 3.4x the FLOPs per pair at the K3
 latent row serves all heads) costs per selected pair. The unions are built first (cheap, and the union
 form reuses them); their exact pair count against the selected pairs, compared with UNION_BREAK_EVEN
 (measured at 16 heads; scaled by 16 / H for more heads, an extrapolation), decides. A call that ends in
-the absorbed form has paid for the bits, the unions, the masks and the decompression (about 1 ms at T =
-32k, 6 % of that form's time). FORM = "union" / "absorbed" forces one (tests, benchmarks). One host
-sync, for the two counts: they are copied to pinned memory as soon as the unions are built, and the masks
-and the decompression are queued before the host waits for that copy, so the GPU has 0.35 ms of work
-while the host wakes up and launches the attention.
+the absorbed form has paid for the bits, the unions and the decompression (about 0.9 ms at T = 32k, 5 %
+of that form's time). FORM = "union" / "absorbed" forces one (tests, benchmarks). One host
+sync, for the counts (pairs, selections, mask words): they are copied to pinned memory as soon as the
+unions are built, and the decompression is queued before the host waits for that copy, so the GPU has
+0.2 ms of work while the host wakes up and launches the masks and the attention.
 
 Measured on the H200 (benchmarks/bench_mla.py, bf16, T=32,768, top-k 2048, H=16, dn=dv=128, dr=64,
 r=512, triton 3.6, one run, 2026-12-01) with four selection patterns: independent random picks, and
@@ -74,23 +75,30 @@ picks of a shared per-position importance plus noise, where the next query keeps
 a query's picks:
 
   selections (64-query tile union / top-k)   op        union form   absorbed form   dense causal SDPA
-  independent (8.47)                         15.4 ms   15.5 ms      17.2 ms          9.4 ms (op 0.61x)
-  next query keeps 62 % (3.48)                7.8 ms    7.9 ms      17.1 ms          (op 1.20x faster)
-  next query keeps 79 % (2.11)                5.2 ms    5.1 ms      17.2 ms          (op 1.82x faster)
-  next query keeps 92 % (1.39)                3.8 ms    3.8 ms      17.1 ms          (op 2.49x faster)
+  independent (8.47)                         14.1 ms   14.1 ms      17.1 ms          9.3 ms (op 0.66x)
+  next query keeps 62 % (3.48)                7.1 ms    7.1 ms      17.1 ms          (op 1.31x faster)
+  next query keeps 79 % (2.11)                4.6 ms    4.6 ms      17.1 ms          (op 2.02x faster)
+  next query keeps 92 % (1.39)                3.3 ms    3.3 ms      17.0 ms          (op 2.82x faster)
 
-Repeated runs of the same call spread by up to 8 % (5.1-5.6 ms at 79 %). At 79 % the GPU spends 0.58 ms
-marking bits, 0.06 ms on unions, about 0.1 ms on masks, 0.3 ms decompressing, 0.07 ms on the maximum and
-3.9 ms in the attention kernel (147 M union pairs, 1.51 TFLOP, 385 TFLOP/s); the rest is host time
-between launches. The union form with independent picks is masked dense attention over the whole prefix
-(5.52 TFLOP at 357 TFLOP/s): slower than dense SDPA, which runs the same FLOPs at 586 TFLOP/s.
+The 79 % case sits on the floor: in interleaved runs of the op (build/gpu, same day) it took 4.64-4.88 ms
+against dense SDPA's 9.13-9.49 ms on the machines drawn, 1.91-2.01x. Its GPU timeline (torch profiler,
+consecutive calls): bits zeroed 0.03 ms, marked 0.57, unions 0.065, counts copied, gathers 0.016 and the
+decompression GEMM 0.21 (while the host waits for the counts and launches the rest), masks 0.14, attention
+3.47 ms (147 M union pairs, 1.51 TFLOP, 435 TFLOP/s; 3.65 ms alone with the L2 flushed first), with no
+gap between kernels. Before this layout the op was 5.0-5.4 ms: two host syncs (the highest selection,
+then the counts and the mask's size) each let the GPU run dry while the host woke up and issued a
+dozen small launches (0.9 ms of gaps in the timeline), and the masks were tile-row-major (128 words at a
+stride per chunk; chunk-major: attention 3.83 -> 3.72 ms). The union form with independent picks is
+masked dense attention over the whole prefix (5.52 TFLOP at 391 TFLOP/s): slower than dense SDPA, which
+runs the same FLOPs at 591 TFLOP/s.
 
 The floor of issue 9 (2x faster than dense causal SDPA) holds when neighbouring queries keep about 90 %
-of each other's picks, not below. With independent picks no form here can meet it: the union is the
-whole prefix, and the absorbed form must gather 74.9 GB of rows (module docstring of
-mla_attention_triton.py). Between, the attention kernel binds, at about half of the bf16 peak where
-FlashAttention reaches 75 % on dense tiles, and not through its memory traffic: at 79 % it took 3.91 ms
-on the real unions, 3.86 ms with each tile's slots at contiguous positions and 3.81 ms with every
+of each other's picks, sits on it at 79 % (1.91-2.02x over runs) and fails below. With independent
+picks no form here can meet it: the union is the whole prefix, and the absorbed form must gather 74.9 GB
+of rows (module docstring of mla_attention_triton.py). Between, the attention kernel binds, at about
+half of the bf16 peak where FlashAttention reaches 75 % on dense tiles, and not through its memory
+traffic: at 79 % it took (with the earlier tile-row-major masks) 3.91 ms on the real unions, 3.86 ms
+with each tile's slots at contiguous positions and 3.81 ms with every
 position inside 2,048 rows (32 MB of kv, L2-resident). Tried and slower (attention kernel alone, same
 run): a warp-specialised Gluon version (a producer warp group for the gathers, two compute groups of 64
 queries, 64-slot chunks, FlashAttention-3's overlap of the next chunk's scores with this chunk's
@@ -99,7 +107,15 @@ against 13.9 with independent picks; Triton's ``warp_specialize`` is ignored on 
 lazy rescale (acc * alpha only when some row maximum grows by more than 2^8: a branch on a reduction over
 the program, capped at 128 registers to keep two programs per SM) 5.5-5.6 against 5.1-5.3 ms for the
 whole op at 79 %; 64-query tiles (``_blocks``); folding the scale into an FMA (382 instead of 398
-instructions per chunk) changed nothing measurable.
+instructions per chunk) changed nothing measurable; 256-query tiles (16 warps, one program per SM: each
+gathered chunk serves twice the queries) 4.00 against 3.65 ms at 79 % (the union grows to 2.43 pairs per
+selected pair, and the kernel ran at 404 against 413 TFLOP/s).
+Tried for the fixed costs (same day): the decompression on a second stream beside the marking. With
+cuBLAS it delays the marking by as much as it takes (0.82 ms for both, 0.85 one after the other: its
+programs fill the SMs); a slim persistent Triton GEMM (one program per SM, 128 x 256 tiles, 8 warps) ran
+beside it in 0.73 ms, but then nothing is queued while the host wakes up for the counts, which the GEMM
+covers in the order used here. Masks written in place over the bit rows (no allocation, so they could be
+queued before the sync) cost the attention the chunk-major layout: 4.68-4.88 ms for the op.
 
 Splitting the union was measured and rejected (H200, 2026-12-01, the union form's op at 4.98 ms in that
 run at 79 %). Most union slots that cost the union form its waste are positions few of the tile's queries
@@ -190,11 +206,12 @@ def _or(a, b):
 
 
 @triton.jit(do_not_specialize=["T", "L", "n_tiles"])
-def _tile_union(bits_ptr, n_valid_ptr, union_ptr, count_ptr, stats_ptr, T, W, L, n_tiles, BLOCK_M: tl.constexpr,
-                BLOCK_W: tl.constexpr):
+def _tile_union(bits_ptr, n_valid_ptr, union_ptr, count_ptr, words_ptr, stats_ptr, T, W, L, n_tiles,
+                BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
     """One tile (b, tile): the OR of its queries' bit rows, unpacked into the sorted list of positions
-    union[b, tile, :count] and its count, and added into stats int64 [2]: the (query, union slot) pairs the
-    tile attends and its queries' valid selections. A running rank carries the list across word chunks."""
+    union[b, tile, :count] and its count; the size of its mask in words[b * n_tiles + tile] (BLOCK_M words
+    per 32 union slots); and, added into stats int64 [3], the (query, union slot) pairs it attends, its
+    queries' valid selections and its mask words. A running rank carries the list across word chunks."""
     bi = tl.program_id(0).to(tl.int64)
     b, tile = bi // n_tiles, bi % n_tiles
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -209,41 +226,44 @@ def _tile_union(bits_ptr, n_valid_ptr, union_ptr, count_ptr, stats_ptr, T, W, L,
         tl.store(union_ptr + bi * L + rank, w0 * 32 + tl.arange(0, BLOCK_W * 32), mask=flag != 0)
         total += tl.sum(flag, 0)
     tl.store(count_ptr + bi, total)
+    mask_words = ((total + 31) // 32 * BLOCK_M).to(tl.int64)
+    tl.store(words_ptr + bi, mask_words)
     # Integer atomics are order-free: the sums do not depend on the order the tiles finish in.
     selected = tl.sum(tl.load(n_valid_ptr + b * T + rows, mask=rows < T, other=0), 0)
     tl.atomic_add(stats_ptr, total.to(tl.int64) * tl.minimum(T - tile * BLOCK_M, BLOCK_M), sem="relaxed")
     tl.atomic_add(stats_ptr + 1, selected.to(tl.int64), sem="relaxed")
+    tl.atomic_add(stats_ptr + 2, mask_words, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["T", "W", "L", "n_tiles"])
-def _mask_row(bits_ptr, union_ptr, count_ptr, T, W, L, n_tiles, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
-    """One query (b, t): its bit row becomes, in place, its row of the tile's mask: bit j of word c is its
-    bit for position union[c * 32 + j], for the ceil(count / 32) words c that cover the union.
-
-    In place is safe: the union is sorted and its positions distinct, so union[c * 32 + j] >= c * 32 + j
-    and mask word c needs only bit-row words >= c. A step of BLOCK_R slots writes words [c0, c0 + BLOCK_R /
-    32) after a barrier that follows all of its loads (a word of the step may feed a lower word of the same
-    step, computed by another thread); later steps read only words past c0 + BLOCK_R / 32."""
+def _mask_row(bits_ptr, union_ptr, count_ptr, mask_ptr, mask_off_ptr, T, W, L, n_tiles, BLOCK_M: tl.constexpr,
+              BLOCK_R: tl.constexpr):
+    """One query row (b, tile * BLOCK_M + m) of its tile's mask [ceil(count / 32), BLOCK_M] int32 at
+    mask_off[tile]: bit j of word (c, m) = the query's bit for position union[c * 32 + j] (0 past count;
+    rows past T are all zeros). Chunk-major, so that the attention loop reads a chunk's BLOCK_M words
+    contiguously. One query per program keeps the bit lookups inside one row of 4 bytes per 32 positions
+    (cached); its stores are BLOCK_M words apart."""
     bt = tl.program_id(0).to(tl.int64)
-    b, t = bt // T, bt % T
+    b, t = bt // (n_tiles * BLOCK_M), bt % (n_tiles * BLOCK_M)
     bi = b * n_tiles + t // BLOCK_M
     count = tl.load(count_ptr + bi)
-    row = bits_ptr + bt * W
+    live_slots = tl.where(t < T, count, 0)
+    out = mask_ptr + tl.load(mask_off_ptr + bi) + t % BLOCK_M
+    row = bits_ptr + (b * T + t) * W
     for r0 in range(0, count, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
-        live = r < count
+        live = r < live_slots
         pos = tl.load(union_ptr + bi * L + r, mask=live, other=0)
         bit = (tl.load(row + (pos >> 5), mask=live, other=0) >> (pos & 31)) & 1
         # Distinct bits: their sum is their OR (bit 31 wraps to the sign bit, as intended).
         word = tl.sum(bit.reshape(BLOCK_R // 32, 32) << tl.arange(0, 32)[None, :], axis=1)
-        tl.debug_barrier()
         c = r0 // 32 + tl.arange(0, BLOCK_R // 32)
-        tl.store(row + c, word, mask=c * 32 < count)
+        tl.store(out + c * BLOCK_M, word, mask=c * 32 < count)
 
 
-@triton.jit(do_not_specialize=["T", "W", "L", "n_tiles"])
-def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, union_ptr, count_ptr, o_ptr, T, W, L, n_tiles, qk_scale,
-                    s_qb, s_qt, s_qh, s_kb, s_ks, s_kh, s_pb, s_ps, s_ob, s_ot, s_oh,
+@triton.jit(do_not_specialize=["T", "L", "n_tiles"])
+def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, count_ptr, o_ptr, T, L, n_tiles,
+                    qk_scale, s_qb, s_qt, s_qh, s_kb, s_ks, s_kh, s_pb, s_ps, s_ob, s_ot, s_oh,
                     DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, BLOCK_DN: tl.constexpr,
                     BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, OFF64: tl.constexpr):
@@ -261,8 +281,8 @@ def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, union_ptr, count_ptr, o_ptr
     q_pe = _rows_at(q_row + DN, rows * s_qt, row_ok, DR, BLOCK_DR).to(dot_dtype)
     k_row, v_row, pe_row = kv_ptr + b * s_kb + h * s_kh, kv_ptr + b * s_kb + h * s_kh + DN, pe_ptr + b * s_pb
     union, count = union_ptr + (b * n_tiles + tile) * L, tl.load(count_ptr + b * n_tiles + tile)
-    # Mask rows: row b * T + t of [B * T, W], 32 union slots per word; rows past T read row T - 1 (not stored).
-    mask_rows = mask_ptr + (b * T + tl.minimum(rows, T - 1)) * W
+    # The tile's mask [chunks of 32 slots, BLOCK_M] (_mask_row): a chunk's words are contiguous.
+    mask_rows = mask_ptr + tl.load(mask_off_ptr + b * n_tiles + tile) + tl.arange(0, BLOCK_M)
     bit = tl.arange(0, BLOCK_N)[None, :]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -281,7 +301,7 @@ def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, union_ptr, count_ptr, o_ptr
         v = _rows_at(v_row, pos * s_ks, n_ok, DV, BLOCK_DV)
         s = tl.dot(q_nope, tl.trans(k), input_precision=DOT_PRECISION)
         s = tl.dot(q_pe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION)
-        word = tl.load(mask_rows + n0 // 32)
+        word = tl.load(mask_rows + (n0 // 32) * BLOCK_M)
         if BLOCK_N < 32:  # BLOCK_N divides 32: this chunk's bits start at bit n0 % 32 of the word
             word = word >> (n0 % 32)
         chosen = ((word[:, None] >> bit) & 1) != 0
@@ -356,35 +376,38 @@ def _bitmaps(idx, table, bs: int, B: int, T: int, S: int, on_gpu: bool) -> tuple
 
 def _tile_unions(bits, n_valid, B: int, T: int, S: int, BLOCK_M: int, on_gpu: bool):
     """Per tile of BLOCK_M queries, the sorted union of the positions its queries selected -> (union int32
-    [B, n_tiles, S], the first count[b, tile] entries being the positions; count int32 [B, n_tiles]; stats
-    int64 [2]: the (query, union slot) pairs and the valid selected pairs, summed over the tiles)."""
+    [B, n_tiles, S], the first count[b, tile] entries being the positions; count int32 [B, n_tiles]; words
+    int64 [B * n_tiles], the size of each tile's mask; stats int64 [3]: the (query, union slot) pairs, the
+    valid selected pairs and the mask words, summed over the tiles)."""
     n_tiles, W = triton.cdiv(T, BLOCK_M), bits.shape[1]
     union = torch.empty(B * n_tiles, S, dtype=torch.int32, device=bits.device)
     count = torch.empty(B * n_tiles, dtype=torch.int32, device=bits.device)
-    stats = torch.zeros(2, dtype=torch.int64, device=bits.device)
+    words = torch.empty(B * n_tiles, dtype=torch.int64, device=bits.device)
+    stats = torch.zeros(3, dtype=torch.int64, device=bits.device)
     block_w = 64 if on_gpu else 4  # fixed, not per W: one compiled variant for every prompt length
-    _tile_union[(B * n_tiles,)](bits, n_valid, union, count, stats, T, W, S, n_tiles, BLOCK_M=BLOCK_M,
+    _tile_union[(B * n_tiles,)](bits, n_valid, union, count, words, stats, T, W, S, n_tiles, BLOCK_M=BLOCK_M,
                                 BLOCK_W=block_w, num_warps=8 if on_gpu else 1)
-    return union.view(B, n_tiles, S), count.view(B, n_tiles), stats
+    return union.view(B, n_tiles, S), count.view(B, n_tiles), words, stats
 
 
-def _tile_masks(bits, union, count, T: int, BLOCK_M: int, on_gpu: bool) -> torch.Tensor:
-    """Each query's selection as bits over its tile's union, written over its bit row: bits [B * T, W]
-    becomes the mask (bit j of word c of row b * T + t is set where query (b, t) selected union slot
-    c * 32 + j; words past ceil(count / 32) are stale and never read). Returns bits."""
+def _tile_masks(bits, union, count, mask_off, total: int, T: int, BLOCK_M: int, on_gpu: bool) -> torch.Tensor:
+    """Each query's selection as bits over its tile's union: int32 [total]. Tile i is [ceil(count[i] / 32),
+    BLOCK_M] at mask_off[i]; bit j of word (c, m) is set where query m of the tile selected union slot c *
+    32 + j. Zeros past count and past T let the attention loop load every chunk without bounds."""
     B, n_tiles, L = union.shape
-    _mask_row[(B * T,)](bits, union, count, T, bits.shape[1], L, n_tiles, BLOCK_M=BLOCK_M,
-                        BLOCK_R=1024 if on_gpu else 64, num_warps=4 if on_gpu else 1)
-    return bits
+    mask = torch.empty(max(1, total), dtype=torch.int32, device=bits.device)  # every word is written
+    _mask_row[(B * n_tiles * BLOCK_M,)](bits, union, count, mask, mask_off, T, bits.shape[1], L, n_tiles,
+                                       BLOCK_M=BLOCK_M, BLOCK_R=1024 if on_gpu else 64, num_warps=4 if on_gpu else 1)
+    return mask
 
 
-def _attend(q, kv, k_pe, union, count, mask, out, dn: int, scale: float, BLOCK_M: int, BLOCK_N: int,
+def _attend(q, kv, k_pe, union, count, mask, mask_off, out, dn: int, scale: float, BLOCK_M: int, BLOCK_N: int,
             num_warps: int, num_stages: int) -> None:
     """Launch _union_attn_fwd: q [B, T, H, dn+dr], kv [B, S, H, dn+dv], k_pe [B, S, dr] -> out [B, T, H, dv]."""
     B, T, H, dq = q.shape
     dr, dv, n_tiles = dq - dn, out.shape[-1], union.shape[1]
     _union_attn_fwd[(H, n_tiles, B)](
-        q, kv, k_pe, mask, union, count, out, T, mask.shape[1], union.shape[-1], n_tiles, scale * _LOG2E,
+        q, kv, k_pe, mask, mask_off, union, count, out, T, union.shape[-1], n_tiles, scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), k_pe.stride(0),
         k_pe.stride(1), out.stride(0), out.stride(1), out.stride(2),
         DN=dn, DR=dr, DV=dv, BLOCK_DN=max(16, triton.next_power_of_2(dn)),
@@ -428,17 +451,18 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     if S == 0:  # no block at all: nothing is valid, the absorbed form returns zeros
         return sparse_mla_prefill_absorbed(*args)
     bits, n_valid = _bitmaps(idx, table, bs, B, T, S, on_gpu)
-    union, count, stats = _tile_unions(bits, n_valid, B, T, S, BLOCK_M, on_gpu)
+    union, count, mask_words, stats = _tile_unions(bits, n_valid, B, T, S, BLOCK_M, on_gpu)
+    mask_off = torch.cumsum(mask_words, 0) - mask_words  # each tile's mask follows the previous tiles'
     work = _fetch_later(stats)
-    # Queued before the host waits for the counts, so that the GPU has the masks and the decompression to
-    # run (0.4 ms at T = 32k) while the host wakes up and launches the attention; wasted when the absorbed
-    # form wins.
-    mask = _tile_masks(bits, union, count, T, BLOCK_M, on_gpu)
+    # Queued before the host waits for the counts: the GPU decompresses (0.2 ms at T = 32k) while the host
+    # wakes up and launches the masks (wasted when the absorbed form wins).
     kv, k_pe = _decompress(kv_latent_plane, k_pe_plane, table, kv_b_weight, B, H)
-    pairs, selected = work()  # the one host sync
+    pairs, selected, total = work()  # the one host sync
     if not use_union_form(pairs, selected, H):
         return sparse_mla_prefill_absorbed(*args)
+    mask = _tile_masks(bits, union, count, mask_off, total, T, BLOCK_M, on_gpu)
+    del bits  # 4 bytes per query and 32 positions, no longer needed: free them before attention runs
     out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
-    _attend(q if q.stride(-1) == 1 else q.contiguous(), kv, k_pe, union, count, mask, out, dn, scale,
+    _attend(q if q.stride(-1) == 1 else q.contiguous(), kv, k_pe, union, count, mask, mask_off, out, dn, scale,
             BLOCK_M, BLOCK_N, num_warps, num_stages)
     return out
