@@ -160,10 +160,11 @@ from .mla_attention_triton import (_LOG2E, INT32_OFFSETS_BELOW, _rows_at, _softm
 FORM = os.environ.get("MINIDSA_PREFILL_FORM", "auto")
 # Pairs (query, union slot) per pair (query, selected position) below which the union form is faster. Fitted
 # on the H200 (T=32,768, top-k 2048, H=16, K3 dims, bf16, 128-query tiles; the op's time with each form forced,
-# four selection patterns, 2026-12-01): the union form costs 2.1e-11 s per selected pair (bits, unions,
-# decompression) plus 2.63e-11 s per union pair, the absorbed form 2.63e-10 s per selected pair:
-# (2.63 - 0.21) / 0.263 = 9.2. Independent picks at T = 32k are 8.3 union pairs per selected pair.
-UNION_BREAK_EVEN = 9.2
+# four selection patterns, benchmarks/bench_mla.py, 2026-12-01, the one-sync layout): the union form costs
+# 1.59e-11 s per selected pair (bits, unions, decompression) plus 2.43e-11 s per union pair (residuals under
+# 0.02 ms), the absorbed form 2.63e-10 s per selected pair: (2.63 - 0.16) / 0.243 = 10.2. Independent picks at
+# T = 32k are 8.3 union pairs per selected pair.
+UNION_BREAK_EVEN = 10.2
 
 
 @triton.jit
