@@ -61,8 +61,10 @@ Which form runs (``use_union_form``, FORM = "auto"): the union form costs per se
 decompression) plus per (query, union slot) pair; the absorbed form (W_UK folded into q, the latent
 kernel over each query's own rows, W_UV after; 3.4x the FLOPs per pair at the K3 dims, but one gathered
 latent row serves all heads) costs per selected pair. The unions are built first (cheap, and the union
-form reuses them); their exact pair count against the selected pairs, compared with UNION_BREAK_EVEN
-(measured at 16 heads; scaled by 16 / H for more heads, an extrapolation), decides. A call that ends in
+form reuses them); their exact pair count against the selected pairs, compared with
+union_break_even(H) (a cost model of both forms fitted at 16, 32, 64 and 96 heads), decides. The union
+form's work grows with the heads, the absorbed form's with its programs of up to 64 heads, whose gathers
+are shared: at the K3 shape (96 heads) the union form pays up to 4.1 pairs per selected pair. A call that ends in
 the absorbed form has paid for the bits, the unions and the decompression (about 0.9 ms at T = 32k, 5 %
 of that form's time). FORM = "union" / "absorbed" forces one (tests, benchmarks). One host
 sync, for the counts (pairs, selections, mask words): they are copied to pinned memory as soon as the
@@ -153,18 +155,21 @@ import triton
 import triton.language as tl
 
 from .mla_attention import check_prefill_args, sparse_mla_prefill_ref
-from .mla_attention_triton import (_LOG2E, INT32_OFFSETS_BELOW, _rows_at, _softmax_step,
+from .mla_attention_triton import (_LOG2E, INT32_OFFSETS_BELOW, _rows_at, _softmax_step, head_block,
                                    sparse_mla_prefill_absorbed)
 
 # Which form runs: "auto" picks per call (use_union_form); "union" / "absorbed" force one (tests, benchmarks).
 FORM = os.environ.get("MINIDSA_PREFILL_FORM", "auto")
-# Pairs (query, union slot) per pair (query, selected position) below which the union form is faster. Fitted
-# on the H200 (T=32,768, top-k 2048, H=16, K3 dims, bf16, 128-query tiles; the op's time with each form forced,
-# four selection patterns, benchmarks/bench_mla.py, 2026-12-01, the one-sync layout): the union form costs
-# 1.59e-11 s per selected pair (bits, unions, decompression) plus 2.43e-11 s per union pair (residuals under
-# 0.02 ms), the absorbed form 2.63e-10 s per selected pair: (2.63 - 0.16) / 0.243 = 10.2. Independent picks at
-# T = 32k are 8.3 union pairs per selected pair.
-UNION_BREAK_EVEN = 10.2
+# The two forms' costs, fitted on the H200 (T=32,768, top-k 2048, K3 dims, bf16, 128-query tiles; each form
+# forced, four selection patterns at 16, 32, 64 and 96 heads, 2026-12-01), in seconds. Union form: per
+# selected pair 1.08e-11 + 4.4e-13 per head (bits, unions, decompression), plus 1.6e-12 per head and (query,
+# union slot) pair (1.50-1.67e-12 at the four head counts). Absorbed form: per selected pair and per program of
+# head_block(H) heads, which the gathers bind: 2.65e-10 for 16, 5.04e-10 for 32, 3.45e-10 for 64 (96 heads, two
+# blocks of 64: 6.5e-10 measured, 6.9e-10 modelled). The model picked the faster form in 15 of the 16 measured
+# cases (the miss: 96 heads, 3.8 pairs per selected pair, 4 % slower).
+UNION_FIXED = (1.08e-11, 4.4e-13)
+UNION_PER_HEAD_PAIR = 1.6e-12
+ABSORBED_PER_BLOCK = {16: 2.65e-10, 32: 5.04e-10, 64: 3.45e-10}
 
 
 @triton.jit
@@ -418,17 +423,24 @@ def _attend(q, kv, k_pe, union, count, mask, mask_off, out, dn: int, scale: floa
         num_warps=num_warps, num_stages=num_stages)
 
 
+def union_break_even(heads: int) -> float:
+    """(query, union slot) pairs per (query, selected position) pair below which the union form is faster
+    (the cost model above): 9.7 at 16 heads, 9.4 at 32, 3.0 at 64, 4.1 at 96. Below 16 heads, unmeasured, it
+    stays at the 16-head value rather than extrapolate the union form's per-head cost."""
+    h = max(heads, 16)
+    block = head_block(heads)
+    absorbed = ABSORBED_PER_BLOCK[block] * triton.cdiv(heads, block)
+    return (absorbed - UNION_FIXED[0] - UNION_FIXED[1] * h) / (UNION_PER_HEAD_PAIR * h)
+
+
 def use_union_form(union_pairs: float, selected: int, heads: int = 16) -> bool:
     """Whether the union form is expected to beat the absorbed form: FORM, or for "auto" the ratio of
-    (query, union slot) pairs to (query, selected position) pairs against UNION_BREAK_EVEN (measured with
-    16 heads). With more heads the threshold shrinks as 16 / heads: the union form's work grows with the
-    heads, the absorbed form's gathers (what bind it at 16) do not. That scaling is an extrapolation, not
-    a measurement; it errs towards the absorbed form."""
+    (query, union slot) pairs to (query, selected position) pairs against union_break_even(heads)."""
     if FORM not in ("auto", "union", "absorbed"):
         raise ValueError(f"mla_prefill_triton.FORM is {FORM!r}; use 'auto', 'union' or 'absorbed'")
     if FORM != "auto":
         return FORM == "union"
-    return union_pairs < UNION_BREAK_EVEN * min(1.0, 16 / heads) * selected
+    return union_pairs < union_break_even(heads) * selected
 
 
 def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plane: torch.Tensor,
