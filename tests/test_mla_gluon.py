@@ -31,7 +31,8 @@ def test_calls_off_sm90_take_the_triton_kernel():
         if torch.cuda.is_available():
             kv, pe = kv.cuda(), pe.cuda()
             assert mt._gluon.gluon_fits(kv.float(), pe.float(), 96) is False  # fp32 planes
-            assert mt._gluon.gluon_fits(kv, pe, 16) is False  # too few heads for 64-row tiles
+            assert mt._gluon.gluon_fits(kv, pe, 16) is False  # the Triton kernel's 16-row tiles are faster
+            assert mt._gluon.gluon_fits(kv, pe, 17) is SM90  # from 17 heads, padded 64-row tiles win
             assert mt._gluon.gluon_fits(kv[..., :500], pe, 96) is False  # r not a power of two
         else:
             assert mt._gluon.gluon_fits(kv, pe, 96) is False
@@ -41,6 +42,7 @@ def test_calls_off_sm90_take_the_triton_kernel():
 @pytest.mark.parametrize("H, T, K, splits, q_dtype, dtype, r, dr", [
     (96, 1, 300, None, torch.bfloat16, torch.bfloat16, 512, 64),
     (40, 2, 130, 1, torch.bfloat16, torch.bfloat16, 512, 64),
+    (17, 2, 130, None, torch.bfloat16, torch.bfloat16, 512, 64),  # 47 of the 64 rows padding
     (64, 1, 1000, 3, torch.float32, torch.bfloat16, 512, 64),
     (48, 1, 20, 3, torch.float16, torch.float16, 512, 64),
     (64, 1, 333, 2, torch.bfloat16, torch.bfloat16, 256, 32)])

@@ -53,7 +53,7 @@ Triton kernel in the same run. At 96 heads two 64-head blocks
 gather the same rows and the second is half padding: the tensor-core work is 128/96 of the useful work.
 
 Used by ``mla_attention_triton._latent_attention`` when ``gluon_fits`` says so (sm_90, bf16/fp16 planes,
-r 256 or 512, dr a power of two in 16..256 with r + dr <= 576, more than 32 heads, planes under 2^31
+r 256 or 512, dr a power of two in 16..256 with r + dr <= 576, more than 16 heads, planes under 2^31
 elements); everything else, and every CPU run, takes the Triton kernel. Gluon has no interpreter: this
 kernel is tested on the GPU only (tests/test_mla_gluon.py, through the device tool), against the same
 reference and the Triton kernel, and bitwise run to run.
@@ -93,7 +93,11 @@ def gluon_fits(kv_plane: torch.Tensor, pe_plane: torch.Tensor, H: int) -> bool:
         return False
     if kv_plane.dtype not in (torch.bfloat16, torch.float16) or pe_plane.dtype != kv_plane.dtype:
         return False
-    if H <= 32:  # fewer heads would leave most of the 64 rows padding
+    # 16 heads or fewer: the Triton kernel's 16-row tiles (absorbed prefill at T = 32k: 17.1 ms against 19-20
+    # here). From 17 heads this kernel wins despite padding its 64-row tiles (H200, 2026-12-01; absorbed prefill
+    # T = 32k, top-k 2048 / decode B = 32, 65,536 cached, top-k 2048, CUDA graph): 24 heads 32.6 -> 18.7 ms /
+    # 50.7 -> 34.0 us, 32 heads 33.0 -> 19.8 ms / 53.3 -> 35.4 us against the Triton kernel's 32-row tiles.
+    if H <= 16:
         return False
     # r/2 is each group's value wgmma N (at most 256) and the query loads in 128-column chunks, half per group;
     # the copy layouts assume widths of whole 16-byte vectors.

@@ -336,12 +336,6 @@ def _num_sms(device: torch.device) -> int:
     return 4  # interpreter: a tiny nominal machine, so tests exercise the split path on small inputs
 
 
-def head_block(H: int) -> int:
-    """Heads per program (the dots' M) for bf16 / fp16 planes: a power of two from 16 (one mma row block) to
-    64 (the [BLOCK_H, r] fp32 accumulator then fills the registers); more heads take several programs."""
-    return min(64, max(16, triton.next_power_of_2(H)))
-
-
 def _config(H: int, R: int, K: int, queries: int, device: torch.device, num_splits: int | None, elt: int):
     """Tile sizes and split count for the kernel (``elt``: bytes per plane element).
 
@@ -362,7 +356,7 @@ def _config(H: int, R: int, K: int, queries: int, device: torch.device, num_spli
                                   programs per SM) 22.7 at 4 warps, 17.0 at 2 warps (spilling), 23.6 with
                                   4 stages; 8 warps 20.9: more programs per SM do not help
     """
-    BLOCK_H = head_block(H)
+    BLOCK_H = min(64, max(16, triton.next_power_of_2(H)))
     BLOCK_R = max(16, triton.next_power_of_2(R))
     if BLOCK_H == 16:
         BLOCK_N, num_warps = 128, 4  # one mma row block: long chunks keep enough bytes in flight

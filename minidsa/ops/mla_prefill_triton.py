@@ -63,8 +63,8 @@ kernel over each query's own rows, W_UV after; 3.4x the FLOPs per pair at the K3
 latent row serves all heads) costs per selected pair. The unions are built first (cheap, and the union
 form reuses them); their exact pair count against the selected pairs, compared with
 union_break_even(H) (a cost model of both forms fitted at 16, 32, 64 and 96 heads), decides. The union
-form's work grows with the heads, the absorbed form's with its programs of up to 64 heads, whose gathers
-are shared: at the K3 shape (96 heads) the union form pays up to 4.1 pairs per selected pair. A call that ends in
+form's work grows with the heads, the absorbed form's with its programs of up to 64 heads, which share
+their gathers: at the K3 shape (96 heads) the union form pays up to 4.1 pairs per selected pair. A call that ends in
 the absorbed form has paid for the bits, the unions and the decompression (about 0.9 ms at T = 32k, 5 %
 of that form's time). FORM = "union" / "absorbed" forces one (tests, benchmarks). One host
 sync, for the counts (pairs, selections, mask words): they are copied to pinned memory as soon as the
@@ -155,7 +155,7 @@ import triton
 import triton.language as tl
 
 from .mla_attention import check_prefill_args, sparse_mla_prefill_ref
-from .mla_attention_triton import (_LOG2E, INT32_OFFSETS_BELOW, _rows_at, _softmax_step, head_block,
+from .mla_attention_triton import (_LOG2E, INT32_OFFSETS_BELOW, _rows_at, _softmax_step,
                                    sparse_mla_prefill_absorbed)
 
 # Which form runs: "auto" picks per call (use_union_form); "union" / "absorbed" force one (tests, benchmarks).
@@ -163,13 +163,13 @@ FORM = os.environ.get("MINIDSA_PREFILL_FORM", "auto")
 # The two forms' costs, fitted on the H200 (T=32,768, top-k 2048, K3 dims, bf16, 128-query tiles; each form
 # forced, four selection patterns at 16, 32, 64 and 96 heads, 2026-12-01), in seconds. Union form: per
 # selected pair 1.08e-11 + 4.4e-13 per head (bits, unions, decompression), plus 1.6e-12 per head and (query,
-# union slot) pair (1.50-1.67e-12 at the four head counts). Absorbed form: per selected pair and per program of
-# head_block(H) heads, which the gathers bind: 2.65e-10 for 16, 5.04e-10 for 32, 3.45e-10 for 64 (96 heads, two
-# blocks of 64: 6.5e-10 measured, 6.9e-10 modelled). The model picked the faster form in 15 of the 16 measured
-# cases (the miss: 96 heads, 3.8 pairs per selected pair, 4 % slower).
+# union slot) pair (1.50-1.67e-12 at the four head counts). Absorbed form: per selected pair, which its gathers
+# bind: 2.65e-10 up to 16 heads (the Triton kernel, 16-row tiles), else 3.45e-10 per 64 heads (the Gluon
+# kernel's tiles on sm_90; 32 heads 3.04e-10, 96 heads 6.5e-10 measured). The model picked the faster form in
+# 15 of the 16 measured cases (the miss: 96 heads, 3.8 pairs per selected pair, 4 % slower).
 UNION_FIXED = (1.08e-11, 4.4e-13)
 UNION_PER_HEAD_PAIR = 1.6e-12
-ABSORBED_PER_BLOCK = {16: 2.65e-10, 32: 5.04e-10, 64: 3.45e-10}
+ABSORBED_UP_TO_16_HEADS, ABSORBED_PER_64_HEADS = 2.65e-10, 3.45e-10
 
 
 @triton.jit
@@ -425,11 +425,10 @@ def _attend(q, kv, k_pe, union, count, mask, mask_off, out, dn: int, scale: floa
 
 def union_break_even(heads: int) -> float:
     """(query, union slot) pairs per (query, selected position) pair below which the union form is faster
-    (the cost model above): 9.7 at 16 heads, 9.4 at 32, 3.0 at 64, 4.1 at 96. Below 16 heads, unmeasured, it
+    (the cost model above): 9.7 at 16 heads, 6.2 at 32, 3.0 at 64, 4.1 at 96. Below 16 heads, unmeasured, it
     stays at the 16-head value rather than extrapolate the union form's per-head cost."""
     h = max(heads, 16)
-    block = head_block(heads)
-    absorbed = ABSORBED_PER_BLOCK[block] * triton.cdiv(heads, block)
+    absorbed = ABSORBED_UP_TO_16_HEADS if heads <= 16 else ABSORBED_PER_64_HEADS * triton.cdiv(heads, 64)
     return (absorbed - UNION_FIXED[0] - UNION_FIXED[1] * h) / (UNION_PER_HEAD_PAIR * h)
 
 
