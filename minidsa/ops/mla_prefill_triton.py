@@ -95,7 +95,7 @@ masked dense attention over the whole prefix (5.52 TFLOP at 391 TFLOP/s): slower
 runs the same FLOPs at 591 TFLOP/s.
 
 The floor of issue 9 (2x faster than dense causal SDPA) holds when neighbouring queries keep about 90 %
-of each other's picks, sits on it at 79 % (1.91-2.02x over runs) and fails below. With independent
+of each other's picks, sits on it at 79 % (1.91-2.03x over runs) and fails below. With independent
 picks no form here can meet it: the union is the whole prefix, and the absorbed form must gather 74.9 GB
 of rows (module docstring of mla_attention_triton.py). Between, the attention kernel binds, at about
 half of the bf16 peak where FlashAttention reaches 75 % on dense tiles, and not through its memory
