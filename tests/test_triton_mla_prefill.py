@@ -150,6 +150,23 @@ def test_auto_form_follows_the_union_size(monkeypatch):
     assert calls == ["absorbed", "union"]
 
 
+def test_a_table_wider_than_the_selections_costs_nothing(monkeypatch):
+    """A block table made for a longer sequence (-1 columns past the last block): same output, and the
+    decompression covers the selected extent, not the table's reach."""
+    monkeypatch.setattr(mp, "FORM", "union")
+    q, kv, pe, table, idx, w, scale = prefill_case()
+    want = mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
+    wide = torch.cat([table, torch.full((table.shape[0], 100), -1, dtype=table.dtype, device=table.device)], 1)
+    widths, decompress = [], mp._decompress
+
+    def recording(kv_plane, pe_plane, blocks, *rest):
+        widths.append(blocks.shape[1])
+        return decompress(kv_plane, pe_plane, blocks, *rest)
+    monkeypatch.setattr(mp, "_decompress", recording)
+    assert torch.equal(mp.sparse_mla_prefill(q, kv, pe, wide, idx, w, scale), want)
+    assert widths == [-(-(int(idx.max()) + 1) // kv.shape[1])]
+
+
 def test_empty_and_all_padding_give_zeros():
     q, kv, pe, table, idx, w, scale = prefill_case(B=1, T=5, contexts=(5,))
     out = mp.sparse_mla_prefill(q, kv, pe, table, torch.full_like(idx, -1), w, scale)

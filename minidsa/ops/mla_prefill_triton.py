@@ -7,11 +7,10 @@ H, dv] fp32. The reference gathers, per tile of 64 queries, the union of the cac
 selected, decompresses them and attends with remapped indices. The union form here aggregates the
 same way at the granularity of single positions:
 
-1. Decompress once: every position the block table reaches (S = max_blocks x block_size; a selection
-   past it is padding), read block by block in logical order and multiplied by W_kvb in one GEMM, kv [B,
-   S, H, dn + dv] in the weight's dtype (the reference's rounding); k_pe [B, S, dr] stays one vector per
-   position, shared by the heads. S comes from the table's shape, not from the selections, so nothing
-   waits for the GPU before the union build is queued.
+1. Decompress once: the positions below S (the block table's reach, or the highest selection + 1 when the
+   table reaches past twice the prompt; sparse_mla_prefill), read block by block in logical order and
+   multiplied by W_kvb in one GEMM, kv [B, S, H, dn + dv] in the weight's dtype (the reference's
+   rounding); k_pe [B, S, dr] stays one vector per position, shared by the heads.
 2. ``_mark_bits`` (one program per query) sets one bit per valid selected pos (not -1, inside the
    block table, its block not -1: the reference's padding rule) in the query's bit row, [B * T,
    ceil(S / 32)] int32, with an atomic OR, and counts the valid selections. ``_tile_union`` (one
@@ -64,12 +63,13 @@ latent row serves all heads) costs per selected pair. The unions are built first
 form reuses them); their exact pair count against the selected pairs, compared with
 union_break_even(H) (a cost model of both forms fitted at 16, 32, 64 and 96 heads), decides. The union
 form's work grows with the heads, the absorbed form's with its programs of up to 64 heads, which share
-their gathers: at the K3 shape (96 heads) the union form pays up to 4.1 pairs per selected pair. A call that ends in
-the absorbed form has paid for the bits, the unions and the decompression (about 0.9 ms at T = 32k, 5 %
-of that form's time). FORM = "union" / "absorbed" forces one (tests, benchmarks). One host
-sync, for the counts (pairs, selections, mask words): they are copied to pinned memory as soon as the
-unions are built, and the decompression is queued before the host waits for that copy, so the GPU has
-0.2 ms of work while the host wakes up and launches the masks and the attention.
+their gathers: at the K3 shape (96 heads) the union form pays up to 4.1 pairs per selected pair. A call
+that ends in the absorbed form has paid for the bits, the unions and the decompression (about 0.9 ms at T
+= 32k, 5 % of that form's time). FORM = "union" / "absorbed" forces one (tests, benchmarks). Two host
+syncs at most: S (the highest selection), only when the block table reaches past twice the prompt, and
+the counts (pairs, selections, mask words), copied to pinned memory as soon as the unions are built; the
+decompression is queued before the host waits for that copy, so the GPU has 0.2 ms of work while the
+host wakes up and launches the masks and the attention.
 
 Measured on the H200 (benchmarks/bench_mla.py, bf16, T=32,768, top-k 2048, H=16, dn=dv=128, dr=64,
 r=512, triton 3.6, one run, 2026-12-01) with four selection patterns: independent random picks, and
@@ -339,7 +339,7 @@ def _blocks(on_gpu: bool, elt: int) -> tuple[int, int, int, int]:
 
 
 def _decompress(kv_latent_plane, k_pe_plane, table, kv_b_weight, B: int, H: int):
-    """Every position the block table reaches (S = max_blocks * block_size), decompressed, in logical order:
+    """Every position the block table reaches (max_blocks * block_size), decompressed, in logical order:
     (kv [B, S, H, dn + dv], k_pe [B, S, dr]) in the weight's dtype. Whole blocks are gathered; a -1 entry
     stands in block 0, whose rows are then never read (no selection there is valid)."""
     blocks = table.clamp(min=0)
@@ -457,10 +457,15 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     bs, on_gpu = kv_latent_plane.shape[1], q.device.type == "cuda"
     BLOCK_M, BLOCK_N, num_warps, num_stages = _blocks(on_gpu, kv_b_weight.element_size())
     idx, table = indices.to(torch.int32), block_table.to(torch.int32)
-    # S = the table's reach: a selection past it is padding. No host sync before the union build, so the
-    # GPU queue stays full while the host launches it (the highest selected position would cost a sync).
-    S = table.shape[1] * bs
-    if S == 0:  # no block at all: nothing is valid, the absorbed form returns zeros
+    # S bounds every position the op marks, ORs and decompresses. A table that reaches at most twice the
+    # prompt (a prefill without a long prefix) sets it, with no host sync before the union build. A wider
+    # one (a long prefix, or a table made for a longer sequence: 128k positions for a 1k prompt) costs a
+    # sync for the highest selection instead, so that the work follows the selections and not the table.
+    # H200, T = 32k, where both give S = T: that sync took 0.2-0.3 ms more per call (4.8-5.1 ms against
+    # 4.6-4.9 at 79 % overlap, 3.6 against 3.3 at 92 %): the GPU drains while the host waits.
+    reach = table.shape[1] * bs
+    S = reach if reach <= 2 * T else min(int(idx.max()) + 1, reach)
+    if S <= 0:  # nothing selected anywhere: the absorbed form returns zeros
         return sparse_mla_prefill_absorbed(*args)
     bits, n_valid = _bitmaps(idx, table, bs, B, T, S, on_gpu)
     union, count, mask_words, stats = _tile_unions(bits, n_valid, B, T, S, BLOCK_M, on_gpu)
@@ -468,7 +473,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     work = _fetch_later(stats)
     # Queued before the host waits for the counts: the GPU decompresses (0.2 ms at T = 32k) while the host
     # wakes up and launches the masks (wasted when the absorbed form wins).
-    kv, k_pe = _decompress(kv_latent_plane, k_pe_plane, table, kv_b_weight, B, H)
+    kv, k_pe = _decompress(kv_latent_plane, k_pe_plane, table[:, :triton.cdiv(S, bs)], kv_b_weight, B, H)
     pairs, selected, total = work()  # the one host sync
     if not use_union_form(pairs, selected, H):
         return sparse_mla_prefill_absorbed(*args)
