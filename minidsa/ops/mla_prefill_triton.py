@@ -339,7 +339,7 @@ def _blocks(on_gpu: bool, elt: int) -> tuple[int, int, int, int]:
 
 
 def _decompress(kv_latent_plane, k_pe_plane, table, kv_b_weight, B: int, H: int):
-    """Every position the block table reaches (max_blocks * block_size), decompressed, in logical order:
+    """Every position the given block table reaches (its width x block_size), decompressed, in logical order:
     (kv [B, S, H, dn + dv], k_pe [B, S, dr]) in the weight's dtype. Whole blocks are gathered; a -1 entry
     stands in block 0, whose rows are then never read (no selection there is valid)."""
     blocks = table.clamp(min=0)
@@ -465,7 +465,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     # 4.6-4.9 at 79 % overlap, 3.6 against 3.3 at 92 %): the GPU drains while the host waits.
     reach = table.shape[1] * bs
     S = reach if reach <= 2 * T else min(int(idx.max()) + 1, reach)
-    if S <= 0:  # nothing selected anywhere: the absorbed form returns zeros
+    if S <= 0:  # no block, or nothing selected anywhere: the absorbed form returns zeros
         return sparse_mla_prefill_absorbed(*args)
     bits, n_valid = _bitmaps(idx, table, bs, B, T, S, on_gpu)
     union, count, mask_words, stats = _tile_unions(bits, n_valid, B, T, S, BLOCK_M, on_gpu)
@@ -474,7 +474,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     # Queued before the host waits for the counts: the GPU decompresses (0.2 ms at T = 32k) while the host
     # wakes up and launches the masks (wasted when the absorbed form wins).
     kv, k_pe = _decompress(kv_latent_plane, k_pe_plane, table[:, :triton.cdiv(S, bs)], kv_b_weight, B, H)
-    pairs, selected, total = work()  # the one host sync
+    pairs, selected, total = work()  # waits for the counts' copy alone
     if not use_union_form(pairs, selected, H):
         return sparse_mla_prefill_absorbed(*args)
     mask = _tile_masks(bits, union, count, mask_off, total, T, BLOCK_M, on_gpu)
