@@ -282,7 +282,7 @@ def form_flops(idx, table, shape: dict, bs: int) -> dict:
     from minidsa.ops import mla_prefill_triton as mp
     T, H, dn, dr, dv, r = (shape[k] for k in ("T", "H", "dn", "dr", "dv", "r"))
     BM = mp._blocks(idx.is_cuda, 2)[0]
-    S = table.shape[1] * bs  # the op's S: the table's reach
+    S = table.shape[1] * bs  # the op's S here: the table reaches no further than twice the prompt
     bits, n_valid = mp._bitmaps(idx.int(), table, bs, 1, T, S, idx.is_cuda)
     pairs, valid, _ = mp._tile_unions(bits, n_valid, 1, T, S, BM, idx.is_cuda)[3].tolist()  # the op's counts
     return {"union": 2 * H * pairs * (dn + dr + dv),

@@ -79,17 +79,18 @@ def test_union_form_with_a_missing_block_and_overlapping_selections(monkeypatch)
 
 
 def test_tile_unions_and_masks_list_exactly_the_selections():
-    """Bit rows, union lists, counts and the masks written over the bit rows, against Python sets of the
-    valid selections."""
+    """Bit rows, union lists, counts, mask offsets and the masks, against Python sets of the valid
+    selections."""
     _, _, _, table, idx, _, _ = prefill_case(K=20, contexts=(130, 90))  # unions past one 64-slot step
     table[0, 1] = -1  # positions 4..7 of sequence 0 lose their block: selected there, but not valid
     bs, (B, T, K), BM = 4, idx.shape, 16
     S = table.shape[1] * bs  # the op's S
     assert ((idx[0] >= 4) & (idx[0] < 8)).any()
     bits, n_valid = mp._bitmaps(idx, table, bs, B, T, S, on_gpu=False)
-    union, count, words, stats = mp._tile_unions(bits, n_valid, B, T, S, BM, on_gpu=False)
+    union, count, off, stats = mp._tile_unions(bits, n_valid, B, T, S, BM, on_gpu=False)
     pairs, selected, total = stats.tolist()
-    assert words.tolist() == [(int(c) + 31) // 32 * BM for c in count.view(-1)] and total == int(words.sum())
+    words = [(int(c) + 31) // 32 * BM for c in count.view(-1)]  # BM words per 32 union slots
+    assert off.tolist() == [sum(words[:i]) for i in range(len(words))] and total == sum(words)
     valid = paged_slots(table, idx.reshape(B, -1), bs).view(B, T, K) >= 0
     assert n_valid.tolist() == valid.sum(-1).view(-1).tolist() and selected == int(valid.sum())
     sel = [[set(idx[b, t][valid[b, t]].tolist()) for t in range(T)] for b in range(B)]
@@ -98,7 +99,6 @@ def test_tile_unions_and_masks_list_exactly_the_selections():
         assert got_bits == sel[b][t]
     assert pairs == sum(int(count[b, i]) * len(range(i * BM, min(T, (i + 1) * BM)))
                         for b in range(B) for i in range(count.shape[1]))
-    off = torch.cumsum(words, 0) - words  # the op's layout: tiles back to back
     mask = mp._tile_masks(bits, union, count, off, total, T, BM, on_gpu=False)
     assert max(count.view(-1).tolist()) > 64  # more than one step of the CPU kernel's 64 slots
     for b in range(B):

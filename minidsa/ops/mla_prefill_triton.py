@@ -382,9 +382,9 @@ def _bitmaps(idx, table, bs: int, B: int, T: int, S: int, on_gpu: bool) -> tuple
 
 def _tile_unions(bits, n_valid, B: int, T: int, S: int, BLOCK_M: int, on_gpu: bool):
     """Per tile of BLOCK_M queries, the sorted union of the positions its queries selected -> (union int32
-    [B, n_tiles, S], the first count[b, tile] entries being the positions; count int32 [B, n_tiles]; words
-    int64 [B * n_tiles], the size of each tile's mask; stats int64 [3]: the (query, union slot) pairs, the
-    valid selected pairs and the mask words, summed over the tiles)."""
+    [B, n_tiles, S], the first count[b, tile] entries being the positions; count int32 [B, n_tiles];
+    mask_off int64 [B * n_tiles], where each tile's mask starts, the tiles back to back; stats int64 [3]:
+    the (query, union slot) pairs, the valid selected pairs and the mask words, summed over the tiles)."""
     n_tiles, W = triton.cdiv(T, BLOCK_M), bits.shape[1]
     union = torch.empty(B * n_tiles, S, dtype=torch.int32, device=bits.device)
     count = torch.empty(B * n_tiles, dtype=torch.int32, device=bits.device)
@@ -393,7 +393,7 @@ def _tile_unions(bits, n_valid, B: int, T: int, S: int, BLOCK_M: int, on_gpu: bo
     block_w = 64 if on_gpu else 4  # fixed, not per W: one compiled variant for every prompt length
     _tile_union[(B * n_tiles,)](bits, n_valid, union, count, words, stats, T, W, S, n_tiles, BLOCK_M=BLOCK_M,
                                 BLOCK_W=block_w, num_warps=8 if on_gpu else 1)
-    return union.view(B, n_tiles, S), count.view(B, n_tiles), words, stats
+    return union.view(B, n_tiles, S), count.view(B, n_tiles), torch.cumsum(words, 0) - words, stats
 
 
 def _tile_masks(bits, union, count, mask_off, total: int, T: int, BLOCK_M: int, on_gpu: bool) -> torch.Tensor:
@@ -468,8 +468,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     if S <= 0:  # no block, or nothing selected anywhere: the absorbed form returns zeros
         return sparse_mla_prefill_absorbed(*args)
     bits, n_valid = _bitmaps(idx, table, bs, B, T, S, on_gpu)
-    union, count, mask_words, stats = _tile_unions(bits, n_valid, B, T, S, BLOCK_M, on_gpu)
-    mask_off = torch.cumsum(mask_words, 0) - mask_words  # each tile's mask follows the previous tiles'
+    union, count, mask_off, stats = _tile_unions(bits, n_valid, B, T, S, BLOCK_M, on_gpu)
     work = _fetch_later(stats)
     # Queued before the host waits for the counts: the GPU decompresses (0.2 ms at T = 32k) while the host
     # wakes up and launches the masks (wasted when the absorbed form wins).
