@@ -290,15 +290,19 @@ def form_flops(idx, table, shape: dict, bs: int) -> dict:
 
 
 def time_forms(bench, args, idx, w, scale) -> dict:
-    """The op (form chosen per call) and each form forced: seconds, and each form's output."""
+    """The op (form chosen per call) and each form forced: seconds, and each form's output. On a GPU with the
+    Gluon union kernel (sm_90), also the union form on the portable Triton kernel ("union_triton")."""
     from minidsa.ops import mla_prefill_triton as mp
     q, kv_plane, pe_plane, table = args
-    res = {}
-    for form in ("auto", "union", "absorbed"):
-        mp.FORM = form
-        res[form] = (bench(lambda: mp.sparse_mla_prefill(q, kv_plane, pe_plane, table, idx, w, scale), rep_ms=300),
+    res, use_gluon = {}, mp.USE_GLUON
+    runs = [("auto", "auto", use_gluon), ("union", "union", use_gluon), ("absorbed", "absorbed", use_gluon)]
+    if q.is_cuda and mp._gluon is not None and use_gluon:
+        runs.append(("union_triton", "union", False))
+    for name, form, gluon in runs:
+        mp.FORM, mp.USE_GLUON = form, gluon
+        res[name] = (bench(lambda: mp.sparse_mla_prefill(q, kv_plane, pe_plane, table, idx, w, scale), rep_ms=300),
                      mp.sparse_mla_prefill(q, kv_plane, pe_plane, table, idx, w, scale))
-    mp.FORM = "auto"
+    mp.FORM, mp.USE_GLUON = "auto", use_gluon
     return res
 
 
@@ -326,6 +330,10 @@ def bench_prefill(dev: str, dry: bool, results: dict) -> bool:
               f"a 64-query tile's union is {union:.2f} x top-k")
         peers = {"union form (forced)": forms["union"][0], "absorbed form (forced)": forms["absorbed"][0],
                  "dense causal SDPA (decompressed)": t_dense}
+        if "union_triton" in forms:  # sm_90: the union form's attention on the Gluon kernel, and on Triton's
+            peers["union form, Triton attention kernel (forced)"] = forms["union_triton"][0]
+            ok &= check("union form: Gluon vs Triton attention kernel", forms["union"][1], forms["union_triton"][1],
+                        tol)
         if sigma is None:  # the references do not depend on the selection pattern: timed once
             chunk = 1024 if not dry else 32
             peer = torch_sparse_prefill(q[0], kv_plane, pe_plane, table, idx[0], w, scale, chunk)

@@ -158,8 +158,16 @@ from .mla_attention import check_prefill_args, sparse_mla_prefill_ref
 from .mla_attention_triton import (_LOG2E, INT32_OFFSETS_BELOW, _rows_at, _softmax_step,
                                    sparse_mla_prefill_absorbed)
 
+try:  # the sm_90 union kernel (Gluon); a triton without Gluon, or with another Gluon API, keeps this file's kernel
+    from . import mla_prefill_gluon as _gluon
+except (ImportError, AttributeError):
+    _gluon = None
+
 # Which form runs: "auto" picks per call (use_union_form); "union" / "absorbed" force one (tests, benchmarks).
 FORM = os.environ.get("MINIDSA_PREFILL_FORM", "auto")
+# On sm_90, the union form's attention goes to the Gluon kernel where it fits (mla_prefill_gluon.py: 3.1 against
+# 3.7 ms at T = 32k, 79 % overlap); False keeps it on this file's kernel. The decode kernels' switch, too.
+USE_GLUON = os.environ.get("MINIDSA_MLA_GLUON", "1") != "0"
 # The two forms' costs, fitted on the H200 (T=32,768, top-k 2048, K3 dims, bf16, 128-query tiles; each form
 # forced, four selection patterns at 16, 32, 64 and 96 heads, 2026-12-01), in seconds. Union form: per
 # selected pair 1.08e-11 + 4.4e-13 per head (bits, unions, decompression), plus 1.6e-12 per head and (query,
@@ -169,6 +177,9 @@ FORM = os.environ.get("MINIDSA_PREFILL_FORM", "auto")
 # 15 of the 16 measured cases (the miss: 96 heads, 3.8 pairs per selected pair, 4 % slower).
 UNION_FIXED = (1.08e-11, 4.4e-13)
 UNION_PER_HEAD_PAIR = 1.6e-12
+# The Gluon kernel's per (head, union pair) cost: the Triton kernel's scaled by their measured ratio, 0.84-0.85 at
+# three selection patterns (16 heads; a program's work does not depend on the head count), not refitted.
+UNION_PER_HEAD_PAIR_GLUON = 1.36e-12
 ABSORBED_UP_TO_16_HEADS, ABSORBED_PER_64_HEADS = 2.65e-10, 3.45e-10
 
 
@@ -407,9 +418,19 @@ def _tile_masks(bits, union, count, mask_off, total: int, T: int, BLOCK_M: int, 
     return mask
 
 
+def _gluon_attends(q, kv, k_pe, out, dn: int, scale: float, BLOCK_M: int) -> bool:
+    """Whether _attend runs the sm_90 Gluon kernel (mla_prefill_gluon.py), which reads 128-query tiles."""
+    return (USE_GLUON and _gluon is not None and BLOCK_M == int(_gluon.BLOCK_M)
+            and _gluon.gluon_fits(q, kv, k_pe, out, dn, scale * _LOG2E))
+
+
 def _attend(q, kv, k_pe, union, count, mask, mask_off, out, dn: int, scale: float, BLOCK_M: int, BLOCK_N: int,
             num_warps: int, num_stages: int) -> None:
-    """Launch _union_attn_fwd: q [B, T, H, dn+dr], kv [B, S, H, dn+dv], k_pe [B, S, dr] -> out [B, T, H, dv]."""
+    """Launch _union_attn_fwd (or, where _gluon_attends, the Gluon kernel): q [B, T, H, dn+dr], kv [B, S, H,
+    dn+dv], k_pe [B, S, dr] -> out [B, T, H, dv]."""
+    if _gluon_attends(q, kv, k_pe, out, dn, scale, BLOCK_M):
+        _gluon.attend(q, kv, k_pe, union, count, mask, mask_off, out, dn, scale * _LOG2E)
+        return
     B, T, H, dq = q.shape
     dr, dv, n_tiles = dq - dn, out.shape[-1], union.shape[1]
     _union_attn_fwd[(H, n_tiles, B)](
@@ -423,23 +444,25 @@ def _attend(q, kv, k_pe, union, count, mask, mask_off, out, dn: int, scale: floa
         num_warps=num_warps, num_stages=num_stages)
 
 
-def union_break_even(heads: int) -> float:
+def union_break_even(heads: int, gluon: bool = False) -> float:
     """(query, union slot) pairs per (query, selected position) pair below which the union form is faster
-    (the cost model above): 9.7 at 16 heads, 6.2 at 32, 3.0 at 64, 4.1 at 96. Below 16 heads, unmeasured, it
-    stays at the 16-head value rather than extrapolate the union form's per-head cost."""
+    (the cost model above): 9.7 at 16 heads, 6.2 at 32, 3.0 at 64, 4.1 at 96 with this file's kernel; 11.4,
+    7.4, 3.5 and 4.9 with the Gluon kernel (``gluon``). Below 16 heads, unmeasured, it stays at the 16-head
+    value rather than extrapolate the union form's per-head cost."""
     h = max(heads, 16)
     absorbed = ABSORBED_UP_TO_16_HEADS if heads <= 16 else ABSORBED_PER_64_HEADS * triton.cdiv(heads, 64)
-    return (absorbed - UNION_FIXED[0] - UNION_FIXED[1] * h) / (UNION_PER_HEAD_PAIR * h)
+    per_pair = UNION_PER_HEAD_PAIR_GLUON if gluon else UNION_PER_HEAD_PAIR
+    return (absorbed - UNION_FIXED[0] - UNION_FIXED[1] * h) / (per_pair * h)
 
 
-def use_union_form(union_pairs: float, selected: int, heads: int = 16) -> bool:
+def use_union_form(union_pairs: float, selected: int, heads: int = 16, gluon: bool = False) -> bool:
     """Whether the union form is expected to beat the absorbed form: FORM, or for "auto" the ratio of
-    (query, union slot) pairs to (query, selected position) pairs against union_break_even(heads)."""
+    (query, union slot) pairs to (query, selected position) pairs against union_break_even(heads, gluon)."""
     if FORM not in ("auto", "union", "absorbed"):
         raise ValueError(f"mla_prefill_triton.FORM is {FORM!r}; use 'auto', 'union' or 'absorbed'")
     if FORM != "auto":
         return FORM == "union"
-    return union_pairs < union_break_even(heads) * selected
+    return union_pairs < union_break_even(heads, gluon) * selected
 
 
 def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plane: torch.Tensor,
@@ -473,12 +496,12 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     # Queued before the host waits for the counts: the GPU decompresses (0.2 ms at T = 32k) while the host
     # wakes up and launches the masks (wasted when the absorbed form wins).
     kv, k_pe = _decompress(kv_latent_plane, k_pe_plane, table[:, :triton.cdiv(S, bs)], kv_b_weight, B, H)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
     pairs, selected, total = work()  # waits for the counts' copy alone
-    if not use_union_form(pairs, selected, H):
+    if not use_union_form(pairs, selected, H, _gluon_attends(q, kv, k_pe, out, dn, scale, BLOCK_M)):
         return sparse_mla_prefill_absorbed(*args)
     mask = _tile_masks(bits, union, count, mask_off, total, T, BLOCK_M, on_gpu)
     del bits  # 4 bytes per query and 32 positions, no longer needed: free them before attention runs
-    out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
-    _attend(q if q.stride(-1) == 1 else q.contiguous(), kv, k_pe, union, count, mask, mask_off, out, dn, scale,
-            BLOCK_M, BLOCK_N, num_warps, num_stages)
+    _attend(q, kv, k_pe, union, count, mask, mask_off, out, dn, scale, BLOCK_M, BLOCK_N, num_warps, num_stages)
     return out
