@@ -41,7 +41,9 @@ same runs, 2026-12-01):
   reordering the gathered rows so that a thread's columns read one mask word per parity (same SASS).
 Measured: 3.10-3.17 / 2.09 / 5.20-5.25 ms against the Triton kernel's 3.68 / 2.43-2.47 / 6.18-6.27 ms,
 1.49 / 0.96 / 2.55 TFLOP at 476-487 / 459 / 486-490 TFLOP/s; outputs within 5e-4 of the output scale of
-the Triton kernel's (sums in another order, chunks of 64 against 32), bitwise equal run to run.
+the Triton kernel's (sums in another order, chunks of 64 against 32), bitwise equal run to run. The whole op
+(benchmarks/bench_mla.py --only prefill, one run): 11.6 / 6.0 / 4.0 / 2.9 ms with independent picks and at
+62 / 79 / 92 %, the union form forced on the Triton kernel 13.9 / 7.1 / 4.6 / 3.3 ms, dense causal SDPA 9.30.
 
 Used by ``mla_prefill_triton._attend`` when ``gluon_fits`` says so (sm_90, bf16/fp16, dn = dv in {64, 128},
 dr in {32, 64}, qk_scale > 0, int32 offsets) and USE_GLUON there is on; everything else, and every CPU run,

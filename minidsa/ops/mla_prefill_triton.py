@@ -71,53 +71,57 @@ the counts (pairs, selections, mask words), copied to pinned memory as soon as t
 decompression is queued before the host waits for that copy, so the GPU has 0.2 ms of work while the
 host wakes up and launches the masks and the attention.
 
+On sm_90 the attention step runs ``mla_prefill_gluon.py`` where it fits (bf16/fp16, dn = dv, 128-query
+tiles): this kernel's math with a producer warp group for the gathers and the query held in registers,
+0.84-0.85x this kernel's time (its docstring says what each change bought).
+
 Measured on the H200 (benchmarks/bench_mla.py, bf16, T=32,768, top-k 2048, H=16, dn=dv=128, dr=64,
 r=512, triton 3.6, one run, 2026-12-01) with four selection patterns: independent random picks, and
 picks of a shared per-position importance plus noise, where the next query keeps 62 %, 79 % or 92 % of
-a query's picks:
+a query's picks; the union form with its attention on the Gluon kernel, and on this file's kernel:
 
-  selections (64-query tile union / top-k)   op        union form   absorbed form   dense causal SDPA
-  independent (8.47)                         14.1 ms   14.1 ms      17.1 ms          9.3 ms (op 0.66x)
-  next query keeps 62 % (3.48)                7.1 ms    7.1 ms      17.1 ms          (op 1.31x faster)
-  next query keeps 79 % (2.11)                4.6 ms    4.6 ms      17.1 ms          (op 2.02x faster)
-  next query keeps 92 % (1.39)                3.3 ms    3.3 ms      17.0 ms          (op 2.82x faster)
+  selections (64-query tile union / top-k)   op        union form (Triton's)   absorbed form   dense causal SDPA
+  independent (8.47)                         11.6 ms   11.6 ms (13.9 ms)       17.1 ms          9.3 ms (op 0.80x)
+  next query keeps 62 % (3.48)                6.0 ms    6.0 ms  (7.1 ms)       17.1 ms          (op 1.55x faster)
+  next query keeps 79 % (2.11)                4.0 ms    4.1 ms  (4.6 ms)       17.2 ms          (op 2.35x faster)
+  next query keeps 92 % (1.39)                2.9 ms    3.1 ms  (3.3 ms)       17.2 ms          (op 3.19x faster)
 
-The 79 % case sits on the floor: in interleaved runs of the op (build/gpu, same day) it took 4.64-4.88 ms
-against dense SDPA's 9.13-9.49 ms on the machines drawn, 1.91-2.01x. Its GPU timeline (torch profiler,
-consecutive calls): bits zeroed 0.03 ms, marked 0.57, unions 0.065, counts copied, gathers 0.016 and the
-decompression GEMM 0.21 (while the host waits for the counts and launches the rest), masks 0.14, attention
-3.47 ms (147 M union pairs, 1.51 TFLOP, 435 TFLOP/s; 3.65 ms alone with the L2 flushed first), with no
-gap between kernels. Before this layout the op was 5.0-5.4 ms: two host syncs (the highest selection,
-then the counts and the mask's size) each let the GPU run dry while the host woke up and issued a
-dozen small launches (0.9 ms of gaps in the timeline), and the masks were tile-row-major (128 words at a
-stride per chunk; chunk-major: attention 3.83 -> 3.72 ms). The union form with independent picks is
-masked dense attention over the whole prefix (5.52 TFLOP at 391 TFLOP/s): slower than dense SDPA, which
-runs the same FLOPs at 591 TFLOP/s.
+At 79 %, in interleaved runs of the op (build/gpu, same day) it took 4.05-4.12 ms with the Gluon kernel
+against 4.72-4.76 with this one and dense SDPA's 9.30 ms: 2.26-2.30x (this kernel alone: 1.91-2.03x over the
+day's runs). The GPU timeline with this file's kernel (torch profiler, consecutive calls): bits zeroed 0.03
+ms, marked 0.57, unions 0.065, counts copied, gathers 0.016 and the decompression GEMM 0.21 (while the host
+waits for the counts and launches the rest), masks 0.14, attention 3.47 ms (147 M union pairs, 1.51 TFLOP, 435
+TFLOP/s; 3.65 ms alone with the L2 flushed first), with no gap between kernels. Before this layout the op was
+5.0-5.4 ms: two host syncs (the highest selection, then the counts and the mask's size) each let the GPU run
+dry while the host woke up and issued a dozen small launches (0.9 ms of gaps in the timeline), and the masks
+were tile-row-major (128 words at a stride per chunk; chunk-major: attention 3.83 -> 3.72 ms). The union form
+with independent picks is masked dense attention over the whole prefix (5.52 TFLOP at 391 TFLOP/s here, 475 in
+Gluon): slower than dense SDPA, which runs the same FLOPs at 591 TFLOP/s.
 
-The floor of issue 9 (2x faster than dense causal SDPA) holds when neighbouring queries keep about 90 %
-of each other's picks, sits on it at 79 % (1.91-2.03x over runs) and fails below. With independent
-picks no form here can meet it: the union is the whole prefix, and the absorbed form must gather 74.9 GB
-of rows (module docstring of mla_attention_triton.py). Between, the attention kernel binds, at about
-half of the bf16 peak where FlashAttention reaches 75 % on dense tiles, and not through its memory
-traffic: at 79 % it took (with the earlier tile-row-major masks) 3.91 ms on the real unions, 3.86 ms
-with each tile's slots at contiguous positions and 3.81 ms with every
-position inside 2,048 rows (32 MB of kv, L2-resident). Tried and slower (attention kernel alone, same
-run): a warp-specialised Gluon version (a producer warp group for the gathers, two compute groups of 64
-queries, 64-slot chunks, FlashAttention-3's overlap of the next chunk's scores with this chunk's
-softmax; 172 KB, one program per SM) 4.16-4.23 ms at 79 %, 2.80-2.90 against 2.56 at 92 %, 14.0-14.4
-against 13.9 with independent picks; Triton's ``warp_specialize`` is ignored on sm_90 (same SASS); a
-lazy rescale (acc * alpha only when some row maximum grows by more than 2^8: a branch on a reduction over
-the program, capped at 128 registers to keep two programs per SM) 5.5-5.6 against 5.1-5.3 ms for the
-whole op at 79 %; 64-query tiles (``_blocks``); folding the scale into an FMA (382 instead of 398
-instructions per chunk) changed nothing measurable; 256-query tiles (16 warps, one program per SM: each
-gathered chunk serves twice the queries) 4.00 against 3.65 ms at 79 % (the union grows to 2.43 pairs per
-selected pair, and the kernel ran at 404 against 413 TFLOP/s).
-Tried for the fixed costs (same day): the decompression on a second stream beside the marking. With
-cuBLAS it delays the marking by as much as it takes (0.82 ms for both, 0.85 one after the other: its
-programs fill the SMs); a slim persistent Triton GEMM (one program per SM, 128 x 256 tiles, 8 warps) ran
-beside it in 0.73 ms, but then nothing is queued while the host wakes up for the counts, which the GEMM
-covers in the order used here. Masks written in place over the bit rows (no allocation, so they could be
-queued before the sync) cost the attention the chunk-major layout: 4.68-4.88 ms for the op.
+The floor of issue 9 (2x faster than dense causal SDPA) holds when neighbouring queries keep 79 % of each
+other's picks or more (2.26-2.35x at 79 % with the Gluon kernel, 3.19x at 92 %) and fails below (1.55x at 62
+%). With independent picks no form here can meet it: the union is the whole prefix, and the absorbed form must
+gather 74.9 GB of rows (module docstring of mla_attention_triton.py). Between, the attention kernel binds:
+this file's at about half of the bf16 peak where FlashAttention reaches 75 % on dense tiles, the Gluon kernel
+at 60 % (475-490 TFLOP/s), and not through memory traffic: at 79 % this file's kernel took (with the earlier
+tile-row-major masks) 3.91 ms on the real unions, 3.86 ms with each tile's slots at contiguous positions and
+3.81 ms with every position inside 2,048 rows (32 MB of kv, L2-resident). Tried and slower for this kernel
+(attention kernel alone, same run): a first warp-specialised Gluon version (the one now in
+mla_prefill_gluon.py, with the query in shared memory) 4.16-4.23 ms at 79 %, 2.80-2.90 against 2.56 at 92 %,
+14.0-14.4 against 13.9 with independent picks; Triton's ``warp_specialize`` is ignored on sm_90 (same SASS);
+the query in registers as the score dot's A operand (a computed q makes Triton pick that form, but it reloads
+q from shared memory each iteration with ldmatrix: 169 registers, one program per SM; Gluon holds it, see
+there); a lazy rescale (acc * alpha only when some row maximum grows by more than 2^8: a branch on a reduction
+over the program, capped at 128 registers to keep two programs per SM) 5.5-5.6 against 5.1-5.3 ms for the
+whole op at 79 %; 64-query tiles (``_blocks``); folding the scale into an FMA (382 instead of 398 instructions
+per chunk) changed nothing measurable; 256-query tiles (16 warps, one program per SM: each gathered chunk
+serves twice the queries) 4.00 against 3.65 ms at 79 % (the union grows to 2.43 pairs per selected pair, and
+the kernel ran at 404 against 413 TFLOP/s). Tried for the fixed costs (same day): the decompression on a
+second stream beside the marking. With cuBLAS it delays the marking by as much as it takes (0.82 ms for both,
+0.85 one after the other: its programs fill the SMs); a slim persistent Triton GEMM (one program per SM, 128 x
+256 tiles, 8 warps) ran beside it in 0.73 ms, but then nothing is queued while the host wakes up for the
+counts, which the GEMM covers in the order used here. Masks written in place over the bit rows (no allocation,
+so they could be queued before the sync) cost the attention the chunk-major layout: 4.68-4.88 ms for the op.
 
 Splitting the union was measured and rejected (H200, 2026-12-01, the union form's op at 4.98 ms in that
 run at 79 %). Most union slots that cost the union form its waste are positions few of the tile's queries
