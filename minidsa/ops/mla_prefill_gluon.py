@@ -235,7 +235,7 @@ def _compute_group(ME: gl.constexpr, q_base, o_base, mask_rows0, words, count, T
     gl.store(o_base + r[:, None] * s_ot + cols[None, :], o, mask=(r < T)[:, None])
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["T", "L", "n_tiles"])  # one compiled variant for every prompt length
 def _union_attn_fwd_sm90(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, count_ptr, o_ptr, T, L, n_tiles,
                          qk_scale, s_qb, s_qt, s_qh, s_kb, s_ks, s_kh, s_pb, s_ps, s_ob, s_ot, s_oh,
                          DN: gl.constexpr, DR: gl.constexpr, DV: gl.constexpr):
