@@ -17,30 +17,32 @@ whose next query keeps 79 % / 92 % / 62 %; the Triton kernel 3.65-3.71 / 2.43-2.
 same runs, 2026-12-01):
 - The query lives in registers, as the A operand of the score wgmma (48 registers per thread). From
   shared memory, every m64n64 score wgmma re-reads its 64 x 16 query slice beside the 64 x 16 key slice:
-  96 KB of the 168 KB a chunk moved through shared memory went to re-reading the query. The first version
+  96 KB of the 168 KB a chunk moves through shared memory (counted from the tile shapes) re-read the query. The first version
   of this kernel, with the query there, ran 4.16-4.23 ms at 79 %; the Triton kernel reads it from shared
   memory too (its score wgmma are m64n32: worse).
 - Scores stay unscaled until the exponent: the mask selects on the raw score, the row maximum is taken
   on raw scores (qk_scale > 0 commutes with max; the dispatcher sends other scales to the Triton kernel)
   and exp2(s * scale - m * scale) is one FFMA. Slots past the union's count need no test of their own:
-  their mask words are zero. 1,158 -> 959 instructions per thread per two chunks; 3.87 -> 3.51 ms.
+  their mask words are zero. 1,158 -> 959 instructions per thread per two chunks; 3.87 -> 3.56-3.86 ms.
 - The mask test is written in PTX (and, setp, selp: ptxas makes it one LOP3 with a predicate and one
   FSEL per score). Written as a comparison, LLVM packed the 16 predicates of a row pair into an integer
   and unpacked them again, five instructions per score: 955 -> 823 per two chunks; 3.19 -> 3.10-3.17 ms.
 - Slots past count gather the union's last position instead of a zero row (their mask bits are 0, so
   they score -inf and p = 0), so the producer computes no select per row; k and v rows of a position are
-  DN apart and share one address (the v copy adds an immediate offset). The producer went from 271 to 154
-  instructions per chunk: 3.47-3.50 -> 3.18-3.28 ms. A position padding a chunk is one some query of the
+  DN apart and share one address (the v copy adds an immediate offset). The producer went from 271 to 163
+  (the repeated position) and 154 (the shared address) instructions per chunk: 3.47-3.50 -> 3.25-3.55 ms,
+  3.18-3.28 with the registers below. A position padding a chunk is one some query of the
   tile selected, so it reads no row the tile would not read anyway (NaN there: see the Triton kernel).
 - Four stages (160 KB): three took 3.64 ms, five 3.58 (four: 3.25 in that run). 232 registers for each
   compute group and 40 for the producer (a few spills in the producer): 224 / 56 spilled in the compute
   groups and took 3.15-3.17 against 3.10-3.17 ms.
-- Tried and slower or no better: rescaling the accumulator only when a row maximum grows by more than
-  2^8 (a branch on a reduction over the group: 3.08-3.11 against 3.10-3.17 ms, and twice the error
-  against the reference, 2.4e-3 against 8.7e-4 of the output scale, from p values up to 256 in bf16);
-  reordering the gathered rows so that a thread's columns read one mask word per parity (same SASS).
+- Tried and no better: rescaling the accumulator only when a row maximum grows by more than 2^8 (a branch
+  on a reduction over the group: 3.08-3.11 against 3.10-3.17 ms alone, 4.10-4.12 against 4.05-4.12 ms for
+  the op, spills at these register counts, and 2.4e-3 against 8.7e-4 of the output scale from the
+  reference); reordering the gathered rows so that a thread's columns read one mask word per parity (the
+  same SASS).
 Measured: 3.10-3.17 / 2.09 / 5.20-5.25 ms against the Triton kernel's 3.68 / 2.43-2.47 / 6.18-6.27 ms,
-1.49 / 0.96 / 2.55 TFLOP at 476-487 / 459 / 486-490 TFLOP/s; outputs within 5e-4 of the output scale of
+1.51 / 0.96 / 2.55 TFLOP at 476-487 / 459 / 486-490 TFLOP/s; outputs within 5e-4 of the output scale of
 the Triton kernel's (sums in another order, chunks of 64 against 32), bitwise equal run to run. The whole op
 (benchmarks/bench_mla.py --only prefill, one run): 11.6 / 6.0 / 4.0 / 2.9 ms with independent picks and at
 62 / 79 / 92 %, the union form forced on the Triton kernel 13.9 / 7.1 / 4.6 / 3.3 ms, dense causal SDPA 9.30.

@@ -86,17 +86,18 @@ a query's picks; the union form with its attention on the Gluon kernel, and on t
   next query keeps 79 % (2.11)                4.0 ms    4.1 ms  (4.6 ms)       17.2 ms          (op 2.35x faster)
   next query keeps 92 % (1.39)                2.9 ms    3.1 ms  (3.3 ms)       17.2 ms          (op 3.19x faster)
 
-At 79 %, in interleaved runs of the op (build/gpu, same day) it took 4.05-4.12 ms with the Gluon kernel
-against 4.72-4.76 with this one and dense SDPA's 9.30 ms: 2.26-2.30x (this kernel alone: 1.91-2.03x over the
-day's runs). The GPU timeline with this file's kernel (torch profiler, consecutive calls): bits zeroed 0.03
-ms, marked 0.57, unions 0.065, counts copied, gathers 0.016 and the decompression GEMM 0.21 (while the host
-waits for the counts and launches the rest), masks 0.14, attention 3.47 ms (147 M union pairs, 1.51 TFLOP, 435
-TFLOP/s; 3.65 ms alone with the L2 flushed first), with no gap between kernels. Before this layout the op was
-5.0-5.4 ms: two host syncs (the highest selection, then the counts and the mask's size) each let the GPU run
-dry while the host woke up and issued a dozen small launches (0.9 ms of gaps in the timeline), and the masks
-were tile-row-major (128 words at a stride per chunk; chunk-major: attention 3.83 -> 3.72 ms). The union form
-with independent picks is masked dense attention over the whole prefix (5.52 TFLOP at 391 TFLOP/s here, 475 in
-Gluon): slower than dense SDPA, which runs the same FLOPs at 591 TFLOP/s.
+A second run of the whole benchmark: op 11.6 / 6.0 / 3.96 / 2.92 ms against dense SDPA's 9.12 ms (0.79x /
+1.52x / 2.30x / 3.12x). At 79 %, in interleaved runs of the op (build/gpu, same day) it took 4.05-4.12 ms with
+the Gluon kernel against 4.72-4.76 with this one and dense SDPA's 9.30 ms: 2.26-2.30x (this kernel alone:
+1.91-2.03x over the day's runs). The GPU timeline with this file's kernel (torch profiler, consecutive calls):
+bits zeroed 0.03 ms, marked 0.57, unions 0.065, counts copied, gathers 0.016 and the decompression GEMM 0.21
+(while the host waits for the counts and launches the rest), masks 0.14, attention 3.47 ms (147 M union pairs,
+1.51 TFLOP, 435 TFLOP/s; 3.65 ms alone with the L2 flushed first), with no gap between kernels. Before this
+layout the op was 5.0-5.4 ms: two host syncs (the highest selection, then the counts and the mask's size) each
+let the GPU run dry while the host woke up and issued a dozen small launches (0.9 ms of gaps in the timeline),
+and the masks were tile-row-major (128 words at a stride per chunk; chunk-major: attention 3.83 -> 3.72 ms).
+The union form with independent picks is masked dense attention over the whole prefix (5.52 TFLOP at 391
+TFLOP/s here, 475 in Gluon): slower than dense SDPA, which runs the same FLOPs at 591 TFLOP/s.
 
 The floor of issue 9 (2x faster than dense causal SDPA) holds when neighbouring queries keep 79 % of each
 other's picks or more (2.26-2.35x at 79 % with the Gluon kernel, 3.19x at 92 %) and fails below (1.55x at 62
