@@ -17,9 +17,9 @@ whose next query keeps 79 % / 92 % / 62 %; the Triton kernel 3.65-3.71 / 2.43-2.
 same runs, 2026-12-01):
 - The query lives in registers, as the A operand of the score wgmma (48 registers per thread). From
   shared memory, every m64n64 score wgmma re-reads its 64 x 16 query slice beside the 64 x 16 key slice:
-  96 KB of the 168 KB a chunk moves through shared memory (counted from the tile shapes) re-read the query. The first version
-  of this kernel, with the query there, ran 4.16-4.23 ms at 79 %; the Triton kernel reads it from shared
-  memory too (its score wgmma are m64n32: worse).
+  96 KB of the 168 KB a chunk moves through shared memory (counted from the tile shapes) re-read the
+  query. The first version of this kernel, with the query there, ran 4.16-4.23 ms at 79 %; the Triton
+  kernel reads it from shared memory too (its score wgmma are m64n32: worse).
 - Scores stay unscaled until the exponent: the mask selects on the raw score, the row maximum is taken
   on raw scores (qk_scale > 0 commutes with max; the dispatcher sends other scales to the Triton kernel)
   and exp2(s * scale - m * scale) is one FFMA. Slots past the union's count need no test of their own:
