@@ -25,16 +25,15 @@ sm90 = pytest.mark.skipif(not SM90, reason="the Gluon kernel is compiled for sm_
 
 def test_calls_off_sm90_take_the_triton_kernel():
     q = torch.zeros(1, 5, 16, 192, dtype=torch.bfloat16)
-    kv, pe, out = torch.zeros(1, 8, 16, 256, dtype=torch.bfloat16), torch.zeros(1, 8, 64), torch.zeros(1, 5, 16, 128)
-    assert not mp._gluon_attends(q, kv, pe.bfloat16(), out, 128, 0.1, 128)  # CPU tensors
+    kv, pe = torch.zeros(1, 8, 16, 256, dtype=torch.bfloat16), torch.zeros(1, 8, 64)
+    assert not mp._gluon_attends(q, kv, pe.bfloat16(), 128, 0.1, 128)  # CPU tensors
     if mp._gluon is not None and torch.cuda.is_available():
-        q, kv, pe, out = q.cuda(), kv.cuda(), pe.cuda(), out.cuda()
-        assert mp._gluon_attends(q, kv, pe.bfloat16(), out, 128, 0.1, 128) is SM90
-        assert not mp._gluon_attends(q, kv, pe, out, 128, 0.1, 128)  # fp32 k_pe
-        assert not mp._gluon_attends(q, kv, pe.bfloat16(), out, 128, 0.1, 64)  # 64-query tiles
-        assert not mp._gluon_attends(q, kv, pe.bfloat16(), out, 128, -0.1, 128)  # max on raw scores needs scale > 0
-        assert not mp._gluon_attends(q[..., :160], kv[..., :224], pe.bfloat16()[..., :32], out[..., :128], 96, 0.1,
-                                     128)  # dn 96 != dv 128
+        q, kv, pe = q.cuda(), kv.cuda(), pe.cuda()
+        assert mp._gluon_attends(q, kv, pe.bfloat16(), 128, 0.1, 128) is SM90
+        assert not mp._gluon_attends(q, kv, pe, 128, 0.1, 128)  # fp32 k_pe
+        assert not mp._gluon_attends(q, kv, pe.bfloat16(), 128, 0.1, 64)  # 64-query tiles
+        assert not mp._gluon_attends(q, kv, pe.bfloat16(), 128, -0.1, 128)  # max on raw scores needs scale > 0
+        assert not mp._gluon_attends(q[..., :128], kv[..., :224], pe.bfloat16()[..., :32], 96, 0.1, 128)  # dv 128
 
 
 def test_the_gluon_kernel_moves_the_break_even_up():

@@ -76,10 +76,10 @@ _SELECT_PTX = gl.constexpr("{ .reg .pred p; .reg .b32 t; and.b32 t, $1, $2; setp
                            "selp.f32 $0, $3, 0fFF800000, p; }")
 
 
-def gluon_fits(q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, out: torch.Tensor, dn: int,
-               qk_scale: float) -> bool:
+def gluon_fits(q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, dn: int, qk_scale: float) -> bool:
     """Whether this kernel handles the call (else the Triton kernel does): sm_90, bf16/fp16, the widths its
-    copy layouts, wgmma shapes and registers take, a positive scale, int32 offsets."""
+    copy layouts, wgmma shapes and registers take, a positive scale, int32 offsets (the output [B, T, H, dv]
+    has fewer elements than q [B, T, H, dn + dr] when dv = dn)."""
     if kv.device.type != "cuda" or not _is_sm90(kv.device.index):
         return False
     if kv.dtype not in (torch.bfloat16, torch.float16) or k_pe.dtype != kv.dtype:
@@ -90,7 +90,7 @@ def gluon_fits(q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, out: torch
     widths_ok = dn == dv and dn in (64, 128) and dr in (32, 64)
     smem = 2 * int(STAGES) * int(BLOCK_N) * (dn + dr + dv) + 16 * int(STAGES) + 1024
     return (widths_ok and qk_scale > 0 and smem <= SMEM_LIMIT
-            and max(q.numel(), kv.numel(), k_pe.numel(), out.numel()) < 2**31)
+            and max(q.numel(), kv.numel(), k_pe.numel()) < 2**31)
 
 
 @gluon.jit

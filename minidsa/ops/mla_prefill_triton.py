@@ -423,17 +423,17 @@ def _tile_masks(bits, union, count, mask_off, total: int, T: int, BLOCK_M: int, 
     return mask
 
 
-def _gluon_attends(q, kv, k_pe, out, dn: int, scale: float, BLOCK_M: int) -> bool:
+def _gluon_attends(q, kv, k_pe, dn: int, scale: float, BLOCK_M: int) -> bool:
     """Whether _attend runs the sm_90 Gluon kernel (mla_prefill_gluon.py), which reads 128-query tiles."""
     return (USE_GLUON and _gluon is not None and BLOCK_M == int(_gluon.BLOCK_M)
-            and _gluon.gluon_fits(q, kv, k_pe, out, dn, scale * _LOG2E))
+            and _gluon.gluon_fits(q, kv, k_pe, dn, scale * _LOG2E))
 
 
 def _attend(q, kv, k_pe, union, count, mask, mask_off, out, dn: int, scale: float, BLOCK_M: int, BLOCK_N: int,
             num_warps: int, num_stages: int) -> None:
     """Launch _union_attn_fwd (or, where _gluon_attends, the Gluon kernel): q [B, T, H, dn+dr], kv [B, S, H,
     dn+dv], k_pe [B, S, dr] -> out [B, T, H, dv]."""
-    if _gluon_attends(q, kv, k_pe, out, dn, scale, BLOCK_M):
+    if _gluon_attends(q, kv, k_pe, dn, scale, BLOCK_M):
         _gluon.attend(q, kv, k_pe, union, count, mask, mask_off, out, dn, scale * _LOG2E)
         return
     B, T, H, dq = q.shape
@@ -502,11 +502,11 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     # wakes up and launches the masks (wasted when the absorbed form wins).
     kv, k_pe = _decompress(kv_latent_plane, k_pe_plane, table[:, :triton.cdiv(S, bs)], kv_b_weight, B, H)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
     pairs, selected, total = work()  # waits for the counts' copy alone
-    if not use_union_form(pairs, selected, H, _gluon_attends(q, kv, k_pe, out, dn, scale, BLOCK_M)):
+    if not use_union_form(pairs, selected, H, _gluon_attends(q, kv, k_pe, dn, scale, BLOCK_M)):
         return sparse_mla_prefill_absorbed(*args)
     mask = _tile_masks(bits, union, count, mask_off, total, T, BLOCK_M, on_gpu)
     del bits  # 4 bytes per query and 32 positions, no longer needed: free them before attention runs
+    out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
     _attend(q, kv, k_pe, union, count, mask, mask_off, out, dn, scale, BLOCK_M, BLOCK_N, num_warps, num_stages)
     return out
