@@ -1,9 +1,6 @@
-"""The sm_90 Gluon kernel of the union-form prefill (minidsa/ops/mla_prefill_gluon.py) against the reference.
-
-Gluon has no interpreter, so the kernel runs only on a Hopper GPU (sm_90: H100, H200); there these tests
-check it against the reference, against the Triton kernel and run to run. On any other machine only the
-dispatch test runs: such calls must stay on the Triton kernel.
-"""
+"""The sm_90 Gluon kernel of the union-form prefill (minidsa/ops/mla_prefill_gluon.py): on sm_90 against the
+reference, the Triton kernel and itself run to run (no interpreter: GPU only, like test_mla_gluon.py);
+everywhere, that other calls stay on the Triton kernel."""
 
 from __future__ import annotations
 
@@ -14,13 +11,11 @@ import torch
 
 pytest.importorskip("triton")
 
+from test_mla_gluon import SM90, sm90  # noqa: E402  (the decode kernel's tests: the same sm_90 gate)
 from test_triton_mla import paged_case  # noqa: E402
 
 from minidsa.ops import mla_prefill_triton as mp  # noqa: E402
 from minidsa.ops.mla_attention import sparse_mla_prefill_ref  # noqa: E402
-
-SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-sm90 = pytest.mark.skipif(not SM90, reason="the Gluon kernel is compiled for sm_90 only")
 
 
 def test_calls_off_sm90_take_the_triton_kernel():

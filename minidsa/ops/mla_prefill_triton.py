@@ -430,10 +430,10 @@ def _gluon_attends(q, kv, k_pe, dn: int, scale: float, BLOCK_M: int) -> bool:
 
 
 def _attend(q, kv, k_pe, union, count, mask, mask_off, out, dn: int, scale: float, BLOCK_M: int, BLOCK_N: int,
-            num_warps: int, num_stages: int) -> None:
-    """Launch _union_attn_fwd (or, where _gluon_attends, the Gluon kernel): q [B, T, H, dn+dr], kv [B, S, H,
-    dn+dv], k_pe [B, S, dr] -> out [B, T, H, dv]."""
-    if _gluon_attends(q, kv, k_pe, dn, scale, BLOCK_M):
+            num_warps: int, num_stages: int, gluon: bool) -> None:
+    """Launch _union_attn_fwd (or, with ``gluon`` = _gluon_attends(...), the Gluon kernel): q [B, T, H, dn+dr],
+    kv [B, S, H, dn+dv], k_pe [B, S, dr] -> out [B, T, H, dv]."""
+    if gluon:
         _gluon.attend(q, kv, k_pe, union, count, mask, mask_off, out, dn, scale * _LOG2E)
         return
     B, T, H, dq = q.shape
@@ -503,10 +503,12 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     kv, k_pe = _decompress(kv_latent_plane, k_pe_plane, table[:, :triton.cdiv(S, bs)], kv_b_weight, B, H)
     q = q if q.stride(-1) == 1 else q.contiguous()
     pairs, selected, total = work()  # waits for the counts' copy alone
-    if not use_union_form(pairs, selected, H, _gluon_attends(q, kv, k_pe, dn, scale, BLOCK_M)):
+    gluon = _gluon_attends(q, kv, k_pe, dn, scale, BLOCK_M)  # the union kernel that would run sets its cost
+    if not use_union_form(pairs, selected, H, gluon):
         return sparse_mla_prefill_absorbed(*args)
     mask = _tile_masks(bits, union, count, mask_off, total, T, BLOCK_M, on_gpu)
     del bits  # 4 bytes per query and 32 positions, no longer needed: free them before attention runs
     out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
-    _attend(q, kv, k_pe, union, count, mask, mask_off, out, dn, scale, BLOCK_M, BLOCK_N, num_warps, num_stages)
+    _attend(q, kv, k_pe, union, count, mask, mask_off, out, dn, scale, BLOCK_M, BLOCK_N, num_warps, num_stages,
+            gluon)
     return out
