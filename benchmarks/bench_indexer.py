@@ -1,4 +1,4 @@
-"""Lightning-indexer kernels (minidsa/ops/indexer_triton.py) on an H200: paged scores + causal top-k,
+"""Lightning-indexer kernels (minidsa/ops/indexer/scores_triton.py) on an H200: paged scores + causal top-k,
 timed together, against the PyTorch reference ops and a plain-torch peer (docs/design.md §2, §11).
 
     PYTHONPATH=. python benchmarks/bench_indexer.py            # needs CUDA; about 30 s
@@ -26,9 +26,9 @@ DRY = "--dry-run" in sys.argv
 if DRY and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
-from minidsa.ops import indexer as ref_ops  # noqa: E402
-from minidsa.ops import indexer_triton as kern  # noqa: E402
-from minidsa.ops import topk_triton  # noqa: E402
+from minidsa.ops.indexer.reference import reference as ref_ops  # noqa: E402
+from minidsa.ops.indexer.reference import scores_triton as kern  # noqa: E402
+from minidsa.ops.indexer.reference import topk_triton  # noqa: E402
 
 HBM = 4.3e12  # bytes/s, measured copy bandwidth of the H200
 FLOPS = 790e12  # bf16 dense matmul, measured

@@ -18,8 +18,8 @@ import os
 import torch
 from triton.testing import do_bench
 
-from minidsa.ops.kv_store import store_kv_ref
-from minidsa.ops.kv_store_triton import store_kv
+from minidsa.ops.kv_store.reference import store_kv_ref
+from minidsa.ops.kv_store.store_triton import store_kv
 
 HBM = 4.3e12
 

@@ -1,4 +1,4 @@
-"""Sparse MLA kernels (minidsa/ops/mla_attention_triton.py, mla_prefill_triton.py) on the H200: time, peers, % of limit.
+"""Sparse MLA kernels (minidsa/ops/mla/latent_triton.py, mla_prefill_triton.py) on the H200: time, peers, % of limit.
 
     PYTHONPATH=. python benchmarks/bench_mla.py            # GPU, full shapes (about a minute)
     PYTHONPATH=. python benchmarks/bench_mla.py --dry-run  # CPU, tiny shapes, Triton interpreter
@@ -36,8 +36,8 @@ if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
 import torch  # noqa: E402
-from _bench import graph_time, pick_device, timer, warm_up, write_results  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _bench import graph_time, pick_device, timer, warm_up, write_results  # noqa: E402
 
 HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (SPEC §11)
 PEAK = 790e12  # FLOP/s, measured H200 bf16 dense matmul
@@ -132,8 +132,8 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
 
 
 def bench_decode(dev: str, dry: bool, results: dict) -> bool:
-    from minidsa.ops import mla_attention_triton as mt
-    from minidsa.ops.mla_attention import sparse_mla_decode_ref
+    from minidsa.ops.mla import latent_triton as mt
+    from minidsa.ops.mla.reference import sparse_mla_decode_ref
     B, S, K, H, r, dr, bs = (32, 65536, 2048, 96, 512, 64, 64) if not dry else (2, 96, 40, 3, 60, 12, 16)
     dt = torch.bfloat16 if dev == "cuda" else torch.float32  # the interpreter's bf16 tl.dot is wrong
     g = torch.Generator().manual_seed(0)
@@ -243,7 +243,7 @@ def prefill_setup(dev: str, dry: bool):
 
 def dense_prefill_time(bench, q, latent, kpe, w, H: int, dn: int, scale: float) -> float:
     """Dense causal SDPA on decompressed tensors: q [1, H, T, dn+dr], k [1, H, T, dn+dr], v [1, H, T, dv]."""
-    from minidsa.ops.mla_attention import decompress_kv
+    from minidsa.ops.mla.reference import decompress_kv
     k, v = decompress_kv(latent, kpe, w, H, dn)
     qd, kd, vd = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
     del k, v
@@ -254,7 +254,7 @@ def reference_prefill_time(args, idx, w, scale, out, tol) -> tuple[float, bool]:
     """The reference op on evenly spaced tiles of 64 queries (its own tile), scaled to all tiles; checks the
     kernel's output on the first and last sampled tile."""
     from minidsa.ops import PREFILL_TILE
-    from minidsa.ops.mla_attention import sparse_mla_prefill_ref
+    from minidsa.ops.mla.reference import sparse_mla_prefill_ref
     q, kv_plane, pe_plane, table = args
     T = q.shape[1]
     n_tiles = math.ceil(T / PREFILL_TILE)
@@ -279,7 +279,7 @@ def reference_prefill_time(args, idx, w, scale, out, tol) -> tuple[float, bool]:
 def form_flops(idx, table, shape: dict, bs: int) -> dict:
     """FLOPs each form executes (attention dots, with the absorbed form's two absorptions): the union form
     runs every (query, union slot) pair of its query tiles, the absorbed form every selected pair."""
-    from minidsa.ops import mla_prefill_triton as mp
+    from minidsa.ops.mla import prefill_triton as mp
     T, H, dn, dr, dv, r = (shape[k] for k in ("T", "H", "dn", "dr", "dv", "r"))
     BM = mp._blocks(idx.is_cuda, 2)[0]
     S = table.shape[1] * bs  # the op's S here: the table reaches no further than twice the prompt
@@ -292,7 +292,7 @@ def form_flops(idx, table, shape: dict, bs: int) -> dict:
 def time_forms(bench, args, idx, w, scale) -> dict:
     """The op (form chosen per call) and each form forced: seconds, and each form's output. On a GPU with the
     Gluon union kernel (sm_90), also the union form on the portable Triton kernel ("union_triton")."""
-    from minidsa.ops import mla_prefill_triton as mp
+    from minidsa.ops.mla import prefill_triton as mp
     q, kv_plane, pe_plane, table = args
     res, use_gluon = {}, mp.USE_GLUON
     runs = [("auto", "auto", use_gluon), ("union", "union", use_gluon), ("absorbed", "absorbed", use_gluon)]

@@ -22,8 +22,8 @@ step() {
     local rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || { echo "=== $name failed (exit $rc)"; status=1; }
 }
-step tests python -m pytest -q tests/test_triton_kv_store.py tests/test_triton_indexer.py tests/test_triton_mla.py \
-    tests/test_triton_kda.py tests/test_triton_moe.py tests/test_triton_activation.py tests/test_paged_ops.py
+step tests python -m pytest -q tests/ops/test_triton_kv_store.py tests/ops/test_triton_indexer.py tests/ops/test_triton_mla.py \
+    tests/ops/test_triton_kda.py tests/ops/test_triton_moe.py tests/ops/test_triton_activation.py tests/ops/test_paged_ops.py
 step bench_kv_store python benchmarks/bench_kv_store.py
 step bench_indexer python benchmarks/bench_indexer.py
 step bench_mla python benchmarks/bench_mla.py

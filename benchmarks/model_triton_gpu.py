@@ -25,8 +25,8 @@ import torch
 from _bench import cuda_graph
 
 import minidsa
-from minidsa.lightning_indexer import LightningIndexer
-from minidsa.moe import LatentMoE
+from minidsa.model.indexer import LightningIndexer
+from minidsa.model.moe import LatentMoE
 
 
 def prompts(batch: int, vocab: int, gen: torch.Generator) -> list[torch.Tensor]:

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 import minidsa
-from minidsa.evaluation import evaluate
-from minidsa.training import STATE_FILE
-from minidsa.training_forward import TrainingModel
+from minidsa.training.evaluation import evaluate
+from minidsa.training.forward import TrainingModel
+from minidsa.training.loop import STATE_FILE
 
 
 def main() -> None:

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import minidsa
-from minidsa import data
-from minidsa.indexer_training import layer_kl
-from minidsa.training_forward import TrainingModel
+from minidsa.training import tasks
+from minidsa.training.forward import TrainingModel
+from minidsa.training.indexer_losses import layer_kl
 
 VARIANTS = ("reference", "lean", "lean_kl", "dense")
 
@@ -101,7 +101,7 @@ def _backward(loss: torch.Tensor) -> float:
 
 
 def batch(cfg, args, device) -> torch.Tensor:
-    return data.encode(data.samples("retrieval", "train", 0, 0, args.batch, args.context), cfg).input_ids.to(device)
+    return tasks.encode(tasks.samples("retrieval", "train", 0, 0, args.batch, args.context), cfg).input_ids.to(device)
 
 
 def run_variant(variant: str, args) -> dict:

@@ -11,9 +11,9 @@ import itertools
 
 import torch
 from _bench import timer, warm_up
-
 from bench_moe import BETA_G, BETA_U, HBM, make_experts
-from minidsa.ops import moe_experts_triton as kern
+
+from minidsa.ops.moe_experts.reference import experts_triton as kern
 
 
 def main() -> None:

@@ -9,18 +9,24 @@
 The design document, mechanism by mechanism: docs/design.md in the repository.
 """
 
-from . import mxfp4, ops
-from .checkpoint import build_model, checkpoint_manifest, count_parameters, default_model, load
+from . import ops
+from .cache import CacheContext, CacheLayout, OutOfKVBlocksError, PagedKVCache, Plane
+from .checkpoint import (
+                         CheckReport,
+                         Finding,
+                         build_model,
+                         check_checkpoint,
+                         checkpoint_manifest,
+                         count_parameters,
+                         default_model,
+                         load,
+)
 from .config import ModelConfig, load_config, preset_names
-from .evaluation import evaluate
-from .generate import GenerationStream, generate
-from .kv_cache import CacheContext, CacheLayout, OutOfKVBlocksError, PagedKVCache, Plane
-from .model import MiniDSA
-from .sampling import sample_next_token
+from .formats import mxfp4
+from .model import ForwardTrace, GenerationTrace, MiniDSA
+from .serving import GenerationStream, generate, sample_next_token
 from .tokenizer import ByteTokenizer
-from .trace import ForwardTrace, GenerationTrace
-from .training import TrainConfig, train
-from .validator import CheckReport, Finding, check_checkpoint
+from .training import TrainConfig, evaluate, train
 
 __version__ = "0.1.0"
 

@@ -24,7 +24,7 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import minidsa
+import minidsa  # noqa: E402  (after the environment switches above)
 
 
 def tiny_config(**changes) -> minidsa.ModelConfig:

@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import minidsa
-from minidsa import mxfp4, shards
-from minidsa.__main__ import human_count, main, printable
-from minidsa.checkpoint import check_values, checkpoint_manifest
+from minidsa.checkpoint.loading import check_values, checkpoint_manifest
+from minidsa.cli import human_count, main, printable
+from minidsa.formats import mxfp4, shards
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

@@ -35,7 +35,7 @@ def test_there_are_notebooks():
 
 def test_selection_matrix_marks_exactly_the_selected_keys():
     import minidsa
-    from minidsa.plot import selection_matrix
+    from minidsa.viz.plots import selection_matrix
     _, trace = minidsa.generate("abcdefghijklmnop", max_new_tokens=3, temperature=0, return_trace=True,
                                 stop_at_eos=False)
     layer = min(trace.selected)

@@ -20,32 +20,15 @@ PKG_DIR = ROOT / PKG
 DESIGN = ROOT / "docs" / "design.md"
 README = ROOT / "README.md"
 
-# Layer table of docs/design.md §13 (there numbered 1..14; here 0..13, same order). A module may import
-# only from strictly lower layers, except that the modules of minidsa.ops (all of which count as "ops")
-# may import each other, and nothing outside ops.
-LAYERS: dict[str, int] = {
-    "config": 0, "tokenizer": 0, "ops": 0, "dtypes": 0,
-    "quant": 1, "mxfp4": 1, "norm": 1, "ffn": 1, "kv_cache": 1, "shards": 1, "trace": 1,
-    "lightning_indexer": 2, "training_ops": 2,
-    "mla": 3, "kda": 3, "moe": 3, "vision": 3,
-    # initialization is not in the design table: it imports moe (layer 3) and model (layer 5) imports it,
-    # so the lowest consistent layer is 4, beside decoder.
-    "decoder": 4, "initialization": 4, "data": 4,
-    "model": 5,
-    "checkpoint": 6, "training_forward": 6,
-    "sampling": 7, "prompts": 7, "validator": 7,
-    "generate": 8,
-    "plot": 9, "indexer_training": 9,
-    "evaluation": 10,
-    "training": 11,
-    "__init__": 12,
-    # The design table puts __main__ beside __init__; it is the CLI run after the package is imported
-    # and uses the public API (``import minidsa``), so it sits one layer above __init__.
-    "__main__": 13,
-}
+# The package's units from the bottom up: its folders and its few top-level modules. A module may import
+# modules of its own unit and of units below it, never above (docs/design.md §13). Nothing lists modules:
+# a new file joins its folder's unit by where it lives.
+UNITS = ("config", "tokenizer", "formats", "ops", "cache", "model", "checkpoint", "serving", "training", "viz",
+         "cli", "__init__", "__main__")
 
 MAX_FUNCTION_LINES = 50
-MAX_MODULE_LINES = {"minidsa/model.py": 250, "minidsa/generate.py": 250}   # strictly under
+MAX_FILE_LINES = 450  # every .py file of the package
+MAX_MODULE_LINES = {"minidsa/model/minidsa.py": 250, "minidsa/serving/generation.py": 250}   # strictly under
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -54,7 +37,7 @@ def package_files() -> list[Path]:
 
 
 def module_name(path: Path) -> str:
-    """minidsa/ops/kda.py -> minidsa.ops.kda; minidsa/ops/__init__.py -> minidsa.ops; minidsa/__init__.py -> minidsa."""
+    """minidsa/ops/kda/reference.py -> minidsa.ops.kda.reference; minidsa/ops/__init__.py -> minidsa.ops."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -65,15 +48,11 @@ def is_package(path: Path) -> bool:
     return path.name == "__init__.py"
 
 
-def layer_key(module: str) -> str:
-    """The name a module has in LAYERS: every minidsa.ops[.x] is "ops"; the package itself is "__init__"."""
+def unit_of(module: str) -> str:
+    """The unit a module belongs to: the folder or top-level module under minidsa; the package itself is "__init__"."""
     parts = module.split(".")
     assert parts[0] == PKG, module
-    if len(parts) == 1:
-        return "__init__"
-    if parts[1] == "ops":
-        return "ops"
-    return parts[1]
+    return "__init__" if len(parts) == 1 else parts[1]
 
 
 def resolve_imports(tree: ast.AST, module: str, is_pkg: bool, known: set[str]) -> list[tuple[str, int, bool]]:
@@ -166,18 +145,15 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def layer_violations(edges: dict[str, list[tuple[str, int, bool]]]) -> list[str]:
+def order_violations(edges: dict[str, list[tuple[str, int, bool]]]) -> list[str]:
+    """Imports that go to a unit above the importer's (same-unit imports are allowed; cycles are checked apart)."""
     bad = []
     for mod, es in sorted(edges.items()):
-        src = layer_key(mod)
+        src = unit_of(mod)
         for target, line, _ in es:
-            dst = layer_key(target)
-            if src == "ops" and dst == "ops":
-                continue   # inside ops: allowed (the cycle check still applies)
-            if src == "ops":
-                bad.append(f"{mod}:{line} imports {target}: ops must not import minidsa outside ops")
-            elif LAYERS[dst] >= LAYERS[src]:
-                bad.append(f"{mod}:{line} (layer {LAYERS[src]}) imports {target} (layer {LAYERS[dst]})")
+            dst = unit_of(target)
+            if UNITS.index(dst) > UNITS.index(src):
+                bad.append(f"{mod}:{line} ({src}) imports {target} ({dst}), which sits above it")
     return bad
 
 
@@ -246,14 +222,16 @@ def test_helpers_detect_what_they_should():
     assert sorted(got) == sorted([
         ("minidsa.mxfp4", 1, False), ("minidsa.ops", 1, False), ("minidsa.ops._checks", 2, False),
         ("minidsa.config", 3, False), ("minidsa.model", 4, False), ("minidsa", 6, False), ("minidsa", 8, True)])
-    got = resolve_imports(ast.parse("from ..config import X\nfrom ._checks import y\n"),
-                          "minidsa.ops.kda", False, known)
+    got = resolve_imports(ast.parse("from ...config import X\nfrom .._checks import y\n"),
+                          "minidsa.ops.kda.reference", False, known)
     assert got == [("minidsa.config", 1, False), ("minidsa.ops._checks", 2, False)]
-    # layer rule: an upward import, an ops -> outside import, and a same-layer import are all caught
-    bad = layer_violations({"minidsa.norm": [("minidsa.moe", 3, False)],
-                            "minidsa.ops.kda": [("minidsa.config", 5, False), ("minidsa.ops._checks", 6, False)],
-                            "minidsa.mla": [("minidsa.kda", 7, False)], "minidsa.model": [("minidsa.ops", 8, False)]})
-    assert len(bad) == 3 and all(m in " ".join(bad) for m in ("minidsa.norm", "minidsa.ops.kda", "minidsa.mla"))
+    # folder order: an import of a unit above is caught; the same unit and units below are not
+    bad = order_violations({"minidsa.formats.fp8": [("minidsa.model.moe", 3, False)],
+                            "minidsa.ops.kda.reference": [("minidsa.config", 5, False), ("minidsa.ops._checks", 6, False)],
+                            "minidsa.model.mla": [("minidsa.model.kda", 7, False), ("minidsa.serving", 9, False)],
+                            "minidsa.model": [("minidsa.ops", 8, False)]})
+    assert len(bad) == 2 and "minidsa.formats.fp8:3" in bad[0] and "minidsa.model.mla:9" in bad[1], bad
+    assert unit_of("minidsa") == "__init__" and unit_of("minidsa.ops.mla.reference") == "ops"
     # function length: decorators excluded, docstring included
     src = "class A:\n    @staticmethod\n    def f():\n        '''doc'''\n        return 1\n"
     assert function_lengths(ast.parse(src)) == [("A.f", 3, 3)]
@@ -268,21 +246,21 @@ def test_helpers_detect_what_they_should():
     assert imports_triton(ast.parse("import torch\nfrom .triton import x\n")) == []
 
 
-# ------------------------------------------------------------------------------------- 1. import layers
-def test_every_module_is_in_the_layer_table():
+# ------------------------------------------------------------------------------------- 1. folder order
+def test_every_unit_is_in_the_order():
+    """``ls minidsa`` and UNITS name the same things: a new folder must be placed in the order."""
     _, edges, _ = build_graph()
-    keys = {layer_key(m) for m in edges}
-    missing = sorted(keys - set(LAYERS))
-    stale = sorted(set(LAYERS) - keys)
-    assert not missing, f"modules with no layer in tests/test_structure.py LAYERS (docs/design.md §13): {missing}"
-    assert not stale, f"LAYERS names modules that do not exist: {stale}"
+    units = {unit_of(m) for m in edges}
+    missing, stale = sorted(units - set(UNITS)), sorted(set(UNITS) - units)
+    assert not missing, f"folders or modules of minidsa/ missing from UNITS in tests/test_structure.py: {missing}"
+    assert not stale, f"UNITS names what minidsa/ does not have: {stale}"
 
 
-def test_imports_go_to_lower_layers_only():
+def test_imports_go_to_units_below_only():
     _, edges, _ = build_graph()
     assert sum(len(es) for es in edges.values()) > 20, "the import graph is suspiciously small"
-    bad = layer_violations(edges)
-    assert not bad, "imports that break the layering of docs/design.md §13:\n" + "\n".join(bad)
+    bad = order_violations(edges)
+    assert not bad, "imports that break the folder order of docs/design.md §13:\n" + "\n".join(bad)
 
 
 def test_import_graph_has_no_cycle():
@@ -315,6 +293,12 @@ def test_functions_are_at_most_50_lines():
             if n > MAX_FUNCTION_LINES:
                 bad.append(f"{path.relative_to(ROOT)}:{line} {name}: {n} lines")
     assert not bad, f"functions longer than {MAX_FUNCTION_LINES} lines:\n" + "\n".join(bad)
+
+
+def test_files_are_at_most_450_lines():
+    bad = [f"{p.relative_to(ROOT)}: {n} lines" for p in package_files()
+           if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
+    assert not bad, f"package files over {MAX_FILE_LINES} lines (split by what they do):\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("rel", sorted(MAX_MODULE_LINES))
@@ -365,8 +349,8 @@ def test_references_live_in_triton_free_modules():
     for op, ref in sorted(ops.REFERENCES.items()):
         mod = ref.__module__
         parts = mod.split(".")
-        if len(parts) != 3 or parts[:2] != [PKG, "ops"] or mod not in paths or is_package(paths[mod]):
-            bad.append(f"{op}: reference {ref.__qualname__} lives in {mod}, not in a module minidsa/ops/<file>.py")
+        if len(parts) != 4 or parts[:2] != [PKG, "ops"] or parts[3] != "reference" or mod not in paths:
+            bad.append(f"{op}: reference {ref.__qualname__} lives in {mod}, not in minidsa/ops/<op>/reference.py")
             continue
         # the module and every ops module it imports, transitively
         todo, done = [mod], set()
@@ -404,4 +388,16 @@ def test_public_wrappers_take_keyword_only_backend():
         param = inspect.signature(getattr(ops, op)).parameters.get("backend")
         if param is None or param.kind is not inspect.Parameter.KEYWORD_ONLY or param.default is not None:
             bad.append(f"{op}: minidsa.ops.{op} at runtime lacks a keyword-only backend=None")
+    assert not bad, "\n".join(bad)
+
+
+def test_kernels_sit_beside_their_reference():
+    """Each registered kernel lives in its op's folder, in a file named for its backend (``*_triton.py``)."""
+    from minidsa import ops
+
+    bad = []
+    for op, (module, _) in sorted(ops.TRITON_KERNELS.items()):
+        folder = ops.REFERENCES[op].__module__.rpartition(".")[0]
+        if module.rpartition(".")[0] != folder or not module.endswith("_triton"):
+            bad.append(f"{op}: kernel module {module} is not a *_triton module in {folder}")
     assert not bad, "\n".join(bad)

@@ -12,15 +12,15 @@ from __future__ import annotations
 import torch
 
 from ._checks import acc_dtype, cast
-from .activation import situ_glu_backward_ref, situ_glu_ref
 from ._dispatch import BACKENDS, TRITON_KERNELS, current_backend, pick, set_backend, use_backend
-from .attention import gather_rows, indices_to_mask, masked_dense_attention, sparse_attention_ref
-from .attn_res import attn_res_block_scores, attn_res_merge, attn_res_mix_ref
-from .indexer import index_scores_ref, paged_index_scores_ref, topk_indices_ref
-from .kda import kda_chunk_ref, kda_recurrent_ref
-from .kv_store import store_kv_ref
-from .mla_attention import PREFILL_TILE, decompress_kv, sparse_mla_decode_ref, sparse_mla_prefill_ref
-from .moe_experts import expert_mlp_fp8_ref, expert_mlp_mxfp4_ref, mxfp4_to_fp8_ref
+from .activation.reference import situ_glu_backward_ref, situ_glu_ref
+from .attention.reference import gather_rows, indices_to_mask, masked_dense_attention, sparse_attention_ref
+from .attn_res.reference import attn_res_block_scores, attn_res_merge, attn_res_mix_ref
+from .indexer.reference import index_scores_ref, paged_index_scores_ref, topk_indices_ref
+from .kda.reference import kda_chunk_ref, kda_recurrent_ref
+from .kv_store.reference import store_kv_ref
+from .mla.reference import PREFILL_TILE, decompress_kv, sparse_mla_decode_ref, sparse_mla_prefill_ref
+from .moe_experts.reference import expert_mlp_fp8_ref, expert_mlp_mxfp4_ref, mxfp4_to_fp8_ref
 from .paging import gather_positions, paged_slots
 
 __all__ = ["BACKENDS", "TRITON_KERNELS", "REFERENCES", "acc_dtype", "cast", "current_backend", "set_backend",
@@ -108,7 +108,8 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Kimi Delta Attention, one step at a time. q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] log-decay;
     beta [B,T,HV]; initial_state [B,HV,K,V] -> (o [B,T,HV,V] in v.dtype, final_state [B,HV,K,V] fp32)."""
-    return pick("kda_recurrent", backend, kda_recurrent_ref, q, k, v, g, beta, initial_state)(q, k, v, g, beta, scale, initial_state)
+    fn = pick("kda_recurrent", backend, kda_recurrent_ref, q, k, v, g, beta, initial_state)
+    return fn(q, k, v, g, beta, scale, initial_state)
 
 
 def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -116,7 +117,8 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked (WY/UT) form of ``kda_recurrent`` with the same inputs and outputs; T need not be a
     multiple of ``chunk_size``."""
-    return pick("kda_chunk", backend, kda_chunk_ref, q, k, v, g, beta, initial_state)(q, k, v, g, beta, scale, initial_state, chunk_size)
+    fn = pick("kda_chunk", backend, kda_chunk_ref, q, k, v, g, beta, initial_state)
+    return fn(q, k, v, g, beta, scale, initial_state, chunk_size)
 
 
 def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-5,

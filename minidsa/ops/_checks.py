@@ -37,7 +37,7 @@ def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 # Value checks on CPU data are free; a test switches them off to show that a decode step reads
-# nothing else back from its tensors (tests/test_decode_sync.py).
+# nothing else back from its tensors (tests/model/test_decode_sync.py).
 CHECK_VALUES_ON_HOST = True
 
 

@@ -25,21 +25,21 @@ import torch
 BACKENDS = ("torch", "triton", "auto")
 
 # op name -> (module, function) of the Triton kernel that implements it, with the reference's signature.
-# Each entry is checked against its reference by a test (tests/test_paged_ops.py).
+# Each entry is checked against its reference by a test (tests/ops/test_paged_ops.py).
 TRITON_KERNELS: dict[str, tuple[str, str]] = {
-    "store_kv": ("minidsa.ops.kv_store_triton", "store_kv"),
-    "index_scores": ("minidsa.ops.indexer_triton", "index_scores"),
-    "paged_index_scores": ("minidsa.ops.indexer_triton", "paged_index_scores"),
-    "topk_indices": ("minidsa.ops.topk_triton", "topk_indices"),
-    "sparse_mla_decode": ("minidsa.ops.mla_attention_triton", "sparse_mla_decode"),
-    "sparse_mla_prefill": ("minidsa.ops.mla_prefill_triton", "sparse_mla_prefill"),
-    "kda_recurrent": ("minidsa.ops.kda_triton", "kda_recurrent"),
-    "kda_chunk": ("minidsa.ops.kda_triton", "kda_chunk"),
-    "mxfp4_to_fp8": ("minidsa.ops.moe_experts_triton", "mxfp4_to_fp8"),
-    "expert_mlp_fp8": ("minidsa.ops.moe_experts_triton", "expert_mlp_fp8"),
-    "expert_mlp_mxfp4": ("minidsa.ops.moe_experts_triton", "expert_mlp_mxfp4"),
-    "situ_glu": ("minidsa.ops.activation_triton", "situ_glu"),
-    "situ_glu_backward": ("minidsa.ops.activation_triton", "situ_glu_backward"),
+    "store_kv": ("minidsa.ops.kv_store.store_triton", "store_kv"),
+    "index_scores": ("minidsa.ops.indexer.scores_triton", "index_scores"),
+    "paged_index_scores": ("minidsa.ops.indexer.scores_triton", "paged_index_scores"),
+    "topk_indices": ("minidsa.ops.indexer.topk_triton", "topk_indices"),
+    "sparse_mla_decode": ("minidsa.ops.mla.latent_triton", "sparse_mla_decode"),
+    "sparse_mla_prefill": ("minidsa.ops.mla.prefill_triton", "sparse_mla_prefill"),
+    "kda_recurrent": ("minidsa.ops.kda.kda_triton", "kda_recurrent"),
+    "kda_chunk": ("minidsa.ops.kda.kda_triton", "kda_chunk"),
+    "mxfp4_to_fp8": ("minidsa.ops.moe_experts.experts_triton", "mxfp4_to_fp8"),
+    "expert_mlp_fp8": ("minidsa.ops.moe_experts.experts_triton", "expert_mlp_fp8"),
+    "expert_mlp_mxfp4": ("minidsa.ops.moe_experts.experts_triton", "expert_mlp_mxfp4"),
+    "situ_glu": ("minidsa.ops.activation.situ_glu_triton", "situ_glu"),
+    "situ_glu_backward": ("minidsa.ops.activation.situ_glu_triton", "situ_glu_backward"),
 }
 
 _default = "auto"

@@ -1,0 +1,273 @@
+"""Paged KV cache for the MLA+DSA layers, KDA state slots, and the per-forward cache context
+(docs/design.md §3).
+
+Storage is a pool of fixed-size blocks shared by all sequences. A sequence owns a list of block
+ids (its block table); token ``pos`` of sequence ``s`` lives in slot
+``block_table[s][pos // block_size] * block_size + pos % block_size``. Each MLA layer stores
+separate planes (the latent c_kv, the shared k_pe, the indexer key k_I and, with fp8 numerics,
+k_I's scale) so prefill reads whole contiguous blocks and decode gathers a few rows per plane.
+Planes are described by a ``CacheLayout`` rather than hard-coded shapes: each layer type states what
+it needs (``GatedMLA.cache_planes``, ``KimiDeltaAttention.state_shapes``) and the decoder assembles
+the layout. This file only allocates and keeps the books; the ops read and write the planes
+(``ops.store_kv``, ``ops.paged_index_scores``, ``ops.sparse_mla_*``).
+
+KDA layers keep no KV: each live sequence owns a state slot holding, per KDA layer, the fp32
+recurrent state and the short-conv states, described in the same layout.
+
+Before each cached forward the host turns its bookkeeping into a ``CacheContext`` of device tensors
+(positions, slot mapping, block table, context lengths, state slots), so the forward itself never
+needs to ask the host anything (docs/design.md §14).
+
+Allocation is explicit and all-or-nothing: a request that needs more blocks than are free raises
+``OutOfKVBlocksError`` before anything changes, so a failed request never loses state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..ops import cast, paged_slots
+from .layout import CacheLayout, OutOfKVBlocksError
+
+
+class PagedKVCache:
+    """Block pool + block tables + per-block metadata (owner, valid tokens)."""
+
+    def __init__(self, layout: CacheLayout, device: torch.device | str = "cpu") -> None:
+        if layout.block_size < 1 or layout.num_blocks < 1:
+            raise ValueError(f"cache needs block_size >= 1 and num_blocks >= 1, got {layout.block_size}, "
+                             f"{layout.num_blocks}")
+        self.layout = layout
+        self.device = torch.device(device)
+        with torch.inference_mode(False):  # normal tensors: usable in and out of inference mode
+            self._allocate()
+        self.block_owner = [-1] * layout.num_blocks  # sequence id owning each block, -1 = free
+        self.block_tokens = [0] * layout.num_blocks  # valid tokens in each block
+        self._free = list(range(layout.num_blocks - 1, -1, -1))  # stack: pop() hands out low ids first
+        self._tables: dict[int, list[int]] = {}
+        self._lengths: dict[int, int] = {}
+        self._next_id = 0
+
+    def _allocate(self) -> None:
+        layout = self.layout
+        # storage[layer][plane] : [num_blocks, block_size, width]. Zero-filled so an unwritten slot is
+        # deterministic; correctness never depends on it (unselected rows are never read).
+        self.storage: list[dict[str, torch.Tensor]] = [
+            {p.name: torch.zeros(layout.num_blocks, layout.block_size, p.width, dtype=p.dtype, device=self.device)
+             for p in layout.planes}
+            for _ in range(layout.num_layers)
+        ]
+        # state[layer][name] : [num_state_slots, *shape]
+        self.state: list[dict[str, torch.Tensor]] = [
+            {name: torch.zeros((layout.num_state_slots,) + shape, dtype=layout.state_dtype, device=self.device)
+             for name, shape in layout.states}
+            for _ in range(layout.num_state_layers)
+        ]
+        self._free_state_slots = list(range(layout.num_state_slots - 1, -1, -1))
+        self._state_slot: dict[int, int] = {}
+
+    # ---------------------------------------------------------------- sequences
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def add_sequence(self) -> int:
+        """Register a new, empty sequence (with a zeroed KDA state slot) and return its id."""
+        if not self._free_state_slots:
+            raise OutOfKVBlocksError(
+                f"KV cache out of state slots: all {self.layout.num_state_slots} KDA state slots are in use. Free "
+                f"finished sequences or use a larger cache (config max_sequences).")
+        sid = self._next_id
+        self._next_id += 1
+        self._tables[sid] = []
+        self._lengths[sid] = 0
+        slot = self._free_state_slots.pop()
+        self._state_slot[sid] = slot
+        for layer in self.state:
+            for t in layer.values():
+                t[slot].zero_()  # a new sequence starts from the zero state
+        return sid
+
+    @property
+    def num_free_state_slots(self) -> int:
+        return len(self._free_state_slots)
+
+    def sequences(self) -> list[int]:
+        return list(self._tables)
+
+    def seq_len(self, sid: int) -> int:
+        """Tokens already stored (committed) for sequence ``sid``."""
+        self._check_sid(sid)
+        return self._lengths[sid]
+
+    def block_table(self, sid: int) -> list[int]:
+        self._check_sid(sid)
+        return list(self._tables[sid])
+
+    def blocks_needed(self, sid: int, length: int) -> int:
+        """Extra blocks sequence ``sid`` needs to hold ``length`` tokens."""
+        need = -(-length // self.block_size)  # ceil: a block is needed as soon as one token lands in it
+        return max(0, need - len(self._tables[sid]))
+
+    def reserve(self, lengths: dict[int, int]) -> None:
+        """Make every sequence ``sid`` able to hold ``lengths[sid]`` tokens. All-or-nothing."""
+        for sid in lengths:
+            self._check_sid(sid)
+        total = sum(self.blocks_needed(sid, n) for sid, n in lengths.items())
+        if total > len(self._free):
+            raise OutOfKVBlocksError(
+                f"KV cache out of blocks: this request needs {total} more blocks of {self.block_size} tokens but "
+                f"only {len(self._free)} of {self.layout.num_blocks} are free. Free finished sequences, shorten "
+                f"the request, or use a larger cache (model.new_cache(num_blocks=...) or config kv_num_blocks).")
+        for sid, n in lengths.items():
+            for _ in range(self.blocks_needed(sid, n)):
+                b = self._free.pop()
+                self.block_owner[b] = sid
+                self.block_tokens[b] = 0
+                self._tables[sid].append(b)
+
+    def commit(self, sid: int, length: int) -> None:
+        """Record that positions [0, length) of ``sid`` now hold valid data."""
+        self._check_sid(sid)
+        if length > len(self._tables[sid]) * self.block_size:
+            raise ValueError(f"sequence {sid}: cannot commit {length} tokens, only "
+                             f"{len(self._tables[sid]) * self.block_size} reserved")
+        self._lengths[sid] = length
+        for j, b in enumerate(self._tables[sid]):
+            self.block_tokens[b] = min(self.block_size, max(0, length - j * self.block_size))
+
+    def free(self, sid: int) -> None:
+        """Give the blocks of ``sid`` back to the pool and forget the sequence."""
+        self._check_sid(sid)
+        for b in reversed(self._tables.pop(sid)):
+            self.block_owner[b] = -1
+            self.block_tokens[b] = 0
+            self._free.append(b)
+        del self._lengths[sid]
+        if sid in self._state_slot:
+            self._free_state_slots.append(self._state_slot.pop(sid))
+
+    def truncate(self, sid: int, length: int) -> None:
+        """Forget tokens from ``length`` on (e.g. after a failed step) and release whole unused blocks."""
+        self._check_sid(sid)
+        keep = -(-length // self.block_size)
+        table = self._tables[sid]
+        while len(table) > keep:
+            b = table.pop()
+            self.block_owner[b] = -1
+            self.block_tokens[b] = 0
+            self._free.append(b)
+        self.commit(sid, min(length, self._lengths[sid]))
+
+    def _check_sid(self, sid: int) -> None:
+        if sid not in self._tables:
+            raise KeyError(f"unknown sequence id {sid!r}; live sequences: {sorted(self._tables)}")
+
+    # ---------------------------------------------------------------- addressing
+    def slots(self, sid: int, positions: torch.Tensor) -> torch.Tensor:
+        """Physical slots of logical ``positions`` (any shape, int) of sequence ``sid``; -1 stays -1.
+
+        Raises if a position lies outside the reserved blocks (an off-by-one here would otherwise
+        write into another sequence's block).
+        """
+        self._check_sid(sid)
+        table = torch.tensor(self._tables[sid] or [0], dtype=torch.long, device=positions.device)
+        pos = positions.long()
+        valid = pos >= 0
+        limit = len(self._tables[sid]) * self.block_size
+        if bool((pos[valid] >= limit).any()):
+            raise ValueError(f"sequence {sid}: position {int(pos.max())} is past its {limit} reserved slots; "
+                             f"call reserve() first")
+        safe = torch.where(valid, pos, torch.zeros_like(pos))
+        slot = table[safe // self.block_size] * self.block_size + safe % self.block_size
+        return torch.where(valid, slot, torch.full_like(slot, -1))
+
+    def block_table_tensor(self, sids: list[int], device: torch.device | str | None = None) -> torch.Tensor:
+        """int32 [B, max_blocks], -1 past each sequence's last block (the form a kernel reads); on the
+        cache's device unless ``device`` is given."""
+        n = max((len(self._tables[s]) for s in sids), default=0)
+        out = torch.full((len(sids), n), -1, dtype=torch.int32)
+        for i, s in enumerate(sids):
+            out[i, : len(self._tables[s])] = torch.tensor(self._tables[s], dtype=torch.int32)
+        return out.to(self.device if device is None else device)
+
+    # ---------------------------------------------------------------- data
+    def plane(self, layer: int, name: str) -> torch.Tensor:
+        """Plane ``name`` of MLA cache layer ``layer``: [num_blocks, block_size, width] (ops read and write it)."""
+        return self.storage[layer][name]
+
+    def state_slots(self, sids: list[int]) -> torch.Tensor:
+        """int64 [B] (host memory): the KDA state slot of each sequence."""
+        for sid in sids:
+            self._check_sid(sid)
+        return torch.tensor([self._state_slot[s] for s in sids], dtype=torch.long)
+
+    def read_state(self, layer: int, name: str, slots: torch.Tensor) -> torch.Tensor:
+        """State ``name`` of KDA cache layer ``layer`` at state ``slots`` [B] -> [B, *shape] (a copy)."""
+        return self.state[layer][name][slots]
+
+    def write_state(self, layer: int, name: str, slots: torch.Tensor, value: torch.Tensor) -> None:
+        self.state[layer][name][slots] = cast(value, self.layout.state_dtype)
+
+    # ---------------------------------------------------------------- one forward
+    def prepare(self, seq_ids: list[int], num_tokens: int, device: torch.device | str,
+                max_len: int | None = None) -> "CacheContext":
+        """Reserve room for ``num_tokens`` more tokens in each sequence (all-or-nothing; no sequence may
+        exceed ``max_len``) and describe where they go as device tensors. Nothing is committed until
+        ``CacheContext.publish``."""
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids must be distinct, got {seq_ids!r}")
+        starts = [self.seq_len(s) for s in seq_ids]
+        for sid, start in zip(seq_ids, starts):
+            if max_len is not None and start + num_tokens > max_len:
+                raise ValueError(f"sequence {sid} would hold {start + num_tokens} tokens, more than "
+                                 f"max_seq_len = {max_len}")
+        self.reserve({sid: s + num_tokens for sid, s in zip(seq_ids, starts)})
+        positions = torch.tensor(starts).unsqueeze(1) + torch.arange(num_tokens)  # [B, T], host
+        table = self.block_table_tensor(seq_ids, device="cpu")
+        slots = paged_slots(table, positions, self.block_size)
+        lens = torch.tensor([s + num_tokens for s in starts])
+        # One upload for all metadata (a host-to-device copy per tensor would be one wait each).
+        packed = torch.cat([positions.reshape(-1), slots.reshape(-1), table.reshape(-1).long(), lens,
+                            self.state_slots(seq_ids)]).to(device)
+        B, T = positions.shape
+        sizes = [B * T, B * T, table.numel(), B, B]
+        pos, slot_mapping, tab, context_lens, state_slots = packed.split(sizes)
+        return CacheContext(self, list(seq_ids), starts, pos.view(B, T), slot_mapping, tab.view(table.shape).int(),
+                            context_lens.int(), state_slots)
+
+@dataclass
+class CacheContext:
+    """Where the tokens of one cached forward go and what they may read. B sequences, T new tokens each.
+
+    Built on the host by ``PagedKVCache.prepare`` before the forward; layers only read it (and stage
+    their new KDA states in it), so the forward needs no host round trip.
+    """
+
+    cache: PagedKVCache
+    seq_ids: list[int]  # cache sequence of each batch row
+    starts: list[int]  # tokens each sequence held before this forward (host copy)
+    positions: torch.Tensor  # int64 [B, T] absolute positions of the new tokens
+    slot_mapping: torch.Tensor  # int64 [B * T] physical slot of each new token, row-major
+    block_table: torch.Tensor  # int32 [B, max_blocks] physical block of each logical block, -1 past the end
+    context_lens: torch.Tensor  # int32 [B] tokens each sequence holds once this forward's are stored
+    state_slots: torch.Tensor  # int64 [B] KDA state slot of each sequence
+    staged: dict = field(default_factory=dict)  # (cache layer, state name) -> new KDA state [B, ...]
+
+    def stage_state(self, layer: int, name: str, value: torch.Tensor) -> None:
+        """Keep a KDA layer's new state until the whole forward succeeds."""
+        self.staged[(layer, name)] = value
+
+    def publish(self) -> None:
+        """The forward succeeded: write the staged KDA states and commit the new lengths."""
+        for (layer, name), value in self.staged.items():
+            self.cache.write_state(layer, name, self.state_slots, value)
+        T = self.positions.shape[1]
+        for sid, start in zip(self.seq_ids, self.starts):
+            self.cache.commit(sid, start + T)

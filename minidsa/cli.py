@@ -1,0 +1,198 @@
+"""Command line: ``python -m minidsa generate "prompt" [--config laptop] ...``, ``python -m minidsa params NAME``,
+``python -m minidsa check-checkpoint DIR [--config NAME]``, ``python -m minidsa train [--config tiny] --out DIR``
+(``--resume`` continues a run in legs) and ``python -m minidsa eval [--checkpoint DIR] [--seed N] [--n N]``.
+
+Every command runs on ``--threads`` CPU threads (default 1, see DEFAULT_THREADS). A user error (a bad
+argument, an unreadable file, a damaged checkpoint) prints one line, ``error: ...``, and exits with
+status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+
+from .cache import OutOfKVBlocksError
+from .checkpoint.loading import DEFAULT_MODEL, count_parameters, load
+from .checkpoint.validator import check_checkpoint
+from .serving.generation import generate
+from .training import loop as training_loop
+from .training.evaluation import evaluate, format_metrics
+
+# Measured on the project's 2-core CPU (README, "Threads"): at these sizes one thread decodes about as
+# fast as two on a quiet machine, and two collapse 10-30x as soon as another process wants a core
+# (each op waits for the slower thread). The CLI owns its process, so it may set this; library calls
+# such as minidsa.generate() leave torch's setting to the caller.
+DEFAULT_THREADS = 1
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print the usage and exit; one line, like every other user error
+        raise ValueError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--threads", type=_positive_int, default=DEFAULT_THREADS,
+                        help=f"CPU threads for torch (default: {DEFAULT_THREADS}; more help only for large configs "
+                             f"on cores nothing else uses)")
+    parser = _Parser(prog="python -m minidsa", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    g = sub.add_parser("generate", parents=[common], help="continue a prompt (default: the shipped trained model)")
+    g.add_argument("prompt", help="text to continue ('' starts from bos alone)")
+    g.add_argument("--config", default=DEFAULT_MODEL, help="'default' (the shipped trained checkpoint), a preset "
+                                                           "name (seeded, untrained), a config JSON path or a "
+                                                           f"checkpoint directory (default: {DEFAULT_MODEL})")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="a PNG/JPEG image for the prompt (repeatable); placed before the text unless the prompt "
+                        "marks its place with <|media_begin|>image<|media_content|><|media_pad|><|media_end|>")
+    g.add_argument("--no-progress", action="store_true",
+                   help="hide the progress bars (loading; generation shows one only when stdout is not a terminal)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="always generate --max-new-tokens (the untrained model samples eos at random)")
+    c = sub.add_parser("params", parents=[common],
+                       help="count total and active parameters of a config (meta device, no memory)")
+    c.add_argument("config", help="preset name, config JSON path or checkpoint directory")
+    k = sub.add_parser("check-checkpoint", parents=[common],
+                       help="check a checkpoint's names, shapes and dtypes from its headers alone")
+    k.add_argument("directory", help="checkpoint directory (config.json, index JSON, shards)")
+    k.add_argument("--config", default=None, help="preset name or config JSON to check against "
+                                                   "(default: the directory's config.json)")
+    k.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    _train_parser(sub, common)
+    e = sub.add_parser("eval", parents=[common], help="accuracy, random-selection baseline and indexer recall on "
+                                                      "held-out seeds of the synthetic tasks (one 'name: value' a line)")
+    e.add_argument("--checkpoint", default=DEFAULT_MODEL, help=f"checkpoint directory or preset (default: "
+                                                                f"{DEFAULT_MODEL})")
+    e.add_argument("--seed", type=int, default=0, help="seed of the held-out evaluation split (default: 0)")
+    e.add_argument("--n", type=_positive_int, default=64, help="samples per task (default: 64)")
+    e.add_argument("--context", type=_positive_int, default=None, help="retrieval context in tokens "
+                                                                        "(default: 16 x top-k, capped by max_seq_len)")
+    e.add_argument("--distractors", type=int, default=0, help="extra pass-key passages per prompt (default: 0)")
+    e.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    return parser
+
+
+def _train_parser(sub, common) -> None:
+    """``train``: every TrainConfig field as an option (defaults from TrainConfig)."""
+    d = training_loop.TrainConfig()
+    t = sub.add_parser("train", parents=[common], help="train on the synthetic tasks (dense, indexer warm-up, "
+                                                       "sparse), saving a checkpoint; --resume continues a run")
+    t.add_argument("--config", default=d.model, help=f"model preset or config JSON (default: {d.model})")
+    t.add_argument("--out", default=d.out_dir, help=f"checkpoint directory of the run (default: {d.out_dir})")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out; only leg options apply")
+    for name in ("seed", "dense_steps", "warmup_steps", "sparse_steps", "batch_size", "mm_batch_size", "context",
+                 "num_distractors", "easy_key_steps", "lr_warmup", "eval_every", "eval_n", "save_every", "leg_steps"):
+        t.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), metavar="N")
+    for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "text_loss_weight", "focus_loss_weight",
+                 "easy_key_frac", "max_minutes"):
+        t.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name), metavar="X")
+    t.add_argument("--device", default=d.device, help=f"torch device (default: {d.device})")
+    t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        torch.set_num_threads(args.threads)
+        return {"generate": _generate, "params": _params, "check-checkpoint": _check, "train": _train,
+                "eval": _eval}[args.command](args)
+    except (ValueError, TypeError, OutOfKVBlocksError) as e:
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, whatever the message holds
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `| head`: the reader left; stop quietly (and keep Python's exit flush quiet)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _generate(args) -> int:
+    """Stream the continuation to stdout as it is sampled; the speed line goes to stderr."""
+    model = load(args.config, progress=not args.no_progress)
+    terminal = sys.stdout.isatty()
+    start = time.perf_counter()
+    stream = generate(args.prompt, model, images=args.image, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_p=args.top_p, seed=args.seed, stream=True,
+                      progress=not args.no_progress and not terminal,  # on a terminal the text is the progress
+                      stop_at_eos=not args.ignore_eos)
+    try:
+        for piece in stream:
+            sys.stdout.write(printable(piece) if terminal else piece)
+            sys.stdout.flush()
+    finally:
+        print()
+    elapsed = time.perf_counter() - start
+    n = stream.num_generated
+    print(f"[{args.config}] {n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s "
+          f"(time includes the prefill of {len(model.tokenizer.encode(args.prompt))} prompt tokens)", file=sys.stderr)
+    return 0
+
+
+def printable(text: str) -> str:
+    """Non-printable characters as Python escapes (BEL -> \\x07, CR -> \\r, U+200B -> \\u200b), newlines and
+    tabs kept: an untrained model's control bytes must not ring the bell or overwrite the line."""
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
+def _params(args) -> int:
+    counts = count_parameters(args.config)
+    print(f"{args.config}: {counts['total']:,} parameters in total, {counts['active']:,} active per token "
+          f"({human_count(counts['total'])} / {human_count(counts['active'])}; "
+          f"{human_count(counts['active_with_embedding_and_vision'])} counting the input embedding and vision path)")
+    return 0
+
+
+def human_count(n: int) -> str:
+    """Three significant digits in the unit that fits: 2.78 T, 104 B, 31.2 M, 640 K, 12."""
+    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return str(n)
+
+
+def _check(args) -> int:
+    report = check_checkpoint(args.directory, args.config, progress=not args.no_progress)
+    print(report)
+    return 0 if report.ok else 1
+
+
+
+def _train(args) -> int:
+    fields = {f.name for f in dataclasses.fields(training_loop.TrainConfig)}
+    cfg = training_loop.TrainConfig(**{k: v for k, v in vars(args).items() if k in fields},
+                               model=args.config, out_dir=args.out, progress=not args.no_progress)
+    result = training_loop.train(cfg, resume=args.resume)
+    state = "finished" if result["done"] else "stopped (resume with --resume)"
+    print(f"{state} at step {result['step']}; checkpoint in {result['out_dir']}")
+    if result["evals"]:
+        print(format_metrics(result["evals"][-1]))
+    return 0
+
+
+def _eval(args) -> int:
+    model = load(args.checkpoint, progress=False, device=args.device)
+    print(format_metrics(evaluate(model, seed=args.seed, n=args.n, context=args.context,
+                                  num_distractors=args.distractors)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

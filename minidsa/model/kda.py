@@ -1,0 +1,120 @@
+"""The Kimi Delta Attention layer of K3 (docs/design.md §5).
+
+    q, k, v = SiLU(causal depthwise conv4(W_{q,k,v} x))   q, k L2-normalised per head
+    g       = lb * sigmoid(exp(A_log[h]) * (W_fb W_fa x + dt_bias))   log-decay in (lb, 0), lb = -5, h < H
+    beta    = sigmoid(W_b x)                                           one per head
+    o       = KDA(q, k, v, g, beta)    recurrent state [H, K, V] in fp32, no KV cache
+    y       = W_o [ RMSNorm_per_head(o) * sigmoid(W_g x) ]
+
+KDA carries position information for the whole model (the MLA layers use no rotary embedding).
+Its per-sequence state is the recurrent state plus the last conv_size-1 projected inputs of each
+short conv; prefill (chunked form) hands both to decode (recurrent form). The new state is staged
+in the cache context and written only when the whole forward succeeds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..cache import CacheContext
+from ..config import ModelConfig
+from ..ops import acc_dtype, cast
+from .norm import RMSNorm
+
+L2_EPS = 1e-6  # q, k <- x / sqrt(sum x^2 + eps)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv continuing from ``state``.
+
+    x [B, T, C], weight [C, 1, W], state [B, W-1, C] (the previous W-1 inputs, zeros at the start)
+    -> (y [B, T, C], new_state [B, W-1, C]); y[t] = sum_i weight[:, 0, i] * [state; x][t + i].
+    """
+    W = weight.shape[-1]
+    full = torch.cat([cast(state, x.dtype), x], dim=1)  # [B, W-1+T, C]
+    windows = full.unfold(1, W, 1)  # [B, T, C, W]
+    y = (windows * cast(weight[:, 0, :], x.dtype)).sum(-1)
+    return y, full[:, full.shape[1] - (W - 1):]
+
+
+class KimiDeltaAttention(nn.Module):
+    STATE_NAMES = ("recurrent", "conv")
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, cache_layer: int) -> None:
+        super().__init__()
+        kc = cfg.kda
+        self.layer_idx = layer_idx  # position in the decoder
+        self.cache_layer = cache_layer  # index among KDA layers: which state tensors of the cache are this layer's
+        self.num_heads, self.head_dim, self.conv_size = kc.num_heads, kc.head_dim, kc.conv_size
+        self.lower_bound, self.chunk_size = kc.decay_lower_bound, kc.chunk_size
+        d, HK = cfg.hidden_size, kc.num_heads * kc.head_dim
+        self.q_proj = nn.Linear(d, HK, bias=False)
+        self.k_proj = nn.Linear(d, HK, bias=False)
+        self.v_proj = nn.Linear(d, HK, bias=False)
+        self.q_conv1d = nn.Conv1d(HK, HK, kc.conv_size, groups=HK, bias=False)  # weight [HK, 1, W]
+        self.k_conv1d = nn.Conv1d(HK, HK, kc.conv_size, groups=HK, bias=False)
+        self.v_conv1d = nn.Conv1d(HK, HK, kc.conv_size, groups=HK, bias=False)
+        self.f_a_proj = nn.Linear(d, kc.decay_rank, bias=False)
+        self.f_b_proj = nn.Linear(kc.decay_rank, HK, bias=False)
+        # Stored as the release stores it, [a_log_size] with zeros after the first num_heads entries;
+        # only those first entries are read (docs/design.md §9).
+        self.A_log = nn.Parameter(torch.zeros(kc.a_log_size))
+        self.dt_bias = nn.Parameter(torch.zeros(HK))
+        self.b_proj = nn.Linear(d, kc.num_heads, bias=False)
+        self.g_proj = nn.Linear(d, HK, bias=False)
+        self.o_norm = RMSNorm(kc.head_dim, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(HK, d, bias=False)
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-sequence state tensors (all fp32) for the cache's state slots: the recurrent state and the last
+        W-1 projected inputs of the three short convs, q, k and v channels side by side (one tensor, one
+        conv call: the three convs are depthwise, so concatenating their channels changes nothing)."""
+        H, K, W = self.num_heads, self.head_dim, self.conv_size
+        return {"recurrent": (H, K, K), "conv": (W - 1, 3 * H * K)}
+
+    def forward(self, x: torch.Tensor, ctx: CacheContext | None = None, trace=None) -> torch.Tensor:
+        """x [B, T, d] (already normalised) -> [B, T, d]. ``ctx`` (a CacheContext) supplies and
+        receives the per-sequence state; without it the sequence starts from a zero state."""
+        B, T, _ = x.shape
+        acc = acc_dtype(x)
+        if ctx is None:
+            state = {n: torch.zeros((B,) + s, dtype=acc, device=x.device) for n, s in self.state_shapes().items()}
+        else:
+            state = {n: ctx.cache.read_state(self.cache_layer, n, ctx.state_slots) for n in self.STATE_NAMES}
+        (q, k, v, g, beta), new_state = self.recurrence_inputs(x, state)
+        if T == 1:  # decode: the recurrence, one step (chosen at run time from the query count)
+            o, new_state["recurrent"] = ops.kda_recurrent(q, k, v, g, beta, None, state["recurrent"])
+        else:
+            o, new_state["recurrent"] = ops.kda_chunk(q, k, v, g, beta, None, state["recurrent"], self.chunk_size)
+        if ctx is not None:
+            for n, value in new_state.items():
+                ctx.stage_state(self.cache_layer, n, value)
+        return self.output(o, x)
+
+    def recurrence_inputs(self, x: torch.Tensor, state: dict[str, torch.Tensor]):
+        """x [B, T, d] and the conv state -> ((q, k [B, T, H, K], v [B, T, H, K], g [B, T, H, K], beta [B, T, H]),
+        {"conv": the new conv state}). The training path reuses it (training_forward.py)."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        acc = acc_dtype(x)
+        projected = torch.cat([cast(p(x), acc) for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
+        weight = torch.cat([c.weight for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])  # [3HK, 1, W]
+        y, conv_state = causal_conv(projected, weight, state["conv"])
+        qkv = F.silu(y).view(B, T, 3, H, K)
+        qk = qkv[:, :, :2]  # q and k are L2-normalised per head, in one pass
+        q, k = (qk * torch.rsqrt(qk.pow(2).sum(-1, keepdim=True) + L2_EPS)).unbind(2)
+        z = cast(self.f_b_proj(self.f_a_proj(x)), acc) + cast(self.dt_bias, acc)
+        a = cast(self.A_log[:H], acc).exp().unsqueeze(-1)  # [H, 1]: one rate per head, over its K channels
+        g = self.lower_bound * torch.sigmoid(a * z.view(B, T, H, K))
+        beta = torch.sigmoid(cast(self.b_proj(x), acc))
+        return (q, k, qkv[:, :, 2], g, beta), {"conv": conv_state}
+
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o [B, T, H, K] from the recurrence, x [B, T, d] the layer input -> W_o[RMSNorm_head(o) * sigmoid(W_g x)]."""
+        B, T, _ = x.shape
+        gate = torch.sigmoid(cast(self.g_proj(x), acc_dtype(x)))
+        o = self.o_norm(o).reshape(B, T, self.num_heads * self.head_dim) * gate
+        return self.o_proj(cast(o, self.o_proj.weight.dtype))

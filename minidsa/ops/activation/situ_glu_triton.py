@@ -1,0 +1,79 @@
+"""Triton kernels of SiTU-GLU forward and backward (``activation.py``): one elementwise pass each.
+
+The forward reads g and u and writes h; the backward reads g, u and dLoss/dh and writes both input
+gradients, recomputing tanh and sigmoid in registers. In plain torch the same backward is about twenty
+full-size elementwise passes, so on a GPU (where a training step's SiTU-GLU tensors are the largest
+activations) the fused pass is what makes recomputation cheaper than keeping intermediates. tanh is
+built from exp (``_tanh`` of the expert kernels, whose ``_situ_glu`` the forward reuses; relative error
+~1e-7), so results agree with the references to fp32 rounding, not bitwise. Inputs are flattened: any
+shape, any float dtype, outputs fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..moe_experts.experts_triton import _situ_glu, _tanh
+from .reference import _check, situ_glu_backward_ref, situ_glu_ref
+
+BLOCK = {"cuda": 2048, "cpu": 64}
+
+
+@triton.jit
+def _fwd_kernel(g_ptr, u_ptr, h_ptr, n, beta_gate, beta_up, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(h_ptr + offs, _situ_glu(g, u, beta_gate, beta_up), mask=ok)
+
+
+@triton.jit
+def _bwd_kernel(g_ptr, u_ptr, grad_ptr, dg_ptr, du_ptr, n, beta_gate, beta_up, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    grad = tl.load(grad_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tg, tu = _tanh(g / beta_gate), _tanh(u / beta_up)
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    a = beta_gate * tg * sig
+    da = (1.0 - tg * tg) * sig + a * (1.0 - sig)
+    tl.store(dg_ptr + offs, grad * (beta_up * tu) * da, mask=ok)
+    tl.store(du_ptr + offs, grad * a * (1.0 - tu * tu), mask=ok)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
+
+
+def situ_glu(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
+    """The contract of ``situ_glu_ref``: g, u [...] -> h [...] fp32."""
+    _check(g, u)
+    if torch.float64 in (g.dtype, u.dtype):
+        return situ_glu_ref(g, u, beta_gate, beta_up)
+    h = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+    n = h.numel()
+    if n:
+        block = BLOCK["cuda" if g.is_cuda else "cpu"]
+        _fwd_kernel[(triton.cdiv(n, block),)](_flat(g), _flat(u), h.view(-1), n, float(beta_gate), float(beta_up),
+                                             BLOCK=block)
+    return h
+
+
+def situ_glu_backward(g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor, beta_gate: float,
+                      beta_up: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract of ``situ_glu_backward_ref``: (dLoss/dg, dLoss/du) fp32, one fused pass."""
+    _check(g, u, grad)
+    if torch.float64 in (g.dtype, u.dtype, grad.dtype):
+        return situ_glu_backward_ref(g, u, grad, beta_gate, beta_up)
+    dg = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+    du = torch.empty_like(dg)
+    n = dg.numel()
+    if n:
+        block = BLOCK["cuda" if g.is_cuda else "cpu"]
+        _bwd_kernel[(triton.cdiv(n, block),)](_flat(g), _flat(u), _flat(grad), dg.view(-1), du.view(-1), n,
+                                             float(beta_gate), float(beta_up), BLOCK=block)
+    return dg, du

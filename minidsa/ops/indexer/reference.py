@@ -1,0 +1,117 @@
+"""Reference ops of the DSA lightning indexer: scores, scores over a paged key plane, and top-k
+selection (docs/design.md §2).
+
+fp32 math on any device. ``paged_index_scores`` is ``index_scores`` after gathering each sequence's
+keys through its block table; tests hold the two equal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import acc_dtype, check_tensor, on_host
+from ..paging import gather_slots, paged_slots
+
+
+def index_scores_ref(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
+    """I[b,t,s] = sum_h w[b,t,h] * ReLU(scale * q[b,t,h,:] . k[b,s,:]), no causal masking.
+
+    Args:
+        q: [B, T, H, D] indexer queries (one per indexer head).
+        k: [B, S, D] indexer keys, one per token, shared by all heads.
+        w: [B, T, H] signed per-head weights (the model folds H^-0.5 into them).
+        scale: the D^-0.5 factor inside the ReLU.
+    Returns:
+        [B, T, S] float32 (float64 if an input is).
+    The ReLU is taken per head, before the signed weight: ReLU of the weighted sum is a different
+    (and wrong) function (docs/design.md §10, trap 2).
+    """
+    B, T, H, D = check_tensor("q", q, ndim=4, floating=True)
+    check_tensor("k", k, shape=(B, None, D), floating=True)
+    check_tensor("w", w, shape=(B, T, H), floating=True)
+    acc = acc_dtype(q, k, w)
+    logits = torch.einsum("bthd,bsd->bths", q.to(acc), k.to(acc)) * float(scale)
+    return torch.einsum("bths,bth->bts", torch.relu(logits), w.to(acc))
+
+
+def check_topk_args(scores, topk, q_pos) -> tuple[int, int, int]:
+    """Argument checks of ``topk_indices`` (reference and kernel alike) -> (B, T, S); NaN scores are
+    rejected when they are in CPU memory (elsewhere the check would cost a device sync per call)."""
+    B, T, S = check_tensor("scores", scores, ndim=3, floating=True)
+    check_tensor("q_pos", q_pos, shape=(B, T), integer=True)
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk must be a positive int, got {topk!r}")
+    if on_host(scores) and bool(torch.isnan(scores).any()):
+        raise ValueError("scores contain NaN; top-k of NaN is undefined (check the indexer inputs)")
+    return B, T, S
+
+
+def topk_indices_ref(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> torch.Tensor:
+    """Top-k key positions per query among the causal candidates 0..q_pos (itself included).
+
+    Args:
+        scores: [B, T, S] index scores (any float dtype; NaN is rejected).
+        topk: keys to keep per query, >= 1.
+        q_pos: [B, T] integer absolute position of each query.
+    Returns:
+        int32 [B, T, topk]: positions ordered by descending score, ties broken by the lower position;
+        when fewer than ``topk`` candidates exist the row is padded with -1 at the end (never with a
+        future position: docs/design.md §10, trap 3).
+    A NaN score is rejected when ``scores`` is in CPU memory (elsewhere the check would cost a device
+    sync per call; NaN then sorts first).
+    """
+    B, T, S = check_topk_args(scores, topk, q_pos)
+    pos = torch.arange(S, device=scores.device)
+    candidate = pos.view(1, 1, S) <= q_pos.to(torch.long).unsqueeze(-1)  # [B, T, S]
+    # Non-candidates sort after every candidate: -inf ties with a candidate scored -inf, and a
+    # stable sort then keeps the lower position (every candidate) first.
+    masked = scores.masked_fill(~candidate, float("-inf"))
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices  # ties -> lower position
+    k_eff = min(topk, S)
+    idx = order[..., :k_eff]
+    valid = torch.gather(candidate, -1, idx)
+    idx = torch.where(valid, idx, torch.full_like(idx, -1)).to(torch.int32)
+    if k_eff < topk:
+        pad = torch.full((B, T, topk - k_eff), -1, dtype=torch.int32, device=scores.device)
+        idx = torch.cat([idx, pad], dim=-1)
+    return idx
+
+
+def check_paged_scores_args(q, w, key_plane, key_scale_plane, block_table, context_lens) -> tuple[int, int, int]:
+    """Argument checks of ``paged_index_scores`` (reference and kernel alike) -> (B, block_size, max_blocks)."""
+    B, T, H, D = check_tensor("q", q, ndim=4, floating=True)
+    check_tensor("w", w, shape=(B, T, H), floating=True)
+    _, bs, _ = check_tensor("key_plane", key_plane, shape=(None, None, D))
+    MB = check_tensor("block_table", block_table, shape=(B, None), integer=True)[1]
+    check_tensor("context_lens", context_lens, shape=(B,), integer=True)
+    if key_scale_plane is not None:
+        check_tensor("key_scale_plane", key_scale_plane, shape=(key_plane.shape[0], bs, 1))
+    return B, bs, MB
+
+
+def paged_index_scores_ref(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Tensor,
+                           key_scale_plane: torch.Tensor | None, block_table: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Index scores of each query against every cached key of its own sequence.
+
+    Args:
+        q: [B, T, H, D] indexer queries; w: [B, T, H] signed head weights.
+        key_plane: [num_blocks, block_size, D] cached indexer keys (float8_e4m3fn with fp8 numerics).
+        key_scale_plane: [num_blocks, block_size, 1] fp32 per-key scales, or None for unquantised keys.
+        block_table: int32 [B, max_blocks] physical block of each logical block (-1 = none).
+        context_lens: int32 [B] keys each sequence holds (the new tokens included).
+        scale: the D^-0.5 factor inside the ReLU.
+    Returns:
+        [B, T, S] float32 with S = max_blocks * block_size (a shape fixed by the table, not by the data):
+        ``index_scores`` over positions < context_lens[b], -inf at every later position and at any
+        position whose block is -1 (nothing there to select).
+    """
+    B, bs, MB = check_paged_scores_args(q, w, key_plane, key_scale_plane, block_table, context_lens)
+    positions = torch.arange(MB * bs, device=q.device).expand(B, MB * bs)
+    slots = paged_slots(block_table, positions, bs)
+    keys = gather_slots(key_plane, slots).to(acc_dtype(q, w))
+    if key_scale_plane is not None:
+        keys = keys * gather_slots(key_scale_plane, slots).to(keys.dtype)
+    scores = index_scores_ref(q, keys, w, scale)
+    cached = (positions < context_lens.long().unsqueeze(1)) & (slots >= 0)  # [B, S]
+    return torch.where(cached.unsqueeze(1), scores, torch.full_like(scores, float("-inf")))

@@ -1,0 +1,520 @@
+"""Triton kernels of Kimi Delta Attention: the fused recurrence (decode) and the chunked form (prefill).
+
+Same signatures, layouts and results as ``minidsa/ops/kda/reference.py`` (docs/design.md §5, §12): q, k
+[B, T, H, K]; v [B, T, HV, V] with HV a multiple of H (value head j reads q/k head j // (HV/H));
+g [B, T, HV, K] log-decay; beta [B, T, HV]; state [B, HV, K, V] fp32. Every kernel computes in fp32
+and returns a NEW fp32 state: the caller's ``initial_state`` is only read (None means zeros). fp64
+inputs (exactness tests only) go to the reference. No atomics: every output element is written by
+exactly one program, so results are bitwise reproducible.
+
+**Recurrence** (``kda_recurrent``, one kernel). Grid ``(batch row x value head, tile of BLOCK_V state
+columns)``. A program holds its [K, BLOCK_V] slice of the state in registers for all T steps and
+touches HBM for it exactly twice: one load at the start, one store at the end. The delta rule never
+mixes state columns (every step is "scale rows, rank-1 update, read with k or q"), so the V columns
+split into independent programs with no communication, while the K rows cannot be split: the
+prediction S^T k sums over all of them. Per step the program loads the token's k, q, g rows [K] and
+its v tile, and computes
+
+    S <- S * exp(g)[:, None];  pred = sum_K(S * k);  S <- S + beta k (v - pred)^T;  o = sum_K(S * q)
+
+with both sums as in-register reductions. Decode (T = 1, a batch of states) is therefore a pure
+stream over the state: 2 * 4 * K * V bytes per head, read and written once, in rows of BLOCK_V
+contiguous fp32 values (128 bytes at BLOCK_V = 32: whole cache lines). Small tiles give many programs
+(batch 64 x 96 heads x 4 tiles = 24,576), enough to keep the H200's memory pipes full.
+
+**Chunked form** (``kda_chunk``, five kernels, the formulas of ``kda_chunk_ref``'s docstring). The
+sequence is cut into chunks of C = min(chunk_size, 64) tokens (the result does not depend on C);
+a chunk is a tile of BC rows (C rounded up to a power of two, at least 16 for ``tl.dot``). Rows past
+C or past T are padding: their loads are masked to k = q = v = beta = g = 0, steps that leave the
+state unchanged, exactly as the reference pads the tail, and their outputs are never stored.
+Intermediate results go to scratch tensors in a padded, head-major layout ``[B*HV, NT*BC, width]`` so
+later kernels read whole chunks without masks.
+
+1. ``_chunk_decay_kernel``, per (chunk, head): G = cumsum(g) inside the chunk (fp32), stored, plus the
+   per-token operands that need only G: Qg = exp(G) * scale * q, Kd = exp(G_C - G) * k and exp(G_C).
+2. ``_chunk_pairs_kernel``, per (chunk, head, block i of 16 rows): rows 16 i .. 16 i + 15 of the pair
+   matrices A_qk and A_kk, summed over K in slices of KC channels. The pair decay exp(G_r - G_j)
+   cannot be factored as exp(G_r) exp(-G_j): over 64 steps near -5 per step exp(-G_j) overflows
+   fp32. Instead, for the columns of earlier row blocks (j < 16 i) the first row m = 16 i of block i
+   is a reference: exp(G_r - G_j) = exp(G_r - G_m) exp(G_m - G_j) with both exponents <= 0, so that
+   part is one ``tl.dot`` of (q * exp(G - G_m)) with (k * exp(G_m - G))^T. Inside the diagonal
+   16 x 16 block no such row exists, so the decay is formed pair by pair, one column j at a time
+   ([16, KC] in registers, key row j loaded straight into the layout it is broadcast in), with the
+   exponent masked to -inf above the diagonal. Every exponent is <= 0: nothing overflows; what
+   underflows to 0 is below what fp32 can hold anyway. (Nsight Compute on the H200: a [16, 16, KC]
+   broadcast of the same pairs bound the kernel at 91 % of L1 throughput on layout changes; the
+   column loop took it from 614 to 496 us at T = 8192.)
+3. ``_chunk_solve_kernel``, per (chunk, head): M = (I + Diag(beta) A_kk)^-1, built row block by row
+   block in registers: the 16 x 16 diagonal inverse by forward substitution, then M_i = inv(I + A_ii)
+   (E_i - A_i,<i M_<i) with dots (block forward substitution). Then W = M (beta exp(G) k) and
+   U = M (beta v), WC columns at a time. (One kernel for 2 and 3 held the pairs' temporaries and M
+   at once: 255 registers and spills, 1.7 ms; split, 0.5 + 0.24 ms.)
+4. ``_chunk_state_kernel``, per (head, tile of V columns): the only sequential part. It walks the
+   chunks in order carrying S [K, BLOCK_V] in registers: stores S (the chunk's S0), V_new = U - W S0,
+   then S <- exp(G_C) S + Kd^T V_new. Two dots per chunk; W, U, Kd of the next chunk do not depend on
+   S, so the compiler's software pipelining (num_stages) prefetches them during the current chunk.
+5. ``_chunk_output_kernel``, per (chunk, head, V tile: all of V on a GPU), fully parallel:
+   O = Qg S0 + A_qk V_new.
+
+Splitting the state walk (4) from the output (5) keeps the sequential loop at two dots per chunk;
+B=1, T=8192, 16 heads gives only 16 x (V / BLOCK_V) programs for it, so its length, not the GPU's
+width, bounds it. The price is the per-chunk S0 round trip through memory.
+
+**Precision.** Sums and the state are fp32, and so are the scratch values that are more than a dot
+operand (G, U, A_kk). With bf16/fp16 q, k, v on a GPU, the large dots take their operands in that
+type (tensor cores, fp32 accumulation, as flash-linear-attention does); the scratch tensors that are
+only ever dot operands (Qg, Kd, W, A_qk, V_new, the per-chunk S0) are stored in that type, which the
+consumer would convert them to anyway: half the bytes, the same results. Dots on fp32 operands (the
+inverse M always, everything for fp32 inputs) use "tf32x3" on a GPU (three TF32 products: about fp32
+accuracy on tensor cores; IEEE fp32 dots at these tiles run on the FMA units and spill registers:
+``_GPU_F32_DOT`` switches back) and "ieee" in the interpreter, which always computes in fp32 (its
+``tl.dot`` on bf16 operands returns garbage: docs/design.md §10).
+
+**Block sizes** (``_recurrent_block_v``, ``_chunk_config``) come from sweeps on the H200 at B=1,
+T=8192, 16 heads x 128 (benchmarks/bench_kda.py): GPU time 2.51 ms with one 8-warp kernel for
+pairs and solve, 1.12 ms now, against 0.60 ms for flash-linear-attention's ``chunk_kda`` (T=32768:
+4.38 ms against 2.33).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._checks import acc_dtype
+from .reference import _check, kda_chunk_ref, kda_recurrent_ref
+
+MAX_CHUNK = 64  # registers: the chunk kernels hold [BC, BC] and [BC, K] tiles
+_GPU_F32_DOT = "tf32x3"  # precision of fp32 dots on a GPU ("ieee": exact products, FMA units, slow)
+SUB_ROWS = 16  # rows per block of the WY solve; tl.dot needs at least 16
+SUB = tl.constexpr(SUB_ROWS)  # the same, as the kernels see it
+
+
+# --------------------------------------------------------------------------------------- loads
+@triton.jit
+def _load_state(s0_ptr, bh, K, V, d, e, BK: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr):
+    """The [BK, BV] fp32 tile (key rows d, value columns e) of state bh, zeros without an initial
+    state; also its offsets and mask, for the store of the final state at the same place."""
+    state_offs = bh * K * V + d[:, None] * V + e[None, :]
+    state_mask = (d < K)[:, None] & (e < V)[None, :]
+    if HAS_S0:
+        S = tl.load(s0_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+    return S, state_offs, state_mask
+
+
+@triton.jit
+def _token_tile(ptr, bT, t, ok, head, n_heads, width, d):
+    """fp32 tile [len(t), len(d)] of a contiguous [B, T, n_heads, width] tensor: tokens ``bT + t`` of
+    one head, columns d; zero where ``ok`` is False or d >= width (masked, never read)."""
+    offs = ((bT + t)[:, None] * n_heads + head) * width + d[None, :]
+    return tl.load(ptr + offs, mask=ok[:, None] & (d < width)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _token_row(ptr, bT, t, mask, head, n_heads, width, d):
+    """fp32 row [len(d)] of token ``bT + t`` (a scalar) of one head; zero where ``mask`` is False."""
+    offs = ((bT + t) * n_heads + head) * width + d
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _scratch_tile(ptr, rows, width: tl.constexpr, cols):
+    """Tile [len(rows), len(cols)] of a padded fp32 scratch tensor with rows of ``width`` values."""
+    return tl.load(ptr + rows[:, None] * width + cols[None, :])
+
+
+@triton.jit
+def _mm(a, b, DOT: tl.constexpr, F32: tl.constexpr):
+    """a @ b with fp32 accumulation, operands converted to DOT; fp32 operands use the F32 precision
+    ("ieee" in the interpreter, "tf32x3" on a GPU: fp32-grade tensor-core products, never plain TF32)."""
+    return tl.dot(a.to(DOT), b.to(DOT), input_precision=F32)
+
+
+# --------------------------------------------------------------------------------- recurrence
+@triton.jit
+def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0_ptr, o_ptr, s_ptr,
+                      T, H, HV, K, V, REP, scale,
+                      BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_S0: tl.constexpr):
+    """One (batch row, value head, V tile): the state slice [BLOCK_K, BLOCK_V] stays in registers
+    for all T steps; o [B, T, HV, V] is written per step, the final state once."""
+    bh = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a batch of states may pass 2^31 values
+    b, hv = bh // HV, bh % HV
+    h = hv // REP  # grouped value heads share q/k head hv // (HV / H)
+    d = tl.arange(0, BLOCK_K)
+    e = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    S, state_offs, state_mask = _load_state(s0_ptr, bh, K, V, d, e, BLOCK_K, BLOCK_V, HAS_S0)
+    bT = b * T
+    for t in range(T):
+        k = _token_row(k_ptr, bT, t, d < K, h, H, K, d)
+        q = _token_row(q_ptr, bT, t, d < K, h, H, K, d) * scale
+        g = _token_row(g_ptr, bT, t, d < K, hv, HV, K, d)
+        v = _token_row(v_ptr, bT, t, e < V, hv, HV, V, e)
+        beta = tl.load(beta_ptr + (bT + t) * HV + hv).to(tl.float32)
+        S = S * tl.exp(g)[:, None]  # padded rows: g = 0 keeps them at their 0
+        pred = tl.sum(S * k[:, None], axis=0)  # S^T k: what the state already returns for k
+        S = S + (beta * k)[:, None] * (v - pred)[None, :]
+        o = tl.sum(S * q[:, None], axis=0)
+        tl.store(o_ptr + ((bT + t) * HV + hv) * V + e, o.to(o_ptr.dtype.element_ty), mask=e < V)
+    tl.store(s_ptr + state_offs, S, mask=state_mask)
+
+
+def _recurrent_block_v(K: int, V: int, cuda: bool) -> int:
+    """State columns per program. GPU: about 4096 state values per 4-warp program (32 fp32 registers
+    a thread; 32 columns at K = 128, one 128-byte line per state row). Interpreter: one tile."""
+    bv = triton.next_power_of_2(V)
+    if not cuda:
+        return bv
+    return min(bv, max(16, 4096 // triton.next_power_of_2(K)))
+
+
+def _outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised o [B, T, HV, V] in v's dtype and a NEW fp32 final state [B, HV, K, V]."""
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    return (torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device),
+            torch.empty(B, HV, K, V, dtype=torch.float32, device=v.device))
+
+
+def _launch_recurrent(q, k, v, g, beta, scale, initial_state, block_v=None):
+    """Run the recurrence on checked, non-fp64 inputs. ``block_v`` overrides the V tile (tests)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    o, state = _outputs(q, v)
+    if state.numel() == 0 or T == 0:  # nothing to run (K = 0 leaves o = S^T q = 0)
+        return o.zero_(), _copy_state(initial_state, state)
+    bv = block_v or _recurrent_block_v(K, V, v.device.type == "cuda")
+    s0 = initial_state.contiguous() if initial_state is not None else state  # placeholder when absent
+    _recurrent_kernel[(B * HV, triton.cdiv(V, bv))](
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), s0, o, state,
+        T, H, HV, K, V, HV // H, scale,
+        BLOCK_K=triton.next_power_of_2(K), BLOCK_V=bv, HAS_S0=initial_state is not None, num_warps=4)
+    return o, state
+
+
+def _copy_state(initial_state, out):
+    """The result state when no step runs: a fresh fp32 copy (or zeros), never the caller's tensor."""
+    return out.zero_() if initial_state is None else out.copy_(initial_state)
+
+
+# ------------------------------------------------------------------------------ chunked: decay
+# The lengths T, C (chunk) and NT (chunk count) only scale offsets and bound loops: left unspecialised, a new
+# prompt length compiles no new variant of the five chunk kernels (README, "cold process"); same speed.
+@triton.jit(do_not_specialize=["T", "C", "NT"])
+def _chunk_decay_kernel(q_ptr, k_ptr, g_ptr, G_ptr, qg_ptr, kd_ptr, gl_ptr,
+                        T, H, HV, K, REP, C, NT, scale,
+                        BC: tl.constexpr, BK: tl.constexpr):
+    """One (chunk, head): G = inclusive cumsum of g over the chunk's rows, Qg = exp(G) scale q,
+    Kd = exp(G_C - G) k, exp(G_C), all into scratch rows [BC, BK] (padding rows and columns too)."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b, hv = bh // HV, bh % HV
+    h = hv // REP
+    r = tl.arange(0, BC)
+    d = tl.arange(0, BK)
+    t = c * C + r
+    ok = (r < C) & (t < T)
+    g = _token_tile(g_ptr, b * T, t, ok, hv, HV, K, d)
+    G = tl.cumsum(g, axis=0)  # padding rows add 0: G stays flat past the chunk's last token
+    g_last = tl.sum(g, axis=0)  # G_C
+    offs = ((bh * NT + c) * BC + r)[:, None] * BK + d[None, :]
+    tl.store(G_ptr + offs, G)
+    q = _token_tile(q_ptr, b * T, t, ok, h, H, K, d) * scale
+    tl.store(qg_ptr + offs, tl.exp(G) * q)
+    k = _token_tile(k_ptr, b * T, t, ok, h, H, K, d)
+    tl.store(kd_ptr + offs, tl.exp(g_last[None, :] - G) * k)  # G_C - G <= 0
+    tl.store(gl_ptr + (bh * NT + c) * BK + d, tl.exp(g_last))
+
+
+# ------------------------------------------------------------------------ chunked: pair matrices
+@triton.jit
+def _pair_rows(q_ptr, k_ptr, G_ptr, bT, row0, c, i, T, H, h, K, C, scale,
+               BC: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr):
+    """Rows 16 i .. 16 i + 15 of the chunk's pair matrices, summed over K in slices of KC channels:
+    A_qk [16, BC] (r >= j), and A_kk without beta split into its columns j < 16 i [16, BC] and its
+    diagonal block [16, 16] (r > j).
+
+    Columns of earlier row blocks go through a reference row, the block's first row m = 16 i:
+    exp(G_r - G_j) = exp(G_r - G_m) exp(G_m - G_j) with j < m <= r, both factors <= 1, so they are one
+    dot of (q * exp(G - G_m)) with (k * exp(G_m - G))^T. Inside the diagonal block no row lies
+    between r and j: the decay is formed pair by pair (a column at a time), the exponent
+    masked to -inf where r < j so that it is never positive."""
+    s16 = tl.arange(0, SUB)
+    r = s16 + i * SUB
+    ok = (r < C) & (c * C + r < T)
+    j = tl.arange(0, BC)
+    left = j < i * SUB
+    a_qk = tl.zeros([SUB, BC], dtype=tl.float32)
+    a_kk = tl.zeros([SUB, BC], dtype=tl.float32)
+    d_qk = tl.zeros([SUB, SUB], dtype=tl.float32)
+    d_kk = tl.zeros([SUB, SUB], dtype=tl.float32)
+    for d0 in range(0, BK, KC):
+        d = d0 + tl.arange(0, KC)
+        q = _token_tile(q_ptr, bT, c * C + r, ok, h, H, K, d) * scale
+        k = _token_tile(k_ptr, bT, c * C + r, ok, h, H, K, d)
+        G = _scratch_tile(G_ptr, row0 + r, BK, d)
+        g_ref = tl.load(G_ptr + (row0 + i * SUB) * BK + d)
+        k_left = _token_tile(k_ptr, bT, c * C + j, left & (j < C) & (c * C + j < T), h, H, K, d)
+        k_left *= tl.exp(tl.where(left[:, None], g_ref[None, :] - _scratch_tile(G_ptr, row0 + j, BK, d),
+                                  float("-inf")))
+        decay = tl.exp(G - g_ref[None, :])
+        a_qk += _mm(q * decay, tl.trans(k_left), DOT, F32)
+        a_kk += _mm(k * decay, tl.trans(k_left), DOT, F32)
+        # One column j of the diagonal block at a time: its key row is loaded straight into the
+        # layout the [16, KC] tile broadcasts it in, so no tile changes layout (a [16, 16, KC]
+        # broadcast did, through shared memory, and bound the kernel on L1 traffic).
+        for jj in range(SUB):
+            r_j = d * 0 + i * SUB + jj  # as a vector: the interpreter mishandles vector & scalar masks
+            k_j = _token_row(k_ptr, bT, c * C + i * SUB + jj, (d < K) & (r_j < C) & (c * C + r_j < T), h, H, K, d)
+            e = tl.exp(tl.where((s16 >= jj)[:, None], G - tl.load(G_ptr + (row0 + i * SUB + jj) * BK + d)[None, :],
+                                float("-inf"))) * k_j[None, :]
+            col = (s16 == jj)[None, :]
+            d_qk = tl.where(col, d_qk + tl.sum(q * e, axis=1)[:, None], d_qk)
+            d_kk = tl.where(col, d_kk + tl.sum(k * e, axis=1)[:, None], d_kk)
+    a_qk += tl.dot(d_qk, _rows_to_columns(i, BC), input_precision=F32)
+    return a_qk, a_kk, tl.where(s16[:, None] > s16[None, :], d_kk, 0.0)
+
+
+@triton.jit
+def _rows_to_columns(i, BC: tl.constexpr):
+    """0/1 matrix [16, BC] mapping row s of a 16 x 16 block to column 16 i + s of a [., BC] tile:
+    a dot with it places the block exactly (each result is one product by 1.0, plus zeros)."""
+    return (tl.arange(0, BC)[None, :] == (tl.arange(0, SUB) + i * SUB)[:, None]).to(tl.float32)
+
+
+@triton.jit
+def _unit_lower_inverse(A):
+    """(I + A)^-1 for a strictly lower triangular A [16, 16], by forward substitution on rows:
+    row s of the inverse is e_s - sum_{j<s} A[s, j] (row j of the inverse)."""
+    r = tl.arange(0, SUB)
+    inv = (r[:, None] == r[None, :]).to(tl.float32)
+    for s in range(1, SUB):
+        a_s = tl.sum(tl.where(r[:, None] == s, A, 0.0), axis=0)  # row s of A (zero from column s on)
+        row = tl.sum(a_s[:, None] * inv, axis=0)  # rows j < s of inv are final; a_s is 0 elsewhere
+        inv = tl.where(r[:, None] == s, inv - row[None, :], inv)
+    return inv
+
+
+@triton.jit
+def _extend_inverse(M, a_off, a_diag, i, BC: tl.constexpr, F32: tl.constexpr):
+    """Fill rows of block i of M = (I + A_kk)^-1 [BC, BC], whose rows of blocks < i are done (later
+    rows still zero). Row block i of (I + A) M = I reads (I + A_ii) M_i = E_i - A_i,<i M_<i, so
+    M_i = inv(I + A_ii) (E_i - a_off M): block forward substitution, always in fp32 (F32 dots)."""
+    E_i = _rows_to_columns(i, BC)  # also rows 16 i.. of the identity
+    R = E_i - tl.dot(a_off, M, input_precision=F32)
+    M_i = tl.dot(_unit_lower_inverse(a_diag), R, input_precision=F32)
+    return M + tl.dot(tl.trans(E_i), M_i, input_precision=F32)  # M_i into rows 16 i..
+
+
+@triton.jit(do_not_specialize=["T", "C", "NT"])
+def _chunk_pairs_kernel(q_ptr, k_ptr, G_ptr, aqk_ptr, akk_ptr, T, H, HV, K, REP, C, NT, scale,
+                        BC: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, DOT: tl.constexpr,
+                        F32: tl.constexpr):
+    """One (chunk, head, row block i): rows 16 i .. 16 i + 15 of A_qk (into its scratch, in the dot
+    type: it is only ever a dot operand) and of A_kk without beta (fp32: the solve reads it as it
+    was computed). A_kk's columns j < 16 i and its diagonal block are two stores to disjoint
+    addresses; the columns after the block are never read."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    i = tl.program_id(2)
+    b, hv = bh // HV, bh % HV
+    row0 = (bh * NT + c) * BC  # first scratch row of this chunk
+    a_qk, a_off, a_diag = _pair_rows(q_ptr, k_ptr, G_ptr, b * T, row0, c, i, T, H, hv // REP, K, C, scale,
+                                     BC, BK, KC, DOT, F32)
+    s16 = tl.arange(0, SUB)
+    rows = (row0 + s16 + i * SUB)[:, None] * BC
+    cols = tl.arange(0, BC)[None, :]
+    tl.store(aqk_ptr + rows + cols, a_qk)
+    tl.store(akk_ptr + rows + cols, a_off, mask=cols < i * SUB)
+    tl.store(akk_ptr + rows + (s16 + i * SUB)[None, :], a_diag)
+
+
+@triton.jit(do_not_specialize=["T", "C", "NT"])
+def _chunk_solve_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, akk_ptr, w_ptr, u_ptr,
+                        T, H, HV, K, V, REP, C, NT, BC: tl.constexpr, BK: tl.constexpr,
+                        BVF: tl.constexpr, WC: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr):
+    """One (chunk, head): M = (I + Diag(beta) A_kk)^-1 in registers, then W and U out."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b, hv = bh // HV, bh % HV
+    h = hv // REP
+    bT = b * T
+    row0 = (bh * NT + c) * BC
+    cols = tl.arange(0, BC)
+    s16 = tl.arange(0, SUB)
+    M = tl.zeros([BC, BC], dtype=tl.float32)
+    for i in range(BC // SUB):
+        r = s16 + i * SUB
+        ok = (r < C) & (c * C + r < T)
+        beta_i = tl.load(beta_ptr + (bT + c * C + r) * HV + hv, mask=ok, other=0.0).to(tl.float32)
+        a_off = tl.load(akk_ptr + (row0 + r)[:, None] * BC + cols[None, :], mask=(cols < i * SUB)[None, :],
+                        other=0.0)
+        a_diag = tl.load(akk_ptr + (row0 + r)[:, None] * BC + r[None, :])  # the diagonal block
+        M = _extend_inverse(M, a_off * beta_i[:, None], a_diag * beta_i[:, None], i, BC, F32)
+    # W = M Diag(beta) (exp(G) * k) and U = M Diag(beta) v, WC columns at a time (registers).
+    t = c * C + cols
+    ok = (cols < C) & (t < T)
+    beta = tl.load(beta_ptr + (bT + t) * HV + hv, mask=ok, other=0.0).to(tl.float32)
+    for d0 in range(0, BK, WC):
+        d = d0 + tl.arange(0, WC)
+        x = _token_tile(k_ptr, bT, t, ok, h, H, K, d) * tl.exp(_scratch_tile(G_ptr, row0 + cols, BK, d))
+        tl.store(w_ptr + (row0 + cols)[:, None] * BK + d[None, :], _mm(M, x * beta[:, None], DOT, F32))
+    for e0 in range(0, BVF, WC):
+        e = e0 + tl.arange(0, WC)
+        y = _token_tile(v_ptr, bT, t, ok, hv, HV, V, e) * beta[:, None]
+        tl.store(u_ptr + (row0 + cols)[:, None] * BVF + e[None, :], _mm(M, y, DOT, F32))
+
+
+# ---------------------------------------------------------------------------- chunked: state walk
+@triton.jit(do_not_specialize=["NT"])
+def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gl_ptr, s0_ptr, hs_ptr, vn_ptr, s_ptr, K, V, NT,
+                        BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
+                        HAS_S0: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr):
+    """One (head, V tile), chunks in order: store S0 of each chunk and V_new = U - W S0, then
+    S <- exp(G_C) S + Kd^T V_new. The state [BK, BV] never leaves registers in between."""
+    bh = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BK)
+    e = tl.program_id(1) * BV + tl.arange(0, BV)  # < BVF: the grid covers the padded width exactly
+    r = tl.arange(0, BC)
+    S, state_offs, state_mask = _load_state(s0_ptr, bh, K, V, d, e, BK, BV, HAS_S0)
+    for c in range(NT):
+        rows = (bh * NT + c) * BC + r
+        tl.store(hs_ptr + (bh * NT + c) * BK * BVF + d[:, None] * BVF + e[None, :], S)
+        u = _scratch_tile(u_ptr, rows, BVF, e)
+        v_new = u - _mm(_scratch_tile(w_ptr, rows, BK, d), S, DOT, F32)
+        tl.store(vn_ptr + rows[:, None] * BVF + e[None, :], v_new)
+        kd = _scratch_tile(kd_ptr, rows, BK, d)
+        decay = tl.load(gl_ptr + (bh * NT + c) * BK + d)  # exp(G_C) per key channel
+        S = S * decay[:, None] + _mm(tl.trans(kd), v_new, DOT, F32)
+    tl.store(s_ptr + state_offs, S, mask=state_mask)
+
+
+@triton.jit(do_not_specialize=["T", "C", "NT"])
+def _chunk_output_kernel(qg_ptr, aqk_ptr, hs_ptr, vn_ptr, o_ptr, T, HV, V, C, NT,
+                         BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
+                         DOT: tl.constexpr, F32: tl.constexpr):
+    """One (chunk, head, V tile): O = Qg S0 + A_qk V_new, stored for the chunk's real tokens only."""
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b, hv = bh // HV, bh % HV
+    r = tl.arange(0, BC)
+    d = tl.arange(0, BK)
+    e = tl.program_id(2) * BV + tl.arange(0, BV)
+    rows = (bh * NT + c) * BC + r
+    s0 = tl.load(hs_ptr + (bh * NT + c) * BK * BVF + d[:, None] * BVF + e[None, :])
+    o = _mm(_scratch_tile(qg_ptr, rows, BK, d), s0, DOT, F32)
+    o += _mm(_scratch_tile(aqk_ptr, rows, BC, r), _scratch_tile(vn_ptr, rows, BVF, e), DOT, F32)
+    t = c * C + r
+    ok = (r < C) & (t < T)
+    offs = ((b * T + t)[:, None] * HV + hv) * V + e[None, :]
+    tl.store(o_ptr + offs, o.to(o_ptr.dtype.element_ty), mask=ok[:, None] & (e < V)[None, :])
+
+
+# ----------------------------------------------------------------------------------- launches
+def _dot_types(q, k, v) -> tuple:
+    """(operand type of the large dots, precision of fp32 dots). On a GPU: 16-bit tensor-core operands
+    when q, k and v all are that type, and "tf32x3" for fp32 dots (three TF32 products: about fp32
+    accuracy on tensor cores; IEEE fp32 dots at these tiles run on the FMA units and spill registers).
+    The interpreter: fp32 and "ieee"."""
+    if v.device.type != "cuda":
+        return tl.float32, "ieee"
+    half = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    return (half[v.dtype] if q.dtype == k.dtype == v.dtype and v.dtype in half else tl.float32), _GPU_F32_DOT
+
+
+def _chunk_config(BK: int, BVF: int, device: torch.device) -> dict:
+    """Tile sizes and warps of the chunk kernels, from sweeps on the H200 (K = V = 128, chunk 64).
+
+    BV: V columns per program of the state walk (32 and 64 time alike; 32 gives the walk, which has
+    only B*HV x V / BV programs, twice as many). out_BV: V columns per program of the output, all of
+    them: each program then reads its chunk's Qg and A_qk once (108 -> 46 us at T = 8192 against 32
+    columns; 429 -> 174 us at T = 32768). KC: key channels per slice of the
+    pair matrices (32: 496 us for the pairs at T = 8192; 16: 648; 64: 643). WC: columns per slice of W
+    and U (it divides both widths: all are powers of two; 32-128 time alike). Warps: 4 for every
+    kernel (pairs with 8 warps: 0.80-1.1 ms; the solve with 8: +200 us). The interpreter takes whole
+    widths: it pays per operation."""
+    if device.type != "cuda":
+        return dict(BV=BVF, out_BV=BVF, KC=BK, WC=min(BK, BVF), warps=4, pair_warps=4, solve_warps=4,
+                    state_warps=4)
+    return dict(BV=min(32, BVF), out_BV=BVF, KC=min(32, BK), WC=min(64, BK, BVF), warps=4, pair_warps=4,
+                solve_warps=4, state_warps=4)
+
+
+def _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, config=None):
+    """Run the five chunk kernels on checked, non-fp64 inputs. ``config`` overrides entries of
+    ``_chunk_config`` (tests use it to run the GPU's slicing in the interpreter)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    o, state = _outputs(q, v)
+    if state.numel() == 0 or T == 0:  # nothing to run (K = 0 leaves o = S^T q = 0)
+        return o.zero_(), _copy_state(initial_state, state)
+    C = max(1, min(chunk_size, T, MAX_CHUNK))  # the result does not depend on C, only its rounding does
+    BC, BK = max(SUB_ROWS, triton.next_power_of_2(C)), max(16, triton.next_power_of_2(K))
+    BVF, NT, BH = max(16, triton.next_power_of_2(V)), triton.cdiv(T, C), B * HV
+    cfg = {**_chunk_config(BK, BVF, v.device), **(config or {})}
+    bv = cfg["BV"]
+    dot, f32 = _dot_types(q, k, v)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    f32t = dict(dtype=torch.float32, device=v.device)
+    # Scratch that is only ever a dot operand is stored in the dots' operand type (bf16 for bf16
+    # inputs): the kernels would convert it right after loading, so this halves its bytes and
+    # changes no result. G, U and A_kk stay fp32 (exponents, a subtraction, the exact solve).
+    dt = dict(dtype=v.dtype if dot != tl.float32 else torch.float32, device=v.device)  # dot: v's type
+    G = torch.empty(BH, NT * BC, BK, **f32t)
+    qg, kd, w = (torch.empty(BH, NT * BC, BK, **dt) for _ in range(3))
+    u, v_new = torch.empty(BH, NT * BC, BVF, **f32t), torch.empty(BH, NT * BC, BVF, **dt)
+    aqk, akk = torch.empty(BH, NT * BC, BC, **dt), torch.empty(BH, NT * BC, BC, **f32t)
+    decay = torch.empty(BH, NT, BK, **f32t)
+    s0_chunks = torch.empty(BH, NT, BK, BVF, **dt)
+    kw = dict(BC=BC, BK=BK)
+    _chunk_decay_kernel[(NT, BH)](q, k, g, G, qg, kd, decay, T, H, HV, K, HV // H, C, NT, scale, **kw,
+                                  num_warps=cfg["warps"])
+    kw.update(DOT=dot, F32=f32)
+    _chunk_pairs_kernel[(NT, BH, BC // SUB_ROWS)](q, k, G, aqk, akk, T, H, HV, K, HV // H, C, NT, scale,
+                                                   KC=cfg["KC"], **kw, num_warps=cfg["pair_warps"])
+    _chunk_solve_kernel[(NT, BH)](k, v, beta, G, akk, w, u, T, H, HV, K, V, HV // H, C, NT,
+                                  BVF=BVF, WC=cfg["WC"], **kw, num_warps=cfg["solve_warps"])
+    s0 = initial_state.contiguous() if initial_state is not None else state  # placeholder when absent
+    kw.update(BV=bv, BVF=BVF)
+    _chunk_state_kernel[(BH, BVF // bv)](w, u, kd, decay, s0, s0_chunks, v_new, state, K, V, NT,
+                                         HAS_S0=initial_state is not None, num_stages=2, **kw,
+                                         num_warps=cfg["state_warps"])
+    kw.update(BV=cfg["out_BV"])
+    _chunk_output_kernel[(NT, BH, BVF // cfg["out_BV"])](qg, aqk, s0_chunks, v_new, o, T, HV, V, C, NT, **kw,
+                                                         num_warps=cfg["warps"])
+    return o, state
+
+
+def _wants_reference(q, k, v, g, beta, initial_state) -> bool:
+    """fp64 anywhere: the exactness tests' contract (fp64 math, fp64 state) belongs to the reference."""
+    extra = [initial_state] if initial_state is not None else []
+    return acc_dtype(q, k, v, g, beta, *extra) == torch.float64
+
+
+# ------------------------------------------------------------------------------------ public ops
+def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None):
+    """Step-by-step KDA, fused: returns (o [B, T, HV, V] in v.dtype, final_state [B, HV, K, V] fp32).
+
+    q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] log-decay; beta [B, T, HV]; initial_state
+    [B, HV, K, V] (read only; None = zeros). ``scale`` defaults to K^-0.5 and multiplies q.
+    """
+    _check(q, k, v, g, beta, initial_state)
+    if _wants_reference(q, k, v, g, beta, initial_state):
+        return kda_recurrent_ref(q, k, v, g, beta, scale, initial_state)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _launch_recurrent(q, k, v, g, beta, scale, initial_state)
+
+
+def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64):
+    """Chunked KDA (WY form), equal to ``kda_recurrent`` up to rounding; T need not be a multiple of
+    the chunk. Shapes and results as ``kda_recurrent``; chunks hold min(chunk_size, 64) tokens.
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    _check(q, k, v, g, beta, initial_state)
+    if _wants_reference(q, k, v, g, beta, initial_state):
+        return kda_chunk_ref(q, k, v, g, beta, scale, initial_state, chunk_size)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size)

@@ -1,0 +1,117 @@
+"""Reference Kimi Delta Attention: the recurrence and its chunked (WY/UT) form (docs/design.md §5).
+
+Layouts follow flash-linear-attention: q, k [B, T, H, K]; v [B, T, HV, V] (HV a multiple of H);
+g [B, T, HV, K] log-decay per channel; beta [B, T, HV]; state [B, HV, K, V]. Math in fp32
+(fp64 when any input is fp64); the state is returned in that precision, the output in v's dtype.
+
+Per head and step t (alpha_t = exp(g_t) per key channel, q already scaled):
+    S <- Diag(alpha_t) S
+    S <- S + beta_t k_t (v_t - S^T k_t)^T        (delta rule: write the prediction error)
+    o_t = S^T q_t
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import acc_dtype, cast, check_tensor
+
+
+def _check(q, k, v, g, beta, initial_state):
+    B, T, H, K = check_tensor("q", q, ndim=4, floating=True)
+    check_tensor("k", k, shape=(B, T, H, K), floating=True)
+    _, _, HV, V = check_tensor("v", v, shape=(B, T, None, None), floating=True)
+    if HV % H:
+        raise ValueError(f"v has {HV} heads; it must be a multiple of q's {H} heads")
+    check_tensor("g", g, shape=(B, T, HV, K), floating=True)
+    check_tensor("beta", beta, shape=(B, T, HV), floating=True)
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, shape=(B, HV, K, V), floating=True)
+    return B, T, H, K, HV, V
+
+
+def _prepare(q, k, v, g, beta, scale, initial_state):
+    B, T, H, K, HV, V = _check(q, k, v, g, beta, initial_state)
+    acc = acc_dtype(q, k, v, g, beta, *([initial_state] if initial_state is not None else []))
+    rep = HV // H
+    scale = K ** -0.5 if scale is None else float(scale)
+    if rep > 1:  # grouped value heads: each q/k head serves HV/H value heads
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    q = cast(q, acc) * scale
+    k = cast(k, acc)
+    # Never updated in place below, so the caller's state is not modified even without a copy; with
+    # T = 0 it would come back as the caller's own tensor, so that case gets one.
+    state = torch.zeros(B, HV, K, V, dtype=acc, device=q.device) if initial_state is None else \
+        initial_state.to(acc, copy=T == 0)
+    return q, k, cast(v, acc), cast(g, acc), cast(beta, acc), state
+
+
+def kda_recurrent_ref(q, k, v, g, beta, scale=None, initial_state=None):
+    """Step-by-step KDA. Returns (o [B, T, HV, V] in v.dtype, final_state [B, HV, K, V] fp32/fp64).
+
+    ``scale`` defaults to K^-0.5 and multiplies q.
+    """
+    out_dtype = v.dtype
+    q, k, v, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state)
+    T = q.shape[1]
+    o = torch.empty_like(v)
+    # Row vectors [B, HV, 1, K] times the state [B, HV, K, V]: plain batched matmuls.
+    q, k, v = q.unsqueeze(-2), k.unsqueeze(-2), v.unsqueeze(-2)
+    for t in range(T):
+        S = S * g[:, t].exp().unsqueeze(-1)  # decay each key channel
+        pred = k[:, t] @ S  # [B, HV, 1, V]: what the state already returns for k_t
+        S = S + (beta[:, t, :, None, None] * k[:, t]).transpose(-1, -2) @ (v[:, t] - pred)  # rank-1 write
+        o[:, t] = (q[:, t] @ S).squeeze(-2)
+    return cast(o, out_dtype), S
+
+
+def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64):
+    """Chunked KDA, equal to ``kda_recurrent_ref`` (same signature plus ``chunk_size``).
+
+    Within a chunk of C steps, with G = inclusive cumulative log-decay [C, K] and S0 the state at its start:
+      A_kk[i,j] = beta_i sum_d k_id k_jd exp(G_id - G_jd), j < i
+      M = (I + A_kk)^-1 (unit lower triangular: forward substitution)
+      W = M Diag(beta) (exp(G) * K),   U = M Diag(beta) V,   V_new = U - W S0
+      O = (exp(G) * Q) S0 + A_qk V_new,  A_qk[i,j] = sum_d q_id k_jd exp(G_id - G_jd), j <= i
+      S = Diag(exp(G_C)) S0 + (exp(G_C - G) * K)^T V_new
+    Every exponent is a difference G_i - G_j with j <= i, or G itself, so it is <= 0: no overflow.
+    Any T: the tail is padded with g = beta = k = v = 0 (steps that leave the state unchanged); T < chunk_size is one chunk.
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    out_dtype = v.dtype
+    q, k, v, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state)
+    B, T, H, K = q.shape
+    if T == 0:  # no step: the state passes through (a copy, see _prepare)
+        return v.to(out_dtype), S
+    C = min(chunk_size, T)
+    pad = (-T) % C
+    if pad:
+        q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = torch.nn.functional.pad(beta, (0, 0, 0, pad))
+    n, V = (T + pad) // C, v.shape[-1]
+    # [B, H, n, C, ...]: heads first so each chunk is a batch of small matrices
+    q, k, v, g = (x.view(B, n, C, H, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v, g))
+    beta = beta.view(B, n, C, H).permute(0, 3, 1, 2)
+    G = g.cumsum(dim=3)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    strict = causal.tril(-1)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+
+    def pair_decay(mask):  # exp(G_i - G_j) [..., C(i), C(j), K], zero where mask is False
+        diff = G.unsqueeze(-2) - G.unsqueeze(-3)
+        return torch.where(mask.unsqueeze(-1), diff, torch.full_like(diff, float("-inf"))).exp()
+
+    A_kk = beta.unsqueeze(-1) * torch.einsum("bhnid,bhnjd,bhnijd->bhnij", k, k, pair_decay(strict))
+    M = torch.linalg.solve_triangular(eye + A_kk, eye.expand_as(A_kk), upper=False, unitriangular=True)
+    W = M @ (beta.unsqueeze(-1) * G.exp() * k)
+    U = M @ (beta.unsqueeze(-1) * v)
+    A_qk = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", q, k, pair_decay(causal))
+    o = torch.empty(B, H, n, C, V, dtype=q.dtype, device=q.device)
+    for c in range(n):
+        v_new = U[:, :, c] - W[:, :, c] @ S
+        o[:, :, c] = (G[:, :, c].exp() * q[:, :, c]) @ S + A_qk[:, :, c] @ v_new
+        G_last = G[:, :, c, -1]  # [B, H, K]
+        S = G_last.exp().unsqueeze(-1) * S + ((G_last.unsqueeze(2) - G[:, :, c]).exp() * k[:, :, c]).transpose(-1, -2) @ v_new
+    o = o.permute(0, 2, 3, 1, 4).reshape(B, n * C, H, V)[:, :T]
+    return o.to(out_dtype), S

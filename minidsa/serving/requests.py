@@ -1,0 +1,133 @@
+"""Turning a generate() call into a checked request: arguments validated, prompts encoded (text, and
+images through the vision tower), sequence lengths checked against the context, seeds fixed.
+
+Every check runs before any cache block is taken, and names the bad value and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..model.minidsa import MiniDSA
+from ..model.vision import preprocess
+from ..tokenizer import IMAGE_MARKER
+
+SEED_END = 2**64  # torch.Generator.manual_seed takes seeds below this (negative ones wrap around)
+
+
+@dataclass
+class Request:
+    """A checked generate() request: token ids per prompt, image features per prompt, sampling settings."""
+
+    prompts: list[list[int]]  # bos + bytes per prompt, each <|media_pad|> expanded to its image's tokens
+    image_features: list[list[torch.Tensor]]  # per prompt, one [num_tokens, d] tensor per image
+    batched: bool  # the caller passed a list of prompts
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seeds: list[int]  # row i samples with seed + i, so a row samples as it would alone
+    return_trace: bool
+    progress: bool
+    stop_at_eos: bool
+
+
+def build_request(model: MiniDSA, prompt, images, max_new_tokens, temperature, top_p, seed, return_trace,
+                  progress, stop_at_eos) -> Request:
+    """Check every argument of ``generate`` and encode the prompts; raise ValueError/TypeError naming the value."""
+    batched, texts = check_prompt(prompt)
+    check_positive_int("max_new_tokens", max_new_tokens)
+    if not is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature = {temperature!r} must be a finite number >= 0 (0 = greedy)")
+    if not is_real(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p = {top_p!r} must be in (0, 1] (1 disables nucleus sampling)")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be an int or None, got {seed!r}")
+    if seed is not None and not (0 <= seed and seed + len(texts) <= SEED_END):  # row i samples with seed + i
+        raise ValueError(f"seed = {seed} is outside [0, 2**64 - {len(texts)}]: torch seeds are unsigned 64-bit "
+                         f"and row i of the batch uses seed + i; pass a smaller non-negative seed")
+    ids, features = encode_prompts(model, texts, images, batched)
+    ctx = model.config.max_seq_len
+    for i, p in enumerate(ids):
+        where = f"prompt[{i}]" if batched else "prompt"
+        if len(p) > ctx:
+            raise ValueError(f"{where} is {len(p)} tokens (bos included), longer than the model's context "
+                             f"max_seq_len = {ctx}; shorten it")
+        if len(p) + max_new_tokens > ctx:
+            raise ValueError(f"{where} is {len(p)} tokens and max_new_tokens = {max_new_tokens}: together more than "
+                             f"the context max_seq_len = {ctx}; use max_new_tokens <= {ctx - len(p)}")
+    base = seed if seed is not None else int.from_bytes(os.urandom(6), "little")
+    return Request(ids, features, batched, max_new_tokens, float(temperature), float(top_p),
+                   [base + i for i in range(len(ids))], return_trace, progress, bool(stop_at_eos))
+
+
+def encode_prompts(model: MiniDSA, texts: list[str], images, batched: bool):
+    """Token ids per prompt (bos + bytes, <|media_pad|> expanded) and the image features per prompt."""
+    tok = model.tokenizer
+    if images is None:  # plain text: special-token strings stay literal text
+        return [tok.encode(t) for t in texts], [[] for _ in texts]
+    per_prompt = images if batched else [images]
+    if not isinstance(images, (list, tuple)) or (batched and (
+            len(images) != len(texts) or not all(isinstance(x, (list, tuple)) for x in images))):
+        want = "one list of images per prompt" if batched else "a list of images"
+        raise TypeError(f"images must be {want}, got {type(images).__name__}"
+                        + (f" of length {len(images)}" if isinstance(images, (list, tuple)) else ""))
+    all_ids, all_feats = [], []
+    for i, (text, imgs) in enumerate(zip(texts, per_prompt)):
+        ids, prepared = _place_images(model, text, imgs, f"prompt[{i}]" if batched else "prompt",
+                                      lambda j: f"images[{i}][{j}]" if batched else f"images[{j}]")
+        with torch.inference_mode():
+            all_feats.append(model.encode_images(prepared))
+        all_ids.append(ids)
+    return all_ids, all_feats
+
+
+def _place_images(model: MiniDSA, text: str, imgs, where: str, name):
+    """One prompt: ids with each <|media_pad|> expanded to its image's token count, and the prepared images."""
+    tok = model.tokenizer
+    ids = tok.encode(text, allow_special=True)
+    n_pad = ids.count(tok.media_pad_id)
+    if n_pad == 0 and imgs:  # default placement: every image before the text
+        marker = tok.encode(IMAGE_MARKER, add_bos=False, allow_special=True)
+        ids = ids[:1] + marker * len(imgs) + ids[1:]
+        n_pad = len(imgs)
+    if n_pad != len(imgs):
+        raise ValueError(f"{where} has {n_pad} <|media_pad|> placeholder(s) but {len(imgs)} image(s) were given; "
+                         f"use one placeholder per image (or none, to put all images before the text)")
+    prepared = [preprocess(im, model.config, name=name(j)) for j, im in enumerate(imgs)]
+    expanded, k = [], 0
+    for t in ids:
+        if t == tok.media_pad_id:
+            expanded += [t] * prepared[k].num_tokens
+            k += 1
+        else:
+            expanded.append(t)
+    return expanded, prepared
+
+
+def check_prompt(prompt) -> tuple[bool, list[str]]:
+    """(batched, prompts) for a str or a non-empty list of str."""
+    if isinstance(prompt, str):
+        return False, [prompt]
+    if isinstance(prompt, (list, tuple)):
+        if not prompt:
+            raise ValueError("prompt is an empty list; pass at least one string (an empty string starts from bos)")
+        for i, p in enumerate(prompt):
+            if not isinstance(p, str):
+                raise TypeError(f"prompt[{i}] is a {type(p).__name__}; every prompt in a batch must be a str")
+        return True, list(prompt)
+    raise TypeError(f"prompt must be a str or a list of str, got {type(prompt).__name__}")
+
+
+def check_positive_int(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {v!r}")
+    if v < 1:
+        raise ValueError(f"{name} = {v} must be >= 1")
+
+
+def is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
