@@ -1,4 +1,4 @@
-"""Sparse MLA kernels (minidsa/ops/mla/latent_triton.py, mla_prefill_triton.py) on the H200: time, peers, % of limit.
+"""Sparse MLA kernels (minidsa/ops/mla/latent_triton.py, prefill_triton.py) on the H200: time, peers, % of limit.
 
     PYTHONPATH=. python benchmarks/bench_mla.py            # GPU, full shapes (about a minute)
     PYTHONPATH=. python benchmarks/bench_mla.py --dry-run  # CPU, tiny shapes, Triton interpreter
@@ -12,7 +12,7 @@ Prefill: B=1, T=32,768, top-k 2048, H=16, dn=128, dr=64, dv=128, r=512, over fou
 independent random picks (causal_topk: the worst case for aggregation) and picks of a shared
 per-position importance plus noise (shared_topk, sigma 0.5, 0.25 and 0.1), where neighbouring queries
 keep most of each other's picks (printed: the share the next query keeps, a 64-query tile's union / top-k).
-For each: the op (mla_prefill_triton.sparse_mla_prefill, which picks its form per call), each form
+For each: the op (prefill_triton.sparse_mla_prefill, which picks its form per call), each form
 forced, and the FLOP rate of each form. Peers: dense causal SDPA on the decompressed q, k, v (the
 floor: the op should be >= 2x faster), the plain-torch sparse form chunked over queries, and the
 reference op (too slow at full size: timed on evenly spaced 64-query tiles and scaled to all tiles, as
@@ -153,7 +153,7 @@ def bench_decode(dev: str, dry: bool, results: dict) -> bool:
     t_kernel = t_graph or t_eager  # the GPU time where it can be measured: the eager call is host bound
     gluon = mt._gluon_kernel(kv_plane, pe_plane, H) is not None
     t_portable = None
-    if gluon:  # the same call on the portable Triton kernel, for the ratio (mla_attention_gluon.py)
+    if gluon:  # the same call on the portable Triton kernel, for the ratio (latent_gluon.py)
         mt.USE_GLUON = False
         t_portable = graph_time(bench, lambda: mt.sparse_mla_decode(q_lat, q_pe, kv_plane, pe_plane, table, idx,
                                                                     scale), dev)
@@ -180,7 +180,7 @@ def bench_decode(dev: str, dry: bool, results: dict) -> bool:
                                                                 idx[:, 0], scale), dev)
     print(f"  (kernel: {t_eager * 1e3:.3f} ms eager, host launch cost included; "
           f"{'n/a' if t_graph is None else f'{t_graph * 1e3:.3f} ms'} replayed from a CUDA graph, used below)")
-    print(f"  kernel: {'Gluon, sm_90 (mla_attention_gluon.py)' if gluon else 'Triton (mla_attention_triton.py)'}")
+    print(f"  kernel: {'Gluon, sm_90 (latent_gluon.py)' if gluon else 'Triton (latent_triton.py)'}")
     res = report("sparse_mla_decode (triton)", t_kernel, {"Triton kernel (when Gluon runs)": t_portable,
                                                          "reference op (torch)": t_ref,
                                                          "plain-torch sparse gather+bmm": t_peer,
@@ -279,12 +279,13 @@ def reference_prefill_time(args, idx, w, scale, out, tol) -> tuple[float, bool]:
 def form_flops(idx, table, shape: dict, bs: int) -> dict:
     """FLOPs each form executes (attention dots, with the absorbed form's two absorptions): the union form
     runs every (query, union slot) pair of its query tiles, the absorbed form every selected pair."""
-    from minidsa.ops.mla import prefill_triton as mp
+    from minidsa.ops.mla import prefill_attn_triton as pa
+    from minidsa.ops.mla import prefill_union_triton as pu
     T, H, dn, dr, dv, r = (shape[k] for k in ("T", "H", "dn", "dr", "dv", "r"))
-    BM = mp._blocks(idx.is_cuda, 2)[0]
+    BM = pa.tile_config(idx.is_cuda, 2)[0]
     S = table.shape[1] * bs  # the op's S here: the table reaches no further than twice the prompt
-    bits, n_valid = mp._bitmaps(idx.int(), table, bs, 1, T, S, idx.is_cuda)
-    pairs, valid, _ = mp._tile_unions(bits, n_valid, 1, T, S, BM, idx.is_cuda)[3].tolist()  # the op's counts
+    bits, n_valid = pu.bitmaps(idx.int(), table, bs, 1, T, S, idx.is_cuda)
+    pairs, valid, _ = pu.tile_unions(bits, n_valid, 1, T, S, BM, idx.is_cuda)[3].tolist()  # the op's counts
     return {"union": 2 * H * pairs * (dn + dr + dv),
             "absorbed": 2 * H * valid * (2 * r + dr) + 2 * T * H * r * (dn + dv)}
 
@@ -292,17 +293,19 @@ def form_flops(idx, table, shape: dict, bs: int) -> dict:
 def time_forms(bench, args, idx, w, scale) -> dict:
     """The op (form chosen per call) and each form forced: seconds, and each form's output. On a GPU with the
     Gluon union kernel (sm_90), also the union form on the portable Triton kernel ("union_triton")."""
+    from minidsa.ops.mla import prefill_attn_triton as pa
+    from minidsa.ops.mla import prefill_form as pf
     from minidsa.ops.mla import prefill_triton as mp
     q, kv_plane, pe_plane, table = args
-    res, use_gluon = {}, mp.USE_GLUON
+    res, use_gluon = {}, pa.USE_GLUON
     runs = [("auto", "auto", use_gluon), ("union", "union", use_gluon), ("absorbed", "absorbed", use_gluon)]
-    if q.is_cuda and mp._gluon is not None and use_gluon:
+    if q.is_cuda and pa._gluon is not None and use_gluon:
         runs.append(("union_triton", "union", False))
     for name, form, gluon in runs:
-        mp.FORM, mp.USE_GLUON = form, gluon
+        pf.FORM, pa.USE_GLUON = form, gluon
         res[name] = (bench(lambda: mp.sparse_mla_prefill(q, kv_plane, pe_plane, table, idx, w, scale), rep_ms=300),
                      mp.sparse_mla_prefill(q, kv_plane, pe_plane, table, idx, w, scale))
-    mp.FORM, mp.USE_GLUON = "auto", use_gluon
+    pf.FORM, pa.USE_GLUON = "auto", use_gluon
     return res
 
 

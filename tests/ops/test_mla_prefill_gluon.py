@@ -14,6 +14,8 @@ pytest.importorskip("triton")
 from test_mla_gluon import SM90, sm90  # noqa: E402  (the decode kernel's tests: the same sm_90 gate)
 from test_triton_mla import paged_case  # noqa: E402
 
+from minidsa.ops.mla import prefill_attn_triton as pa  # noqa: E402
+from minidsa.ops.mla import prefill_form as pf  # noqa: E402
 from minidsa.ops.mla import prefill_triton as mp  # noqa: E402
 from minidsa.ops.mla.reference import sparse_mla_prefill_ref  # noqa: E402
 
@@ -21,20 +23,20 @@ from minidsa.ops.mla.reference import sparse_mla_prefill_ref  # noqa: E402
 def test_calls_off_sm90_take_the_triton_kernel():
     q = torch.zeros(1, 5, 16, 192, dtype=torch.bfloat16)
     kv, pe = torch.zeros(1, 8, 16, 256, dtype=torch.bfloat16), torch.zeros(1, 8, 64)
-    assert not mp._gluon_attends(q, kv, pe.bfloat16(), 128, 0.1, 128)  # CPU tensors
-    if mp._gluon is not None and torch.cuda.is_available():
+    assert not pa.gluon_attends(q, kv, pe.bfloat16(), 128, 0.1, 128)  # CPU tensors
+    if pa._gluon is not None and torch.cuda.is_available():
         q, kv, pe = q.cuda(), kv.cuda(), pe.cuda()
-        assert mp._gluon_attends(q, kv, pe.bfloat16(), 128, 0.1, 128) is SM90
-        assert not mp._gluon_attends(q, kv, pe, 128, 0.1, 128)  # fp32 k_pe
-        assert not mp._gluon_attends(q, kv, pe.bfloat16(), 128, 0.1, 64)  # 64-query tiles
-        assert not mp._gluon_attends(q, kv, pe.bfloat16(), 128, -0.1, 128)  # max on raw scores needs scale > 0
-        assert not mp._gluon_attends(q[..., :128], kv[..., :224], pe.bfloat16()[..., :32], 96, 0.1, 128)  # dv 128
+        assert pa.gluon_attends(q, kv, pe.bfloat16(), 128, 0.1, 128) is SM90
+        assert not pa.gluon_attends(q, kv, pe, 128, 0.1, 128)  # fp32 k_pe
+        assert not pa.gluon_attends(q, kv, pe.bfloat16(), 128, 0.1, 64)  # 64-query tiles
+        assert not pa.gluon_attends(q, kv, pe.bfloat16(), 128, -0.1, 128)  # max on raw scores needs scale > 0
+        assert not pa.gluon_attends(q[..., :128], kv[..., :224], pe.bfloat16()[..., :32], 96, 0.1, 128)  # dv 128
 
 
 def test_the_gluon_kernel_moves_the_break_even_up():
     """The cost model charges the Gluon kernel less per union pair: the union form pays at larger unions."""
     for heads in (16, 32, 64, 96):
-        assert mp.union_break_even(heads, gluon=True) > mp.union_break_even(heads)
+        assert pf.union_break_even(heads, gluon=True) > pf.union_break_even(heads)
 
 
 def case(B, T, K, shared, dtype, seed, dn=128, dr=64):
@@ -66,16 +68,16 @@ def test_matches_reference_and_triton_kernel(T, K, shared, dtype, dn, dr, monkey
     q and p are rounded to 16 bits for the tensor cores where the reference works in fp32, 3 % of the output
     scale. Against the Triton kernel: the same roundings, sums in another order (chunks of 64 against 32), the
     scale applied in the exponent's FMA instead of to the scores: 1 %."""
-    monkeypatch.setattr(mp, "FORM", "union")
+    monkeypatch.setattr(pf, "FORM", "union")
     q, kv, pe, table, idx, w, scale = case(2, T, K, shared, dtype, seed=T + K, dn=dn, dr=dr)
     calls = []
-    monkeypatch.setattr(mp._gluon, "attend", lambda *a, f=mp._gluon.attend: calls.append(1) or f(*a))
+    monkeypatch.setattr(pa._gluon, "attend", lambda *a, f=pa._gluon.attend: calls.append(1) or f(*a))
     out = mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
     assert calls, "the Gluon kernel did not run"
     ref = sparse_mla_prefill_ref(q, kv, pe, table, idx, w, scale)
     torch.testing.assert_close(out, ref, atol=3e-2 * float(ref.abs().max()), rtol=3e-2)
     assert torch.equal(out, mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale))  # run to run
-    monkeypatch.setattr(mp, "USE_GLUON", False)
+    monkeypatch.setattr(pa, "USE_GLUON", False)
     triton_out = mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
     assert len(calls) == 2
     torch.testing.assert_close(out, triton_out, atol=1e-2 * float(ref.abs().max()), rtol=1e-2)

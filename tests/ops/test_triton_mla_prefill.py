@@ -1,4 +1,4 @@
-"""Sparse MLA prefill kernels (minidsa/ops/mla/prefill_triton.py) against the reference.
+"""Sparse MLA prefill kernels (minidsa/ops/mla/prefill_*.py) against the reference.
 
 Under the interpreter (no GPU) shapes stay tiny and odd and everything is fp32 (bf16 tl.dot is wrong
 there, docs/design.md §10 trap 9). The planes come from ``paged_case``: NaN in every row no query
@@ -18,7 +18,10 @@ pytest.importorskip("triton")
 from conftest import kernel_device  # noqa: E402
 from test_triton_mla import paged_case  # noqa: E402
 
+from minidsa.ops.mla import prefill_attn_triton as pa  # noqa: E402
+from minidsa.ops.mla import prefill_form as pf  # noqa: E402
 from minidsa.ops.mla import prefill_triton as mp  # noqa: E402
+from minidsa.ops.mla import prefill_union_triton as pu  # noqa: E402
 from minidsa.ops.mla.reference import sparse_mla_prefill_ref  # noqa: E402
 from minidsa.ops.paging import paged_slots  # noqa: E402
 
@@ -44,7 +47,7 @@ def test_signature_is_the_reference_signature():
 
 @pytest.mark.parametrize("form", ["union", "absorbed", "auto"])
 def test_each_form_matches_the_reference(form, monkeypatch):
-    monkeypatch.setattr(mp, "FORM", form)
+    monkeypatch.setattr(pf, "FORM", form)
     q, kv, pe, table, idx, w, scale = prefill_case()
     out = mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
     ref = sparse_mla_prefill_ref(q, kv, pe, table, idx, w, scale)
@@ -57,17 +60,17 @@ def test_each_form_matches_the_reference(form, monkeypatch):
 
 def test_int64_offsets_give_the_same_result(monkeypatch):
     """The int64 addressing that tensors of 2^31 elements take, forced on a small case: bitwise the same."""
-    monkeypatch.setattr(mp, "FORM", "union")
+    monkeypatch.setattr(pf, "FORM", "union")
     q, kv, pe, table, idx, w, scale = prefill_case(B=1, T=20, contexts=(20,))
     want = mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
-    monkeypatch.setattr(mp, "INT32_OFFSETS_BELOW", 0)
+    monkeypatch.setattr(pa, "INT32_OFFSETS_BELOW", 0)
     assert torch.equal(mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale), want)
 
 
 def test_union_form_with_a_missing_block_and_overlapping_selections(monkeypatch):
     """Neighbouring queries share most positions (the case the union form is for), and one block of the
     table is -1: its positions are padding, as in the reference."""
-    monkeypatch.setattr(mp, "FORM", "union")
+    monkeypatch.setattr(pf, "FORM", "union")
     q, kv, pe, table, idx, w, scale = prefill_case(B=1, T=40, K=12, contexts=(40,), seed=7)
     shared = torch.randperm(40, generator=torch.Generator().manual_seed(1))[:12].int().to(idx.device)
     idx[0, 20:] = shared  # queries 20.. select the same 12 positions
@@ -86,8 +89,8 @@ def test_tile_unions_and_masks_list_exactly_the_selections():
     bs, (B, T, K), BM = 4, idx.shape, 16
     S = table.shape[1] * bs  # the op's S
     assert ((idx[0] >= 4) & (idx[0] < 8)).any()
-    bits, n_valid = mp._bitmaps(idx, table, bs, B, T, S, on_gpu=False)
-    union, count, off, stats = mp._tile_unions(bits, n_valid, B, T, S, BM, on_gpu=False)
+    bits, n_valid = pu.bitmaps(idx, table, bs, B, T, S, on_gpu=False)
+    union, count, off, stats = pu.tile_unions(bits, n_valid, B, T, S, BM, on_gpu=False)
     pairs, selected, total = stats.tolist()
     words = [(int(c) + 31) // 32 * BM for c in count.view(-1)]  # BM words per 32 union slots
     assert off.tolist() == [sum(words[:i]) for i in range(len(words))] and total == sum(words)
@@ -99,7 +102,7 @@ def test_tile_unions_and_masks_list_exactly_the_selections():
         assert got_bits == sel[b][t]
     assert pairs == sum(int(count[b, i]) * len(range(i * BM, min(T, (i + 1) * BM)))
                         for b in range(B) for i in range(count.shape[1]))
-    mask = mp._tile_masks(bits, union, count, off, total, T, BM, on_gpu=False)
+    mask = pu.tile_masks(bits, union, count, off, total, T, BM, on_gpu=False)
     assert max(count.view(-1).tolist()) > 64  # more than one step of the CPU kernel's 64 slots
     for b in range(B):
         for tile in range(union.shape[1]):
@@ -115,35 +118,35 @@ def test_tile_unions_and_masks_list_exactly_the_selections():
 
 
 def test_forms_are_chosen_by_the_pair_ratio(monkeypatch):
-    monkeypatch.setattr(mp, "FORM", "auto")
+    monkeypatch.setattr(pf, "FORM", "auto")
     for heads in (1, 16, 32, 64, 96):
-        ratio = mp.union_break_even(heads)
-        assert mp.use_union_form(ratio * 1e6 - 1, 10 ** 6, heads)
-        assert not mp.use_union_form(ratio * 1e6 + 1, 10 ** 6, heads)
-    assert mp.union_break_even(4) == mp.union_break_even(16)  # not extrapolated below the measured 16 heads
+        ratio = pf.union_break_even(heads)
+        assert pf.use_union_form(ratio * 1e6 - 1, 10 ** 6, heads)
+        assert not pf.use_union_form(ratio * 1e6 + 1, 10 ** 6, heads)
+    assert pf.union_break_even(4) == pf.union_break_even(16)  # not extrapolated below the measured 16 heads
     # The faster form measured on the H200 (T = 32k, top-k 2048, K3 dims, bf16; each form forced), as
     # (heads, union pairs per selected pair, union form faster), leaving out the one case within 5 %.
     measured = [(16, 8.29, True), (16, 1.45, True), (32, 8.29, False), (32, 3.83, True), (64, 8.29, False),
                 (64, 3.83, False), (64, 2.26, True), (96, 8.29, False), (96, 2.26, True), (96, 1.45, True)]
     for heads, ratio, union_faster in measured:
-        assert mp.use_union_form(ratio * 1e6, 10 ** 6, heads) == union_faster, (heads, ratio)
-    monkeypatch.setattr(mp, "FORM", "absorbed")
-    assert not mp.use_union_form(0, 100)
-    monkeypatch.setattr(mp, "FORM", "dense")
+        assert pf.use_union_form(ratio * 1e6, 10 ** 6, heads) == union_faster, (heads, ratio)
+    monkeypatch.setattr(pf, "FORM", "absorbed")
+    assert not pf.use_union_form(0, 100)
+    monkeypatch.setattr(pf, "FORM", "dense")
     with pytest.raises(ValueError, match="'dense'"):
-        mp.use_union_form(0, 100)
+        pf.use_union_form(0, 100)
 
 
 def test_auto_form_follows_the_union_size(monkeypatch):
     """Independent picks (a tile's union is ~12 x top-k here) take the absorbed form, picks that every
     query shares (union = top-k) the union form; each form is then the only one that runs."""
-    monkeypatch.setattr(mp, "FORM", "auto")
+    monkeypatch.setattr(pf, "FORM", "auto")
     q, kv, pe, table, idx, w, scale = prefill_case(B=1, T=64, K=2, contexts=(64,), seed=2)
     idx[0, :, 0] = torch.arange(64, device=idx.device)  # query t picks itself and one random earlier position
     shared = idx.clone()
     shared[0, :] = torch.tensor([3, 7], dtype=torch.int32, device=idx.device)
     calls = []
-    monkeypatch.setattr(mp, "_attend", lambda *a: calls.append("union"))
+    monkeypatch.setattr(pa, "attend", lambda *a: calls.append("union"))
     monkeypatch.setattr(mp, "sparse_mla_prefill_absorbed", lambda *a: calls.append("absorbed"))
     mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
     mp.sparse_mla_prefill(q, kv, pe, table, shared, w, scale)
@@ -153,7 +156,7 @@ def test_auto_form_follows_the_union_size(monkeypatch):
 def test_a_table_wider_than_the_selections_costs_nothing(monkeypatch):
     """A block table made for a longer sequence (-1 columns past the last block): same output, and the
     decompression covers the selected extent, not the table's reach."""
-    monkeypatch.setattr(mp, "FORM", "union")
+    monkeypatch.setattr(pf, "FORM", "union")
     q, kv, pe, table, idx, w, scale = prefill_case()
     want = mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
     wide = torch.cat([table, torch.full((table.shape[0], 100), -1, dtype=table.dtype, device=table.device)], 1)
@@ -180,7 +183,7 @@ def test_empty_and_all_padding_give_zeros():
 def test_bf16_at_the_real_widths_on_gpu(form, monkeypatch):
     """r=512, dr=64, dn=dv=128, 16 heads, bf16. Both forms round q and p to bf16 for the tensor cores where
     the reference works in fp32 on the same bf16 k, v: 3% of the output scale (as for the decode kernel)."""
-    monkeypatch.setattr(mp, "FORM", form)
+    monkeypatch.setattr(pf, "FORM", form)
     dev = "cuda"
     B, T, H, r, dr, dn, dv, K, bs = 2, 300, 16, 512, 64, 128, 128, 200, 64
     kv, pe, table, idx = paged_case(B, T, K, r, dr, bs, contexts=[1000, 301], dtype=torch.bfloat16, device=dev,

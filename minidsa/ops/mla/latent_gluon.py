@@ -1,9 +1,9 @@
 """Sparse MLA attention on Hopper (sm_90) in Gluon: the Triton kernel's math, with each warp group's role explicit.
 
-Same math, grid, split scheme and row-number pass as ``mla_attention_triton._latent_attn_fwd`` (read that
-first): one program per (query, block of 64 heads, split of the selected positions), absorbed form,
-online softmax in fp32, invalid positions read a zero row and score -inf. Only the work inside a program
-differs: three warp groups with separate roles, synchronised through mbarriers in shared memory.
+Same math, grid, split scheme and row-number pass as ``latent_triton._latent_attn_fwd`` (read that first): one
+program per (query, block of 64 heads, split of the selected positions), absorbed form, online softmax in fp32,
+invalid positions read a zero row and score -inf. Only the work inside a program differs: three warp groups with
+separate roles, synchronised through mbarriers in shared memory.
 
     producer (4 warps)   cp.async gathers of tile t's rows into stage t % 2 of a two-stage ring of
                          NVMMA-swizzled [64, r + dr] tiles, once both compute groups released the stage
@@ -17,42 +17,26 @@ other group's tile it reads those three, rescales its accumulator and adds p @ k
 accumulator is [64, r/2] fp32 (128 registers per thread: a [64, 512] one fits no warp group), and both see
 every rescale in tile order; the row sums each group gathered over its own tiles are added at the end.
 
-Why this shape (measured on the H200, decode benchmark below, GPU time from a CUDA graph):
+Why this shape:
 - Triton's compiler gives a dot whose result feeds another dot all its warps along M (``warpsPerTileV3``'s
-  chained-dot rule): both warp groups computed the whole score tile with m64n32 instructions (76 wgmma per
-  group per 64 positions). The Triton kernel: 0.097-0.101 ms.
-- A first Gluon loop split the score columns between the two groups (m64n32 each, no copy) and exchanged
-  the row maxima and p every tile: 0.074 ms. Its compute warps issued the cp.async copies too, and a copy
-  instruction stalls its warp until the memory pipeline takes it, so loads and dots ran one after the
-  other inside an SM: dots alone 2.0 us per 64 positions, loads alone 0.8, both 3.15; the same for a cache
-  of random rows and one that sits in L2 (67.0 against 68.7 us), and the same per SM with 64 or 128
-  programs: not bandwidth. A producer warp group for the copies: 0.061 ms.
-- Score tiles split by columns are bound by shared-memory reads: each group's m64n32 wgmma reads the
-  whole query block for half the columns (216 KB per 64 positions). A group scoring a whole tile with
-  m64n64 reads 144 KB, and while one group is in its softmax the other's wgmma run: 0.055-0.056 ms,
-  36 % of the roofline.
-- The producer then loaded a tile's row numbers after the stage was released, so their L2 latency came
-  before every gather. Loaded one tile ahead, before the wait: 0.052-0.053 ms (three A/B pairs: 52.0-53.1
-  against 55.9-56.3 us).
+  chained-dot rule): in the Triton kernel both warp groups compute the whole score tile, with half-width
+  m64n32 instructions. Here each score tile is computed once, by one group.
+- A copy instruction stalls its warp until the memory pipeline takes it, so compute warps that issue the
+  cp.async copies too run loads and dots one after the other inside an SM. A producer warp group of its own
+  issues them while the compute groups score and accumulate.
+- Score tiles split by columns between the groups are bound by shared-memory reads: each group's m64n32
+  wgmma re-reads the whole query block for half the columns (216 KB per 64 positions). A group scoring a
+  whole tile with m64n64 reads 144 KB, and while one group is in its softmax the other's wgmma run.
+- The producer loads the next tile's row numbers before it waits for a stage, so their L2 latency does not
+  come before every gather.
 Shared memory: the query (72 KB), two [64, 576] bf16 stages (2 x 72 KB), p (8 KB), the row statistics and
 the barriers: 225 KB of the 227 KB a program may use, so there is no third stage.
 
-Tried and rejected (same benchmark): issuing a group's next score wgmma before the other group's value
-wgmma (69 us: wgmma groups complete in order, so the stage that tile frees is released later); p through
-shared memory for the own tile too (no difference); one group loading the whole query (56.9-58.2 against
-56.0-56.2 us with each group loading half); 40 producer registers (spills, 1.7 us slower than 56); in the
-earlier loops: the value wgmma kept in flight into the next iteration (84 us), BLOCK_N=32 with 2-4 stages
-(96-110 us), 3 or 4 splits (88-98 us), L2 prefetch of the rows 1-6 tiles ahead (79-83 us), merging the
-splits in the attention kernel (the last program of a query, found by an atomic counter, merges them in
-split order, bitwise equal to the combine kernel: 64.2 against 62.1 us, one SM then moves 384 KB at the
-tail) and a combine kernel with 4 heads per program (no difference).
+What binds it: the chain gather -> score wgmma -> softmax -> value wgmma per tile, at one program per SM. At
+96 heads two 64-head blocks gather the same rows and the second is half padding: the tensor-core work is
+128/96 of the useful work.
 
-Measured (benchmarks/bench_mla.py: B=32, 65,536 cached, top-k 2048, 96 heads, r=512, dr=64, bf16, the
-row-number pass and the split combine included): 0.052 ms, 38.2 % of the roofline (19.9 us), 1.87x the
-Triton kernel in the same run. At 96 heads two 64-head blocks
-gather the same rows and the second is half padding: the tensor-core work is 128/96 of the useful work.
-
-Used by ``mla_attention_triton._latent_attention`` when ``gluon_fits`` says so (sm_90, bf16/fp16 planes,
+Used by ``latent_triton._latent_attention`` when ``gluon_fits`` says so (sm_90, bf16/fp16 planes,
 r 256 or 512, dr a power of two in 16..256 with r + dr <= 576, more than 16 heads, planes under 2^31
 elements); everything else, and every CPU run, takes the Triton kernel. Gluon has no interpreter: this
 kernel is tested on the GPU only (tests/ops/test_mla_gluon.py, through the device tool), against the same
@@ -78,16 +62,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 # Compile-time constants of the kernels (the host reads them through int()).
 BLOCK_H = gl.constexpr(64)  # one wgmma M: each compute group holds all 64 heads' rows
 BLOCK_N = gl.constexpr(64)  # positions per tile
-STAGES = gl.constexpr(2)  # gathered tiles in flight: all that fits beside the query (see above)
+STAGES = gl.constexpr(2)  # gathered tiles in flight: all that fits beside the query (module docstring)
 PRODUCER_WARPS = gl.constexpr(4)  # the gathering partition: one warp group (setmaxnreg works per warp group)
-PRODUCER_REGS = gl.constexpr(56)  # its registers per thread (40 spilled in the earlier kernel)
+PRODUCER_REGS = gl.constexpr(56)  # its registers per thread (at 40 it spills)
 COMPUTE_REGS = gl.constexpr(232)  # compute group 1's (group 0, the default partition, gets what is left: 216)
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one program may use on sm_90
 
 
 @functools.lru_cache(maxsize=None)
 def _is_sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)  # cached: 5.6 us per query on the H200 host
+    return torch.cuda.get_device_capability(device_index) == (9, 0)  # cached: microseconds of host time per query
 
 
 def gluon_fits(kv_plane: torch.Tensor, pe_plane: torch.Tensor, H: int) -> bool:
@@ -97,10 +81,8 @@ def gluon_fits(kv_plane: torch.Tensor, pe_plane: torch.Tensor, H: int) -> bool:
         return False
     if kv_plane.dtype not in (torch.bfloat16, torch.float16) or pe_plane.dtype != kv_plane.dtype:
         return False
-    # 16 heads or fewer: the Triton kernel's 16-row tiles (absorbed prefill at T = 32k: 17.1 ms against 19-20
-    # here). From 17 heads this kernel wins despite padding its 64-row tiles (H200, 2026-12-01; absorbed prefill
-    # T = 32k, top-k 2048 / decode B = 32, 65,536 cached, top-k 2048, CUDA graph): 24 heads 32.6 -> 18.7 ms /
-    # 50.7 -> 34.0 us, 32 heads 33.0 -> 19.8 ms / 53.3 -> 35.4 us against the Triton kernel's 32-row tiles.
+    # 16 heads or fewer: the Triton kernel's 16-row tiles are faster. From 17 heads this kernel wins despite
+    # padding its 64-row tiles, against the Triton kernel's 32-row tiles (H200 times: docs/benchmarks.md).
     if H <= 16:
         return False
     # r/2 is each group's value wgmma N (at most 256) and the query loads in 128-column chunks, half per group;
@@ -128,8 +110,8 @@ def _wait_for_previous_kernel():
 @gluon.jit
 def _opaque_zero():
     """0, unknown to the compiler. A stage index built from it keeps the 36 wgmma descriptors of a tile from
-    being hoisted out of the loop: held in registers for the whole loop as 64-bit values, they spilled
-    (103 local loads per iteration); computed per use, they cost a few integer instructions."""
+    being hoisted out of the loop: held in registers for the whole loop as 64-bit values, they spill;
+    computed per use, they cost a few integer instructions."""
     return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 

@@ -1,20 +1,13 @@
-"""Triton kernels for sparse MLA attention over the paged latent cache (decode and prefill).
+"""Triton kernel for sparse MLA attention over the paged latent cache: decode, and the absorbed form of prefill.
 
-Same contracts and signatures as ``mla_attention.sparse_mla_decode_ref`` / ``sparse_mla_prefill_ref``
-(docs/design.md §4, §12). Both ops run the same two kernels: ``_row_numbers`` turns the selected
-positions into plane row numbers, and ``_latent_attn_fwd`` computes the attention of each query's H
-heads over exactly its K selected latent rows, in the absorbed (MQA) form
+Same contracts and signatures as ``reference.sparse_mla_decode_ref`` / ``sparse_mla_prefill_ref`` (docs/design.md
+§4, §12). Both ops run one kernel, ``_latent_attn_fwd``: the attention of each query's H heads over exactly its K
+selected latent rows, in the absorbed (MQA) form
 
     score[h, s] = (q_latent[h] . c_kv[s] + q_pe[h] . k_pe[s]) * scale,    o_latent[h] = sum_s p[h, s] c_kv[s]
 
-where c_kv [r] is both key (with k_pe [dr] appended) and value.
-
-Row numbers, once per call. rows[b, t, k] = block_table[b, idx // bs] * bs + idx % bs for a valid
-position, -1 otherwise; a position is valid only if idx >= 0, idx // bs is inside the table and the
-table entry is >= 0 (the table entry of an invalid position is never read). The attention loop then
-reads one int32 per gathered row. When each loop thread converted the indices of every row it gathers
-(once per plane layout, at every tile), the loop took 1,738 SASS instructions per 64 positions and
-spilled; now 1,224, with no spill (sm_90), and decode's GPU time went from 112 to 100 us.
+where c_kv [r] is both key (with k_pe [dr] appended) and value. The selected positions are turned into plane row
+numbers once per call before it (latent_rows_triton.py), so the loop reads one int32 per gathered row.
 
 Grid and tiling. One program per (query (b, t), block of BLOCK_H heads, split of the K positions).
 All heads of a query share the same K rows (one top-k set per query, MQA), so the heads are the M
@@ -29,14 +22,15 @@ stored. The program walks its positions BLOCK_N at a time:
     online softmax (fp32, base 2), acc = acc * alpha + p @ kv   [BLOCK_H, BLOCK_R]
 
 Memory access. A gathered row is one contiguous vector per plane (r then dr values), so each load
-is BLOCK_N coalesced row reads (16-byte asynchronous copies), with no torch gather beforehand. Rows
-of consecutive cache blocks are consecutive in the planes the cache allocates, so a row number times
-the row stride addresses both planes (other layouts are copied first). An invalid position (padding,
-a missing block, the tail of the last chunk) reads a row of zeros that the row-number pass writes
-beside the row numbers, never the plane: the loads need no mask, and an unselected plane row that
-holds a NaN cannot reach the output (docs/design.md §10 trap 4; 0 * NaN would). Invalid columns get
-score -inf and probability 0; a query with no valid position keeps l = 0 and gets zeros, like the
-reference.
+is BLOCK_N coalesced row reads (16-byte asynchronous copies), with no torch gather beforehand. One load
+per row serves as key (a transposed view) and as value: the tile is read once. Rows of consecutive
+cache blocks are consecutive in the planes the cache allocates, so a row number times the row stride
+addresses both planes (other layouts are copied first). An invalid position (padding, a missing block,
+the tail of the last chunk) reads the zero row that the row-number pass writes, never the plane: the
+loads need no mask, and an unselected plane row that holds a NaN cannot reach the output
+(docs/design.md §10 trap 4; 0 * NaN would). Invalid columns get score -inf and probability 0; a query
+with no valid position keeps l = 0 and gets zeros, like the reference. Row offsets are int32 for
+planes under 2^31 elements (half the address arithmetic of int64).
 
 Split (flash-decoding). Decode has only B*T queries: B = 32, H = 96 gives 64 programs for 132 SMs.
 The K positions are then cut into NUM_SPLITS fixed, equal ranges (a multiple of BLOCK_N) so that the
@@ -53,84 +47,17 @@ to ~1e-6. fp64 inputs (exactness tests only) are passed to the reference.
 Absorbed prefill (``sparse_mla_prefill_absorbed``). The wrapper folds W_UK into q (q_latent[h] =
 q_nope[h] @ W_UK[h], one batched matmul over heads), runs the decode kernel over every query (M = the H
 heads of one query), and applies W_UV after (o[h] = o_latent[h] @ W_UV[h]^T). Per query this costs
-2*H*K*(2r + dr) FLOPs and K*(r + dr) gathered cache values (L2 hits: a 32k-token layer's latent cache
-is 38 MB), however the selections of neighbouring queries overlap. The prefill op
-(mla_prefill_triton.py) runs this form when the query tiles' unions of selected positions are large
-(independent picks: a 64-query tile's union is 8.5x top-k at T = 32k), and its union form otherwise; for top-2048
-picks spread over a long prefix a 64-position block is missed by one query with probability
-(1 - 2048/p)^64 (0.016 at p = 32k), so the reference's union of blocks is nearly the whole
-prefix.
+2*H*K*(2r + dr) FLOPs and K*(r + dr) gathered cache values, however much the selections of neighbouring
+queries overlap. The prefill op (prefill_triton.py) runs this form when the query tiles' unions of
+selected positions are too large for its union form (prefill_form.py): for top-2048 picks spread over a
+long prefix a 64-position block is missed by one query with probability (1 - 2048/p)^64 (0.016 at
+p = 32k), so a union of blocks is nearly the whole prefix.
 
-Measured on the H200 (benchmarks/bench_mla.py, bf16, random causal top-k), triton 3.6; decode in GPU
-time (a CUDA graph replay: an eager call also pays about 0.1 ms of host launch cost, as much as the
-kernels):
-
-  decode  B=32, 65,536 cached, top-k 2048, H=96:  0.100-0.101 ms = 19.6-19.9 % of the memory roofline
-          (19.9 us); before (each step timed against the previous one in one process): 0.157 ms with
-          the block size a runtime int, 0.119 ms with int64 row offsets, 0.112 ms with the row
-          arithmetic in the loop; plain-torch gather + bmm 0.32 ms in a CUDA graph (0.45 eager),
-          dense SDPA over all keys 6.03 ms, reference 37.6 ms. An eager call costs 0.19-0.22 ms: three
-          launches (row numbers, attention, split combine) of host time, where two cost 0.11-0.12 ms.
-  absorbed prefill T=32,768, top-k 2048, H=16, dn=128, dr=64, dv=128:  17.0-17.2 ms (2.40 TFLOP,
-          140 TFLOP/s; 17.5 ms with the row arithmetic in the loop, 18.0 ms with int64 offsets); dense
-          causal SDPA (decompressed) 9.2-9.3 ms (590-597 TFLOP/s), plain-torch sparse 184 ms, reference
-          about 6.2-6.8 s
-
-The prefill floor (2x faster than dense SDPA, i.e. <= 4.6 ms) is NOT met, and is out of reach of this
-form with random selections (for the union form see mla_prefill_triton.py): the rows each query must
-gather (2,048 x 1,152 bytes, 74.9 GB in all) would have to arrive at 16 TB/s, and the 2.40 TFLOP at
-520 TFLOP/s from mma tiles with M = 16 heads (mma.sync m16n8k16: the SASS is 272 HMMA.16816 per 128
-positions; wgmma needs M = 64). The fastest row gather measured on this GPU is about 9.9 TB/s: the Gluon
-decode loop with its dots removed (8 warps issuing the cp.async copies), 128 programs gathering [64, 576]
-bf16 tiles of random rows from a cache that sits in L2, 0.95 us per tile (34.5 us for 16 tiles a program,
-26.9 us for 8). At that rate the 74.9 GB take 7.6 ms, over the floor.
-
-What binds this file's decode kernel (20 % of the roofline; floor 35 %). Not memory: the time (int64
-offsets then) was the same, 120-122 us, for random, sorted and contiguous selections, an identity block
-table, and a 4,096-token cache that sits in L2. Two things:
-- The tensor-core work is twice the useful work. The 8 warps form two warp groups that split the
-  accumulator's columns, and each computes the whole [64, 64] score tile for itself (72 m64n32k16
-  wgmma per group per iteration: the score dots run twice), and 96 heads run as two blocks of 64.
-  Executed: 27.9 GFLOP for 13.7 useful, 35 us at 790 TFLOP/s, so even a perfectly fed loop would
-  reach 56 % of the roofline, and 35 % needs the wgmma units busy 62 % of the time.
-- Latency at low occupancy: one program of 8 warps per SM (255 registers: the [64, 512] fp32
-  accumulator; 221 KB of shared memory: the query and two stages of gathered [64, 576] rows), each
-  iteration a chain of gather -> score wgmma -> softmax -> value wgmma. Nsight Compute (1,738-
-  instruction loop) showed 0.36 instructions issued per cycle per scheduler, its top stall a
-  fixed-latency dependency; cutting the loop by 30 % (the row numbers) cut the time by 11 %.
-History of the loop (SASS instructions per 64 positions, sm_90): 2,967 with // and % by a runtime
-block size, 1,936 with BS a compile-time constant, 1,738 with int32 offsets, 1,224 with the row
-numbers computed before the loop and unmasked loads. Tried and rejected:
-- the transposed loop (s^T = kv @ q^T, acc^T += kv^T @ p^T: the query becomes a shared-memory B
-  operand and 96 heads split into three blocks of 32 without padding): measured 134 us at 64 heads
-  per program and 163-199 us at 32, in the run that timed this loop at 121 us;
-- BLOCK_N = 32: 143-154 us, and 132 us (3 or 4 stages) after the row numbers; 3 or 4 splits: 127,
-  109 us against 100; earlier, 48 more tilings (BLOCK_H 32/64, BLOCK_N 32/64, 2-8 splits, 4-16
-  warps, 1-3 stages): none faster;
-- a lazy rescale (a row's reference max moves only when the new max passes it by more than 8, in
-  log2 units; the accumulator is rescaled under a branch taken when some row moved): 112 us against
-  98 us in one run (the branch adds spills; with 64 heads some row moves in most early tiles);
-- one stage, BLOCK_N 64 or 128: 124, 126 us;
-- the duplicated score dot removed. The compiler gives a dot whose result reaches another dot all its
-  warps along M (warpsPerTileV3's chained-dot rule: [8, 1] for a 64-row tile, so both groups compute
-  it). Carrying p and alpha to the next iteration hides the chain (iteration i scores tile i and adds
-  tile i-1's values), and the loop then issues 44 wgmma per group per 64 positions instead of 76.
-  But a loop-carried tile lives in registers, so tile i-1 must be gathered again, and two staged
-  tiles need 360 KB of shared memory at BLOCK_N=64: measured 116 us (one stage), 129-130 us
-  (BLOCK_N=32, 2-3 stages), 164-183 us (16 warps or BLOCK_N=16), against 98 us in the same run.
-  Passing p through a global scratch buffer instead does not hide the chain (alpha still reaches
-  the value dot) and stops the pipelining of the gathers. (The score wgmma are also half width,
-  m64n32: the instruction-shape rule assumes the 8 warps split N, the chained-dot rule then puts
-  them all on M.)
-- tl.range(..., warp_specialize=True): triton 3.6 leaves the loop unchanged on sm_90 (its docs:
-  Blackwell only).
-Reaching 35 % needs FlashMLA's structure: warp groups that each own half of the accumulator,
-exchange one score tile through shared memory and overlap loads, softmax and dots; Triton gives no
-control over which warp group computes what. Gluon does: on sm_90, ``_latent_attention`` hands the
-calls it fits to mla_attention_gluon.py: a producer warp group gathers the rows, and two compute groups
-take the tiles in turn, the one whose turn it is scoring the whole tile and handing p to the other through
-shared memory, each owning half of the value columns (0.052 ms for the decode benchmark, 38.2 % of the
-roofline: the floor is met there).
+What binds it: not memory. Decode is bound by latency at one program per SM (the [BLOCK_H, r] fp32
+accumulator fills the registers) and by the score dots, which the compiler gives both warp groups (a dot
+that feeds another dot gets all its warps along M); the absorbed prefill by gathering K rows per query.
+On sm_90, ``_latent_attention`` hands the calls it fits to latent_gluon.py, where a producer warp group
+gathers and two compute groups split the work explicitly.
 """
 
 from __future__ import annotations
@@ -143,6 +70,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from .latent_rows_triton import row_plane, rows_and_zero_row
 from .reference import check_decode_args, check_prefill_args, sparse_mla_decode_ref, sparse_mla_prefill_ref
 
 try:  # the sm_90 kernel (Gluon); a triton without Gluon, or with another Gluon API, keeps this file's kernel
@@ -151,45 +79,16 @@ except (ImportError, AttributeError):
     _gluon = None
 
 _LOG2E = 1.4426950408889634
-# Planes with fewer elements than this are addressed with int32 row offsets (the loop shrank from 1,936
-# to 1,738 SASS instructions per iteration: decode 0.119 -> 0.112 ms on the H200); larger ones with int64.
+# Planes with fewer elements than this are addressed with int32 row offsets (half the address arithmetic);
+# larger ones with int64.
 INT32_OFFSETS_BELOW = 2**31
-# On sm_90, calls the Gluon kernel handles go to it (mla_attention_gluon.py: the same math with the warp groups'
-# roles explicit, 0.052 vs 0.097 ms for the decode benchmark); False keeps them on this file's kernel.
+# On sm_90, calls the Gluon kernel handles go to it (latent_gluon.py: the same math with the warp groups' roles
+# explicit); False keeps them on this file's kernel.
 USE_GLUON = os.environ.get("MINIDSA_MLA_GLUON", "1") != "0"
 # On sm_90 and later, the Gluon kernel and the split combine are launched as programmatic dependents of the
 # kernel before them (PDL): each starts while that one finishes, and waits (griddepcontrol.wait) before it
 # reads what that kernel wrote. False launches them one after the other like any kernel.
 USE_PDL = os.environ.get("MINIDSA_MLA_PDL", "1") != "0"
-
-
-# Table width and T unspecialised (T = 1 keeps its variant): no new variant per prompt length.
-@triton.jit(do_not_specialize=["max_blocks", "s_tb"], do_not_specialize_on_alignment=["T"])
-def _row_numbers(idx_ptr, table_ptr, rows_ptr, zero_ptr, T, K, max_blocks, s_tb, s_ib, s_it,
-                 BS: tl.constexpr, BLOCK: tl.constexpr, ZERO_WORDS: tl.constexpr):
-    """Selected positions -> plane row numbers, once per call: rows[bt, k] = table[b, idx // BS] * BS +
-    idx % BS, or -1 where the position is padding (-1), past the block table, or in a block whose entry
-    is -1 (neither that entry nor any plane row is read). Program (0, 0) also zero-fills the zero row
-    (ZERO_WORDS int32 words) that the attention loop reads in place of an invalid row.
-
-    Doing this before the attention loop, and not per gathered tile in it, took the loop from 1,738 to
-    1,224 SASS instructions per 64 positions (sm_90): the loop's threads each converted the indices of
-    every row they gather, once per plane layout. The cache block size BS is a compile-time constant
-    (// and % by a runtime int cost ~20 integer instructions per row)."""
-    bt = tl.program_id(0).to(tl.int64)
-    b, t = bt // T, bt % T
-    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = n < K
-    idx = tl.load(idx_ptr + b * s_ib + t * s_it + n, mask=inside, other=-1)
-    pos = tl.where(idx >= 0, idx, 0).to(tl.uint32)
-    blk = (pos // BS).to(tl.int32)
-    valid = (idx >= 0) & (blk < max_blocks)
-    phys = tl.load(table_ptr + b * s_tb + blk, mask=valid, other=-1)
-    valid = valid & (phys >= 0)
-    rows = tl.where(valid, phys * BS + (pos % BS).to(tl.int32), -1)
-    tl.store(rows_ptr + bt * K + n, rows, mask=inside)
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-        tl.store(zero_ptr + tl.arange(0, ZERO_WORDS), tl.zeros([ZERO_WORDS], tl.int32))
 
 
 @triton.jit
@@ -259,8 +158,7 @@ def _attend_selected(q_ptr, qpe_ptr, kv_ptr, pe_ptr, zero_ptr, rows_ptr, hoff, h
     for n0 in range(start, end, BLOCK_N):
         valid, kv_rows, pe_rows = _chunk_ptrs(rows_ptr, n0, end, kv_ptr, pe_ptr, zero_ptr, s_kv, s_pe, BLOCK_N,
                                               OFF64)
-        # One load per row serves as key (transposed view) and as value: the tile is read once. (Loading
-        # it a second time as [BLOCK_R, BLOCK_N] for the key measured 1.3-4x slower on the H200.)
+        # One load per row serves as key (transposed view) and as value: the tile is read once.
         kv = _gather(kv_rows, R, BLOCK_R)  # [BLOCK_N, BLOCK_R]
         pe = _gather(pe_rows, DR, BLOCK_DR).to(dot_dtype)  # [BLOCK_N, BLOCK_DR]
         s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
@@ -337,25 +235,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _config(H: int, R: int, K: int, queries: int, device: torch.device, num_splits: int | None, elt: int):
-    """Tile sizes and split count for the kernel (``elt``: bytes per plane element).
-
-    Returns (BLOCK_H, BLOCK_N, NUM_SPLITS, num_warps, num_stages). Measured on the H200 with r=512,
-    dr=64, bf16 (benchmarks/bench_mla.py, GPU time; registers are the limit: the [BLOCK_H, r] fp32
-    accumulator lives in them, while the query is a shared-memory operand of the score wgmma):
-      decode B=32, H=96, K=2048 (one run, 2026-12-01):
-                                  BLOCK_H=64, BLOCK_N=64, 2 splits, 8 warps, 2 stages   121 us
-                                  (112 us with the int32 offsets that came after this sweep)
-                                  BLOCK_H=64, BLOCK_N=64, 4 or 3 splits                 131, 173 us
-                                  BLOCK_H=64, BLOCK_N=32, 2 splits, 3 stages            143 us
-                                  BLOCK_H=64, BLOCK_N=32, 4 splits                      154 us
-                                  BLOCK_H=32, BLOCK_N=64, 4 splits                      157 us
-      prefill T=32768, H=16:      BLOCK_H=16, BLOCK_N=128, 4 warps  17.9 ms;  BLOCK_N=32, 3 stages: 26.2 ms;
-                                  BLOCK_N=128, 8 warps: 28.4 ms;  BLOCK_N=64, 3 stages: 37.9 ms
-                                  after the row-number pass: BLOCK_N=128, 4 warps 17.0-17.2 ms; BLOCK_N=64
-                                  17.3 (2 stages), 23.1 (3); BLOCK_N=32 (56 KB of shared memory, two
-                                  programs per SM) 22.7 at 4 warps, 17.0 at 2 warps (spilling), 23.6 with
-                                  4 stages; 8 warps 20.9: more programs per SM do not help
-    """
+    """Tile sizes and split count for the kernel (``elt``: bytes per plane element) -> (BLOCK_H, BLOCK_N,
+    NUM_SPLITS, num_warps, num_stages). Registers are the limit: the [BLOCK_H, r] fp32 accumulator lives in
+    them, while the query is a shared-memory operand of the score wgmma. The H200 sweeps behind these choices
+    (r=512, dr=64, bf16) are in docs/benchmarks.md."""
     BLOCK_H = min(64, max(16, triton.next_power_of_2(H)))
     BLOCK_R = max(16, triton.next_power_of_2(R))
     if BLOCK_H == 16:
@@ -377,32 +260,9 @@ def _config(H: int, R: int, K: int, queries: int, device: torch.device, num_spli
     return BLOCK_H, BLOCK_N, num_splits, num_warps, 2
 
 
-def _row_plane(plane: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A cache plane [blocks, bs, W] and its row stride, such that row ``phys * bs + off`` sits at element
-    row * stride: true for every plane the cache allocates (blocks back to back), and for column views of
-    one. Other layouts, a last dim with a stride included, are copied (the model never builds them)."""
-    n, bs, _ = plane.shape
-    if plane.stride(-1) != 1 or (bs > 1 and n > 1 and plane.stride(0) != bs * plane.stride(1)):
-        plane = plane.contiguous()
-    return plane, plane.stride(1) if bs > 1 else plane.stride(0)
-
-
-def _rows_and_zero_row(block_table, indices, B: int, T: int, K: int, bs: int, zero_bytes: int, on_gpu: bool):
-    """Launch _row_numbers: (rows int32 [B*T*K] as a flat buffer, zero row of zero_bytes bytes as int32 words
-    in the same buffer, 16-byte aligned)."""
-    start = triton.cdiv(B * T * K, 4) * 4
-    words = triton.next_power_of_2(max(4, zero_bytes // 4))
-    buf = torch.empty(start + words, dtype=torch.int32, device=indices.device)
-    block = min(1024 if on_gpu else 64, triton.next_power_of_2(K))
-    _row_numbers[(B * T, triton.cdiv(K, block))](indices, block_table, buf, buf[start:], T, K, block_table.shape[1],
-                                                 block_table.stride(0), indices.stride(0), indices.stride(1),
-                                                 BS=bs, BLOCK=block, ZERO_WORDS=words)
-    return buf, buf[start:]
-
-
 def _gluon_kernel(kv_plane: torch.Tensor, pe_plane: torch.Tensor, H: int):
-    """The sm_90 Gluon module (mla_attention_gluon.py) when it handles this call, else None; USE_GLUON = False
-    keeps every call on this file's kernel."""
+    """The sm_90 Gluon module (latent_gluon.py) when it handles this call, else None; USE_GLUON = False keeps
+    every call on this file's kernel."""
     if not USE_GLUON or _gluon is None:
         return None
     return _gluon if _gluon.gluon_fits(kv_plane, pe_plane, H) else None
@@ -435,15 +295,14 @@ def _latent_attention(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, 
     nblocks, bs, _ = kv_latent_plane.shape
     if nblocks * bs >= 2**31:
         raise ValueError(f"a cache of {nblocks} blocks x {bs} rows passes 2^31 rows; the row numbers are int32")
-    kv_plane, s_kv = _row_plane(kv_latent_plane)
-    pe_plane, s_pe = _row_plane(k_pe_plane)
+    kv_plane, s_kv = row_plane(kv_latent_plane)
+    pe_plane, s_pe = row_plane(k_pe_plane)
     dev = q_latent.device
     elt = kv_plane.element_size()
     BLOCK_H, BLOCK_N, splits, num_warps, num_stages = _config(H, R, K, B * T, dev, num_splits, elt)
     gluon = _gluon_kernel(kv_plane, pe_plane, H)
     BLOCK_R, BLOCK_DR = max(16, triton.next_power_of_2(R)), max(16, triton.next_power_of_2(DR))
-    rows, zero = _rows_and_zero_row(block_table, indices, B, T, K, bs, max(BLOCK_R, BLOCK_DR) * elt,
-                                    dev.type == "cuda")
+    rows, zero = rows_and_zero_row(block_table, indices, B, T, K, bs, max(BLOCK_R, BLOCK_DR) * elt, dev.type == "cuda")
     tile_h, tile_n = (int(gluon.BLOCK_H), int(gluon.BLOCK_N)) if gluon else (BLOCK_H, BLOCK_N)
     keys_per_split = triton.cdiv(triton.cdiv(K, splits), tile_n) * tile_n  # whole tiles per split
     grid = (B * T, triton.cdiv(H, tile_h), splits)
@@ -485,7 +344,8 @@ def sparse_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_plan
                       k_pe_plane: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor,
                       scale: float) -> torch.Tensor:
     """Absorbed sparse MLA attention over exactly the selected latent rows: the contract, shapes and
-    dtypes of ``sparse_mla_decode_ref``; one launch (plus a combine when the K positions are split)."""
+    dtypes of ``sparse_mla_decode_ref``; the row-number pass, one attention launch, and a combine when the
+    K positions are split."""
     B, T, H, r, _, _ = check_decode_args(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices)
     if torch.float64 in (q_latent.dtype, q_pe.dtype, kv_latent_plane.dtype, k_pe_plane.dtype):
         # fp64 exists for exactness tests; tensor cores do not do it, the reference does.
@@ -505,7 +365,7 @@ def sparse_mla_prefill_absorbed(q: torch.Tensor, kv_latent_plane: torch.Tensor, 
                                 scale: float) -> torch.Tensor:
     """Sparse MLA prefill: the contract, shapes and dtypes of ``sparse_mla_prefill_ref``, computed in the
     absorbed form (see the module docstring): W_UK folded into q, the latent kernel, W_UV after. The op
-    (mla_prefill_triton.sparse_mla_prefill) runs this form when the query tiles' unions are large."""
+    (prefill_triton.sparse_mla_prefill) runs this form when the query tiles' unions are large."""
     B, T, H, dn, dv = check_prefill_args(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight)
     r = kv_latent_plane.shape[-1]
     if torch.float64 in (q.dtype, kv_latent_plane.dtype, k_pe_plane.dtype, kv_b_weight.dtype):

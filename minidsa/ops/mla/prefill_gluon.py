@@ -1,53 +1,44 @@
-"""The union-form prefill attention on Hopper (sm_90) in Gluon: ``mla_prefill_triton._union_attn_fwd``'s math,
+"""The union-form prefill attention on Hopper (sm_90) in Gluon: ``prefill_attn_triton._union_attn_fwd``'s math,
 with the gathers in a warp group of their own and the query in registers.
 
 Same inputs, grid and math as the Triton kernel (read it first): one program per (head, 128-query tile,
 sequence), FlashAttention over the tile's sorted union of selected positions, the gathered k, k_pe and v
 rows of one head, a bit per (query, union slot) saying whether the query selected it (the chunk-major
-mask of ``_mask_row``), online softmax in fp32, base 2. Only the work inside a program differs: three warp
-groups with separate roles, synchronised through mbarriers in shared memory.
+mask of ``prefill_union_triton._mask_row``), online softmax in fp32, base 2. Only the work inside a program
+differs: three warp groups with separate roles, synchronised through mbarriers in shared memory.
 
     producer (4 warps)   cp.async gathers of chunk c's k, k_pe and v rows (64 union slots) into stage
                          c % 4 of a ring, once both compute groups released that stage
     compute group 0      queries 0..63 of the tile: scores, softmax and p @ v on every chunk
     compute group 1      queries 64..127, the same
 
-Why each choice (H200, T = 32k, top-k 2048, 16 heads, K3 widths, bf16, the attention kernel alone, picks
-whose next query keeps 79 % / 92 % / 62 %; the Triton kernel 3.65-3.71 / 2.43-2.50 / 6.13-6.31 ms in the
-same runs, 2026-12-01):
+Why each choice:
 - The query lives in registers, as the A operand of the score wgmma (48 registers per thread). From
   shared memory, every m64n64 score wgmma re-reads its 64 x 16 query slice beside the 64 x 16 key slice:
-  96 KB of the 168 KB a chunk moves through shared memory (counted from the tile shapes) re-read the
-  query. The first version of this kernel, with the query there, ran 4.16-4.23 ms at 79 %; the Triton
-  kernel reads it from shared memory too (its score wgmma are m64n32: worse).
+  96 KB of the 168 KB a chunk moves through shared memory (counted from the tile shapes) would re-read the
+  query (the Triton kernel reads it from shared memory, with m64n32 score wgmma: worse).
 - Scores stay unscaled until the exponent: the mask selects on the raw score, the row maximum is taken
   on raw scores (qk_scale > 0 commutes with max; the dispatcher sends other scales to the Triton kernel)
   and exp2(s * scale - m * scale) is one FFMA. Slots past the union's count need no test of their own:
-  their mask words are zero. 1,158 -> 959 instructions per thread per two chunks; 3.87 -> 3.56-3.86 ms.
+  their mask words are zero.
 - The mask test is written in PTX (and, setp, selp: ptxas makes it one LOP3 with a predicate and one
-  FSEL per score). Written as a comparison, LLVM packed the 16 predicates of a row pair into an integer
-  and unpacked them again, five instructions per score: 955 -> 823 per two chunks; 3.19 -> 3.10-3.17 ms.
+  FSEL per score). Written as a comparison, LLVM packs the 16 predicates of a row pair into an integer
+  and unpacks them again, five instructions per score.
 - Slots past count gather the union's last position instead of a zero row (their mask bits are 0, so
   they score -inf and p = 0), so the producer computes no select per row; k and v rows of a position are
-  DN apart and share one address (the v copy adds an immediate offset). The producer went from 271 to 163
-  (the repeated position) and 154 (the shared address) instructions per chunk: 3.47-3.50 -> 3.25-3.55 ms,
-  3.18-3.28 with the registers below. A position padding a chunk is one some query of the
-  tile selected, so it reads no row the tile would not read anyway (NaN there: see the Triton kernel).
-- Four stages (160 KB): three took 3.64 ms, five 3.58 (four: 3.25 in that run). 232 registers for each
-  compute group and 40 for the producer (a few spills in the producer): 224 / 56 spilled in the compute
-  groups and took 3.15-3.17 against 3.10-3.17 ms.
-- Tried and no better: rescaling the accumulator only when a row maximum grows by more than 2^8 (a branch
-  on a reduction over the group: 3.08-3.11 against 3.10-3.17 ms alone, 4.10-4.12 against 4.05-4.12 ms for
-  the op, spills at these register counts, and 2.4e-3 against 8.7e-4 of the output scale from the
-  reference); reordering the gathered rows so that a thread's columns read one mask word per parity (the
-  same SASS).
-Measured: 3.10-3.17 / 2.09 / 5.20-5.25 ms against the Triton kernel's 3.68 / 2.43-2.47 / 6.18-6.27 ms,
-1.51 / 0.96 / 2.55 TFLOP at 476-487 / 459 / 486-490 TFLOP/s; outputs within 5e-4 of the output scale of
-the Triton kernel's (sums in another order, chunks of 64 against 32), bitwise equal run to run. The whole op
-(benchmarks/bench_mla.py --only prefill, one run): 11.6 / 6.0 / 4.0 / 2.9 ms with independent picks and at
-62 / 79 / 92 %, the union form forced on the Triton kernel 13.9 / 7.1 / 4.6 / 3.3 ms, dense causal SDPA 9.30.
+  DN apart and share one address (the v copy adds an immediate offset). A position padding a chunk is one
+  some query of the tile selected, so it reads no row the tile would not read anyway (NaN there: see the
+  Triton kernel).
+- Four stages (160 KB of shared memory at the K3 widths), 232 registers for each compute group and 40 for
+  the producer (a few spills in the producer; with 224 the compute groups spill): the fastest counts.
+- Within a group, FlashAttention-3's overlap: chunk c + 1's score wgmma run while the group's threads do
+  chunk c's softmax (``_chunk_pairs``).
 
-Used by ``mla_prefill_triton._attend`` when ``gluon_fits`` says so (sm_90, bf16/fp16, dn = dv in {64, 128},
+What binds it: the dots and the softmax of each chunk, at about 60 % of the bf16 tensor-core peak (the Triton
+kernel: about half), not memory traffic. Outputs are within 5e-4 of the output scale of the Triton kernel's
+(sums in another order, chunks of 64 against 32) and bitwise equal run to run.
+
+Used by ``prefill_attn_triton.attend`` when ``gluon_fits`` says so (sm_90, bf16/fp16, dn = dv in {64, 128},
 dr in {32, 64}, qk_scale > 0, int32 offsets) and USE_GLUON there is on; everything else, and every CPU run,
 takes the Triton kernel. Gluon has no interpreter: this kernel is tested on the GPU only
 (tests/ops/test_mla_prefill_gluon.py, through the device tool), against the reference and the Triton kernel.
@@ -71,7 +62,7 @@ from .latent_gluon import SMEM_LIMIT, _is_sm90, _nvmma
 BLOCK_M = gl.constexpr(128)  # queries per program: the Triton kernel's tile, whose unions and masks this reads
 HALF_M = gl.constexpr(64)  # queries per compute group: one wgmma M
 BLOCK_N = gl.constexpr(64)  # union slots per chunk: the score wgmma's N, two 32-slot mask words
-STAGES = gl.constexpr(4)  # chunks in flight, 40 KB each at the K3 widths (measured above)
+STAGES = gl.constexpr(4)  # chunks in flight, 40 KB each at the K3 widths (module docstring)
 PRODUCER_WARPS = gl.constexpr(4)  # the gathering partition: one warp group (setmaxnreg works per warp group)
 PRODUCER_REGS = gl.constexpr(40)
 COMPUTE_REGS = gl.constexpr(232)  # compute group 1's; group 0, the default partition, gets what is left: 232
@@ -273,7 +264,7 @@ def _union_attn_fwd_sm90(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_pt
 
 
 def attend(q, kv, k_pe, union, count, mask, mask_off, out, dn: int, qk_scale: float) -> None:
-    """``mla_prefill_triton._attend`` on this kernel: q [B, T, H, dn+dr], kv [B, S, H, dn+dv], k_pe [B, S, dr],
+    """``prefill_attn_triton.attend`` on this kernel: q [B, T, H, dn+dr], kv [B, S, H, dn+dv], k_pe [B, S, dr],
     the tiles' unions, counts and chunk-major masks, qk_scale = scale * log2(e) -> out [B, T, H, dv] fp32."""
     B, T, H, dq = q.shape
     dr, dv, n_tiles = dq - dn, out.shape[-1], union.shape[1]
