@@ -26,9 +26,9 @@ DRY = "--dry-run" in sys.argv
 if DRY and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
-from minidsa.ops.indexer.reference import reference as ref_ops  # noqa: E402
-from minidsa.ops.indexer.reference import scores_triton as kern  # noqa: E402
-from minidsa.ops.indexer.reference import topk_triton  # noqa: E402
+from minidsa.ops.indexer import reference as ref_ops  # noqa: E402
+from minidsa.ops.indexer import scores_triton as kern  # noqa: E402
+from minidsa.ops.indexer import topk_triton  # noqa: E402
 
 HBM = 4.3e12  # bytes/s, measured copy bandwidth of the H200
 FLOPS = 790e12  # bf16 dense matmul, measured

@@ -1,4 +1,4 @@
-"""KDA Triton kernels (minidsa/ops/kda/kda_triton.py) on the H200: time, reference, fla peer, % of roofline.
+"""KDA Triton kernels (minidsa/ops/kda/*_triton.py) on the H200: time, reference, fla peer, % of roofline.
 
     PYTHONPATH=. python benchmarks/bench_kda.py            # GPU, full shapes
     PYTHONPATH=. python benchmarks/bench_kda.py --dry-run  # CPU, tiny shapes, Triton interpreter
@@ -98,8 +98,8 @@ def chunk_cost(B, T, H, K, V, C, in_bytes, out_bytes) -> tuple[float, float]:
 
 
 def bench_chunk(T: int, dev: str, dry: bool, fla, results: dict) -> bool:
+    from minidsa.ops.kda import chunk_triton as kt
     from minidsa.ops.kda.reference import kda_chunk_ref
-    from minidsa.ops.kda.reference import kda_triton as kt
     B, H, K, V = (1, 16, 128, 128) if not dry else (1, 2, 32, 32)
     dt = torch.bfloat16 if dev == "cuda" else torch.float32  # the interpreter's bf16 tl.dot is wrong
     q, k, v, g, beta, s0 = kda_inputs(B, T, H, K, V, dev, dt)
@@ -142,8 +142,8 @@ def bench_chunk(T: int, dev: str, dry: bool, fla, results: dict) -> bool:
 
 
 def bench_decode(dev: str, dry: bool, fla, results: dict) -> bool:
+    from minidsa.ops.kda import recurrent_triton as kt
     from minidsa.ops.kda.reference import kda_recurrent_ref
-    from minidsa.ops.kda.reference import kda_triton as kt
     B, H, K, V = (64, 96, 128, 128) if not dry else (2, 3, 32, 32)
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     q, k, v, g, beta, s0 = kda_inputs(B, 1, H, K, V, dev, dt, seed=1)

@@ -26,18 +26,20 @@ LENGTHS = (40, 57, 64, 96, 133, 160, 200, 255, 300, 301)
 
 
 def jit_kernels() -> dict:
-    """Every @triton.jit function of the package's *_triton / *_gluon modules, by 'module.name'."""
+    """Every @triton.jit function of the package's *_triton / *_gluon modules (in the ops/<op>/ folders),
+    by 'op.module.name'."""
     from triton.runtime.jit import JITFunction
     found = {}
-    for info in pkgutil.iter_modules(minidsa.ops.__path__):
+    for info in pkgutil.walk_packages(minidsa.ops.__path__, "minidsa.ops."):
         if not info.name.endswith(("_triton", "_gluon")):
             continue
-        module = importlib.import_module("minidsa.ops." + info.name)
+        module = importlib.import_module(info.name)
+        short = info.name.removeprefix("minidsa.ops.")
         for name, obj in vars(module).items():
             while hasattr(obj, "fn") and not isinstance(obj, JITFunction):  # autotuner / heuristics wrappers
                 obj = obj.fn
-            if isinstance(obj, JITFunction):
-                found[f"{info.name}.{name}"] = obj
+            if isinstance(obj, JITFunction) and obj.__module__ == info.name:  # not helpers imported from a sibling
+                found[f"{short}.{name}"] = obj
     return found
 
 

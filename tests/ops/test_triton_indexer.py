@@ -20,9 +20,9 @@ pytest.importorskip("triton")
 from conftest import kernel_device  # noqa: E402
 
 from minidsa.formats.fp8 import quantize_fp8_pow2  # noqa: E402
-from minidsa.ops.indexer.reference import reference as ref_ops  # noqa: E402
-from minidsa.ops.indexer.reference import scores_triton as kern  # noqa: E402
-from minidsa.ops.indexer.reference import topk_triton  # noqa: E402
+from minidsa.ops.indexer import reference as ref_ops  # noqa: E402
+from minidsa.ops.indexer import scores_triton as kern  # noqa: E402
+from minidsa.ops.indexer import topk_triton  # noqa: E402
 
 DEV = kernel_device()
 NAN, INF = float("nan"), float("inf")

@@ -1,4 +1,4 @@
-"""Triton KDA kernels (minidsa/ops/kda/kda_triton.py) against the references, on tiny odd shapes.
+"""Triton KDA kernels (minidsa/ops/kda/recurrent_triton.py, chunk_triton.py) against the references, on tiny odd shapes.
 
 Without a GPU the kernels run in Triton's interpreter (conftest.py), where every program instance
 costs milliseconds: shapes stay tiny and odd (K = V = 60 or K = 20, V = 12 exercise every mask; H = 2
@@ -24,8 +24,9 @@ pytest.importorskip("triton")
 
 from conftest import kernel_device  # noqa: E402
 
-from minidsa.ops.kda.reference import kda_triton as kern  # noqa: E402
-from minidsa.ops.kda.reference import reference as ref_ops  # noqa: E402
+from minidsa.ops.kda import chunk_triton as chunk  # noqa: E402
+from minidsa.ops.kda import recurrent_triton as rec  # noqa: E402
+from minidsa.ops.kda import reference as ref_ops  # noqa: E402
 
 DEV = kernel_device()
 TOL = dict(atol=5e-5, rtol=5e-5)
@@ -58,6 +59,7 @@ def check(got, want, tol=TOL):
 
 @pytest.mark.parametrize("name", ["kda_recurrent", "kda_chunk"])
 def test_signatures_match_the_references(name):
+    kern = {"kda_recurrent": rec, "kda_chunk": chunk}[name]
     assert inspect.signature(getattr(kern, name)) == inspect.signature(getattr(ref_ops, name + "_ref"))
 
 
@@ -66,16 +68,16 @@ def test_signatures_match_the_references(name):
 def test_recurrent_matches_reference_gva(with_state):
     q, k, v, g, beta = kda_inputs(B=2, T=5, H=2, HV=4, K=20, V=12)
     s0 = state(2, 4, 20, 12) if with_state else None
-    check(kern.kda_recurrent(q, k, v, g, beta, 0.7, s0), ref_ops.kda_recurrent_ref(q, k, v, g, beta, 0.7, s0))
+    check(rec.kda_recurrent(q, k, v, g, beta, 0.7, s0), ref_ops.kda_recurrent_ref(q, k, v, g, beta, 0.7, s0))
 
 
 def test_recurrent_decode_batch_of_states_in_column_tiles():
     # Decode: T = 1 for a batch of 3 states, K = V = 60 (masked to 64) in four tiles of 16 columns.
     q, k, v, g, beta = kda_inputs(B=3, T=1, H=1, HV=2, K=60, V=60)
     s0 = state(3, 2, 60, 60)
-    got = kern._launch_recurrent(q, k, v, g, beta, 60 ** -0.5, s0, block_v=16)
+    got = rec._launch_recurrent(q, k, v, g, beta, 60 ** -0.5, s0, block_v=16)
     check(got, ref_ops.kda_recurrent_ref(q, k, v, g, beta, None, s0))
-    check(kern.kda_recurrent(q, k, v, g, beta, None, s0), ref_ops.kda_recurrent_ref(q, k, v, g, beta, None, s0))
+    check(rec.kda_recurrent(q, k, v, g, beta, None, s0), ref_ops.kda_recurrent_ref(q, k, v, g, beta, None, s0))
 
 
 # --------------------------------------------------------------------------------- chunked
@@ -85,7 +87,7 @@ def test_chunk_matches_recurrence_gva_partial_chunk(with_state):
     q, k, v, g, beta = kda_inputs(B=1, T=37, H=2, HV=4, K=20, V=12)
     s0 = state(1, 4, 20, 12) if with_state else None
     want = ref_ops.kda_recurrent_ref(q, k, v, g, beta, None, s0)
-    check(kern.kda_chunk(q, k, v, g, beta, None, s0, chunk_size=16), want)
+    check(chunk.kda_chunk(q, k, v, g, beta, None, s0, chunk_size=16), want)
 
 
 def test_chunk_64_odd_widths_strong_decay():
@@ -95,7 +97,7 @@ def test_chunk_64_odd_widths_strong_decay():
     q, k, v, g, beta = kda_inputs(B=1, T=70, H=1, HV=2, K=60, V=60, gate="lower_bound")
     assert float(g.sum(1).min()) < -300
     s0 = state(1, 2, 60, 60)
-    check(kern.kda_chunk(q, k, v, g, beta, None, s0), ref_ops.kda_recurrent_ref(q, k, v, g, beta, None, s0))
+    check(chunk.kda_chunk(q, k, v, g, beta, None, s0), ref_ops.kda_recurrent_ref(q, k, v, g, beta, None, s0))
 
 
 def test_chunk_non_power_of_two_chunk_weak_decay_and_sliced_tiles():
@@ -105,16 +107,16 @@ def test_chunk_non_power_of_two_chunk_weak_decay_and_sliced_tiles():
     # matrices, W and U in slices of 16 columns.
     q, k, v, g, beta = kda_inputs(B=2, T=37, H=1, HV=1, K=20, V=60, gate="near_zero")
     s0 = state(2, 1, 20, 60)
-    got = kern._launch_chunk(q, k, v, g, beta, 0.3, s0, chunk_size=20, config=dict(BV=16, out_BV=16, KC=16, WC=16))
+    got = chunk._launch_chunk(q, k, v, g, beta, 0.3, s0, chunk_size=20, config=dict(BV=16, out_BV=16, KC=16, WC=16))
     check(got, ref_ops.kda_recurrent_ref(q, k, v, g, beta, 0.3, s0))
 
 
 def test_chunk_shorter_than_one_chunk_and_empty():
     q, k, v, g, beta = kda_inputs(B=2, T=3, H=1, HV=2, K=20, V=12)
-    check(kern.kda_chunk(q, k, v, g, beta), ref_ops.kda_chunk_ref(q, k, v, g, beta))
+    check(chunk.kda_chunk(q, k, v, g, beta), ref_ops.kda_chunk_ref(q, k, v, g, beta))
     s0 = state(1, 2, 20, 12)
     empty = [t[:1, :0] for t in (q, k, v, g, beta)]
-    for op in (kern.kda_chunk, kern.kda_recurrent):
+    for op in (chunk.kda_chunk, rec.kda_recurrent):
         o, s = op(*empty, None, s0)
         assert o.shape == (1, 0, 2, 12) and torch.equal(s, s0) and s.data_ptr() != s0.data_ptr()
 
@@ -124,7 +126,7 @@ def test_initial_state_is_not_modified_and_runs_are_bitwise_equal():
     q, k, v, g, beta = kda_inputs(B=1, T=19, H=1, HV=2, K=20, V=12)
     s0 = state(1, 2, 20, 12)
     before = s0.clone()
-    for op, extra in ((kern.kda_chunk, (16,)), (kern.kda_recurrent, ())):
+    for op, extra in ((chunk.kda_chunk, (16,)), (rec.kda_recurrent, ())):
         (o1, s1), (o2, s2) = op(q, k, v, g, beta, None, s0, *extra), op(q, k, v, g, beta, None, s0, *extra)
         assert torch.equal(s0, before)
         assert torch.equal(o1.view(torch.int32), o2.view(torch.int32))
@@ -133,7 +135,7 @@ def test_initial_state_is_not_modified_and_runs_are_bitwise_equal():
 
 def test_fp64_inputs_keep_the_reference_contract():
     q, k, v, g, beta = kda_inputs(B=1, T=4, H=1, HV=1, K=8, V=6, dtype=torch.float64)
-    for op, ref in ((kern.kda_chunk, ref_ops.kda_chunk_ref), (kern.kda_recurrent, ref_ops.kda_recurrent_ref)):
+    for op, ref in ((chunk.kda_chunk, ref_ops.kda_chunk_ref), (rec.kda_recurrent, ref_ops.kda_recurrent_ref)):
         o, s = op(q, k, v, g, beta)
         o_ref, s_ref = ref(q, k, v, g, beta)
         assert o.dtype == s.dtype == torch.float64 and torch.equal(o, o_ref) and torch.equal(s, s_ref)
@@ -147,9 +149,9 @@ def test_bad_input_raises_like_the_reference():
         (q, k, v, g[..., :4], beta, None, s0), (q, k, v, g, beta[..., :1], None, s0), (q, k, v, g, beta, None, s0[0]),
         (q.int(), k, v, g, beta, None, s0), (q, k, v, g, beta.tolist(), None, s0),
     ]
-    cases = [(kern.kda_recurrent, ref_ops.kda_recurrent_ref, args) for args in bad]
-    cases += [(kern.kda_chunk, ref_ops.kda_chunk_ref, args + (cs,)) for args in bad[:2] for cs in (16,)]
-    cases += [(kern.kda_chunk, ref_ops.kda_chunk_ref, (q, k, v, g, beta, None, s0, cs)) for cs in (0, True, 2.0)]
+    cases = [(rec.kda_recurrent, ref_ops.kda_recurrent_ref, args) for args in bad]
+    cases += [(chunk.kda_chunk, ref_ops.kda_chunk_ref, args + (cs,)) for args in bad[:2] for cs in (16,)]
+    cases += [(chunk.kda_chunk, ref_ops.kda_chunk_ref, (q, k, v, g, beta, None, s0, cs)) for cs in (0, True, 2.0)]
     for op, ref, args in cases:
         with pytest.raises((TypeError, ValueError)) as want:
             ref(*args)
@@ -174,7 +176,7 @@ def test_bf16_inputs_on_gpu(T):
     g = g.float()  # the model hands fp32 log-decays
     s0 = state(2, 4, 128, 128)
     o_ref, s_ref = ref_ops.kda_recurrent_ref(q, k, v, g, beta, None, s0)
-    for op in (kern.kda_recurrent, kern.kda_chunk):
+    for op in (rec.kda_recurrent, chunk.kda_chunk):
         o, s = op(q, k, v, g, beta, None, s0)
         assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
         assert rms_ratio(o, o_ref) < 5e-3 and rms_ratio(s, s_ref) < 5e-3

@@ -3,7 +3,7 @@
 This is the form a reader learns first, and the contract of every sparse attention path: it equals
 the masked-dense reference (``masked_dense_attention`` with ``indices_to_mask``): scores over all
 keys, -inf outside the selected set, softmax, weighted sum. Index -1 marks padding and is never
-dereferenced. The paged MLA ops (mla_attention.py) are tested against this one.
+dereferenced. The paged MLA ops (minidsa/ops/mla/) are tested against this one.
 """
 
 from __future__ import annotations

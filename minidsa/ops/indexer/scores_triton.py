@@ -1,5 +1,7 @@
-"""Triton kernels of the DSA lightning indexer's scores over the paged key plane (docs/design.md §2,
-§12). Same signatures and results as ``minidsa/ops/indexer/reference.py``.
+"""Triton kernel of the DSA lightning indexer's scores over the paged key plane (docs/design.md §2,
+§12): ``paged_index_scores`` and ``index_scores`` (dense keys as one block per sequence). Same
+signatures and results as ``paged_index_scores_ref`` and ``index_scores_ref`` in
+``minidsa/ops/indexer/reference.py``: [B, T, S] fp32 scores.
 
 **Scores.** ``I[b,t,s] = sum_h w[b,t,h] * ReLU(scale * q[b,t,h] . k[s])`` is one fused kernel: the
 per-head logits, the ReLU and the head-weighted sum all happen on a tile in registers, so the
@@ -13,10 +15,9 @@ per-head logits, the ReLU and the head-weighted sum all happen on a tile in regi
   queries and heads are flattened into one operand: column ``c = t_local * H_PAD + h``, and the dot is
   ``keys [BLOCK_N, D] x q^T [D, BLOCK_T*H_PAD]``. In a decode step (T = 1) the H heads of the single
   query are the only query vectors there are, so they, not queries, fill the matrix dimension. The
-  keys are the dot's M and the heads its N (the transpose of "heads in M"): on the H200 this measured
-  10 % faster for decode and 35 % for prefill, because M = 64/128 keys is what the Hopper tensor-core
-  instruction tiles by, and the head sum then reduces along N, mostly inside each thread's
-  accumulator fragment, instead of across warps. ``tl.dot`` needs M, N, K >= 16: H is padded to a
+  keys are the dot's M and the heads its N (not "heads in M"), because M = 64/128 keys is what the
+  Hopper tensor-core instruction tiles by, and the head sum then reduces along N, mostly inside each
+  thread's accumulator fragment, instead of across warps. ``tl.dot`` needs M, N, K >= 16: H is padded to a
   power of two (at least 16 when the tile holds a single query) and D to a power of two (at least
   16); the padding is masked loads that read nothing and hold zero. Each column's logits go through
   ReLU, times its head weight, and the columns of one query are summed with a reshape
@@ -36,14 +37,16 @@ per-head logits, the ReLU and the head-weighted sum all happen on a tile in regi
 - *Precision.* Accumulation is fp32. bf16/fp16 queries with keys of the same type (or fp8 keys) use
   the tensor cores in that type; anything involving fp32 uses an fp32 dot with
   ``input_precision="ieee"``, because tf32 would lose ~3 decimal digits against the reference. The CPU
-  interpreter always computes in fp32: its ``tl.dot`` on bf16 operands returns garbage (trap 9).
-- *Block sizes* (measured on the H200, ``_tile_config``). Decode does H = 32 FLOP per bf16 key byte,
-  so it should be memory-bound: 64 keys (one 16 KB bf16 tile at D = 128) per step in small 2-warp
-  programs, ~16 per SM, kept the most loads in flight (about 60 % of HBM bandwidth; fp8 keys are no
-  faster, as the fp8 -> bf16 conversion and the narrow N = 32 dot then bind). Prefill is
-  compute-bound: 128 keys against 4 queries x 32 heads = 128 columns reuses each key tile 128 times
-  per load. The CPU interpreter gets 16-key tiles and one chunk per row, because it pays per program
-  and per tile element.
+  interpreter always computes in fp32: its ``tl.dot`` on bf16 operands returns garbage (docs/design.md
+  §10, trap 9).
+- *Block sizes* (``_tile_config``, from sweeps on the H200). Decode does H = 32 FLOP per bf16 key
+  byte, so it should be memory-bound: 64 keys (one 16 KB bf16 tile at D = 128) per step in small
+  2-warp programs, ~16 per SM, kept the most loads in flight. Prefill is compute-bound: 128 keys
+  against 4 queries x 32 heads = 128 columns reuses each key tile 128 times per load. The CPU
+  interpreter gets 16-key tiles and one chunk per row, because it pays per program and per tile
+  element.
+- *Binds:* decode with bf16 keys, HBM bandwidth on the key bytes; with fp8 keys, the fp8 -> bf16
+  conversion and the narrow N = 32 dot, so they are no faster than bf16 ones; prefill, the tensor cores.
 
 **Top-k** lives in ``topk_triton.py`` (a radix select over many programs per row).
 
@@ -65,9 +68,9 @@ from .reference import check_paged_scores_args, index_scores_ref, paged_index_sc
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-# The block-table width (st_b) and T are not specialised on divisibility: a new prompt length compiled its
-# own variants (T = 1, decode, keeps its own). S, the key range per program and the weights' batch stride
-# stay specialised: without them (two H200 runs) the FP8 decode scores took 5 % longer; with this set, the same.
+# The block-table width (st_b) and T are not specialised on divisibility, so a new prompt length compiles no
+# new variant (T = 1, decode, keeps its own). S, the key range per program and the weights' batch stride stay
+# specialised: the FP8 decode scores are slower without them.
 @triton.jit(do_not_specialize=["st_b"], do_not_specialize_on_alignment=["T"])
 def _paged_scores_kernel(
     q_ptr, w_ptr, k_ptr, ks_ptr, table_ptr, ctx_ptr, out_ptr,

@@ -1,7 +1,7 @@
 """Triton kernels of the indexer's causal top-k: an exact radix select spread over many programs per
-row, then a sort of the selected keys only. Same signature and result as ``indexer.topk_indices_ref``
-(docs/design.md §2, §12): int32 [B, T, topk], positions by descending score, equal scores to the
-lower position, -1 padding after the candidates.
+row, then a sort of the selected keys only. Same signature and result as ``topk_indices_ref`` in
+``minidsa/ops/indexer/reference.py`` (docs/design.md §2, §12): int32 [B, T, topk], positions by
+descending score, equal scores to the lower position, -1 padding after the candidates.
 
 **Keys.** Each fp32 score becomes a uint32 ``u`` whose unsigned order is the float order (positive
 floats keep their bits with the top bit set; negative ones have all bits flipped; -0.0 is read as
@@ -13,8 +13,8 @@ the lower position.
 **Select: four histogram passes over 8-bit digits of u**, high digit first. Pass ``L`` histograms
 digit ``L`` of the candidates whose higher digits equal the prefix found so far. A pass is a grid
 ``(row, tile)`` of programs, each over ``BLOCK`` contiguous positions of one row, so a decode step
-(32 rows x 65,536 keys) runs 512 programs instead of one per row (one program per row streamed at
-about 10 GB/s and made a radix select slower than ``torch.topk``). Each program builds its tile's
+(32 rows x 65,536 keys) runs 512 programs instead of one per row (one program per row would stream
+each pass through a single SM). Each program builds its tile's
 histogram on chip (``tl.histogram``) and adds the non-empty bins to the row's histogram in global
 memory with integer atomics, whose sum does not depend on their order: the histograms, and all that
 follows, are bitwise reproducible. The next pass first finds (every program redoes this 256-bin
@@ -22,29 +22,27 @@ step; tile 0's program stores it) the one bin ``d`` where the keys above ``d`` a
 still needed and, with bin ``d``'s own, reach it; ``d`` joins the prefix, and the keys above it are
 taken off the need. When bin ``d`` is taken whole the row is *resolved* (with distinct scores that
 is usual after three digits): later passes skip its histogram and the threshold stays at the bin's
-lowest key value. 256 bins per pass because ``tl.histogram`` costs grow with the bins: 2,048-bin
-digits (three passes) measured 60 us a pass at decode on the H200, 256-bin ones about 11 us.
+lowest key value. 256 bins per pass because ``tl.histogram`` costs grow with the bins: four passes
+of 256 bins are faster than three of 2,048.
 
 **Compact.** With the threshold ``thr`` exact, a counting pass records, per tile, the candidates above
 ``thr`` and those equal to it; the compacting pass turns them into offsets (a sum over the row's
 earlier tiles plus a running sum inside the tile) and writes each selected key to its own slot: the
 keys above ``thr``, then the ``need`` lowest positions equal to it. Each slot has one writer.
 
-**Short rows** (at most ``_ROW_SORT_MAX_S`` = 2,048 positions, the size the sort below was measured
-at) skip the select: one program per row sorts all its packed keys and keeps the first ``n``, one
-launch instead of eight; small models, whose decode steps are bound by launches, have such rows.
-This path was added after this session's GPU time was spent: it is tested in the interpreter
-only, on the same ``tl.sort`` of int64 keys, at the same sizes, that the order step below runs on
-the H200.
+**Short rows** (at most ``_ROW_SORT_MAX_S`` = 2,048 positions, the size of the order step's sort
+below, on the same ``tl.sort`` of int64 keys) skip the select: one program per row sorts all its
+packed keys and keeps the first ``n``, one launch instead of eight; small models, whose decode steps
+are bound by launches, have such rows.
 
 **Order.** Only the ``n`` selected keys are sorted, packed as one int64 each, ``(u << 31) | (2^31 - 1 -
 position)`` (a larger packed key is the better key), by ``tl.sort`` in one program per row; slots from
-``n`` on get -1. Ranking every key against every other (``n^2`` comparisons, many programs per row)
-measured 40-55 us at decode against 20 us for the sort, and 6-8 ms against 0.5-0.8 ms at prefill.
+``n`` on get -1. The sort is cheaper than ranking every key against every other (``n^2``
+comparisons over many programs per row), at decode and at prefill.
 
-Measured on the H200 (benchmarks/bench_indexer.py; 32 rows x 65,536, k = 2,048; GPU time in a CUDA
-graph, where launches cost nothing): each histogram pass about 11 us, count 5 us, compact 10 us,
-sort 20 us. Outside a graph, the seven launches' host overhead (Python and the driver) dominates.
+Binds: in a CUDA graph, the four histogram passes (the largest share of the GPU time; then the sort,
+the compaction and the count); outside a graph, the host cost (Python and the driver) of the seven
+launches.
 
 fp64 scores (exactness tests only) and rows past 2^31 positions go to the reference.
 """
@@ -61,8 +59,8 @@ _DIGIT_BITS = 8  # four passes of 256 bins (see the docstring for why not 2,048)
 _PASSES = 4
 _NB = 2 ** _DIGIT_BITS
 _STATE = 3  # per row and pass: prefix, keys still needed from the prefix's bin, resolved flag
-_BLOCK, _WARPS = 4096, 8  # positions and warps of a select program on the GPU (a sweep: flat at 1-8K)
-_SORT_WARPS = 16  # 2,048 int64 keys: 20 us with 16 warps, 30 us with 4 or 8
+_BLOCK, _WARPS = 4096, 8  # positions and warps of a select program on the GPU (an H200 sweep: flat at 1-8K)
+_SORT_WARPS = 16  # 2,048 int64 keys: 16 warps sort them faster than 4 or 8
 # Rows of at most this many positions are sorted whole, one program per row, in a single launch (the
 # sort step's own size): the select's seven launches would cost more than they save on such rows.
 _ROW_SORT_MAX_S = 2048
@@ -146,7 +144,7 @@ def _threshold(hist_row_ptr, state_ptr, qpos_ptr, row, T, S, topk, sp_b, sp_t, L
     return prefix, need, resolved
 
 
-# T and the tile count are not specialised on divisibility (a prompt length compiled its own variants);
+# T and the tile count are not specialised on divisibility, so a new prompt length compiles no new variant;
 # T = 1, decode, keeps its variant. S stays specialised: the masks on it decide the vector loads.
 @triton.jit(do_not_specialize_on_alignment=["T", "sp_b"])
 def _hist_kernel(scores_ptr, qpos_ptr, hist_ptr, state_ptr, T, S, topk, ss_b, ss_t, ss_s, sp_b, sp_t,

@@ -1,20 +1,24 @@
-"""Triton kernel for the paged KV store: the same contract as ``kv_store.store_kv_ref``.
+"""Triton kernel of the paged KV store, ``store_kv``: the contract of ``store_kv_ref`` in
+``minidsa/ops/kv_store/reference.py``.
 
 Each new token's row of width W goes to row ``slot_mapping[i]`` of a cache plane viewed as
 [num_blocks * block_size, W]; slot -1 means "no write".
 
 Why a kernel is simple here, and the reference is not: the reference must avoid a boolean-mask write
 (it would read the mask on the host), so it redirects padding rows onto a repeat of the first real
-write. A kernel instead gives every token its own program, and a program whose slot is -1 returns
-before touching memory. Writes of distinct slots never overlap, so programs need no ordering and the
+write. A kernel instead masks every row by its own slot: a row whose slot is -1 is neither read
+nor written. Writes of distinct slots never overlap, so programs need no ordering and the
 result is deterministic.
 
 Tiling: one program per tile of BLOCK_N tokens x BLOCK_W columns. Rows are contiguous in both
 ``values`` and the plane, so a tile is BLOCK_N coalesced row segments; a program moves about 16 KB,
-enough bytes in flight per SM to approach HBM bandwidth at prefill sizes (one row per program, 1 KB,
-measured 26 % of it on the H200). The row mask (slot -1, or past N) and the column mask (widths
+enough bytes in flight per SM to approach HBM bandwidth at prefill sizes (a single 1 KB row per
+program keeps too few in flight). The row mask (slot -1, or past N) and the column mask (widths
 that are not powers of two: 576 = kv_lora 512 + rope 64) make skipped rows and padding columns
 touch nothing. The cast to the plane's dtype (e.g. float8_e4m3fn) happens in registers, on the way.
+
+Binds: HBM bandwidth when many bytes move (a prefill of 576-wide bf16 rows); the launch and the tail
+when few do (a decode step; narrow fp8 rows).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def store_kv(plane: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tens
     if values.stride(-1) != 1:
         values = values.contiguous()
     BLOCK_W = min(triton.next_power_of_2(W), 1024)
-    # 16 KB of rows per program, whatever N is: a tile that followed N (its next power of two) compiled a
+    # 16 KB of rows per program, whatever N is: a tile that followed N (its next power of two) would compile a
     # variant per batch size and prompt length (N itself is left unspecialised for the same reason).
     BLOCK_N = max(1, 16384 // (BLOCK_W * values.element_size()))
     grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(W, BLOCK_W))

@@ -1,37 +1,24 @@
-"""Triton kernels of Kimi Delta Attention: the fused recurrence (decode) and the chunked form (prefill).
+"""Triton kernels of Kimi Delta Attention's chunked WY/UT form, ``kda_chunk`` (the prefill path).
 
-Same signatures, layouts and results as ``minidsa/ops/kda/reference.py`` (docs/design.md §5, §12): q, k
-[B, T, H, K]; v [B, T, HV, V] with HV a multiple of H (value head j reads q/k head j // (HV/H));
-g [B, T, HV, K] log-decay; beta [B, T, HV]; state [B, HV, K, V] fp32. Every kernel computes in fp32
-and returns a NEW fp32 state: the caller's ``initial_state`` is only read (None means zeros). fp64
-inputs (exactness tests only) go to the reference. No atomics: every output element is written by
-exactly one program, so results are bitwise reproducible.
+Same signature, layouts and results as ``kda_chunk_ref`` in ``minidsa/ops/kda/reference.py``
+(docs/design.md §5, §12), and equal to ``kda_recurrent`` up to rounding: q, k [B, T, H, K]; v [B, T,
+HV, V] with HV a multiple of H (value head j reads q/k head j // (HV/H)); g [B, T, HV, K] log-decay;
+beta [B, T, HV]; state [B, HV, K, V] fp32. Every kernel computes in fp32 and the op returns a NEW fp32
+state: the caller's ``initial_state`` is only read (None means zeros). fp64 inputs (exactness tests
+only) go to the reference. No atomics: every output element is written by exactly one program, so
+results are bitwise reproducible.
 
-**Recurrence** (``kda_recurrent``, one kernel). Grid ``(batch row x value head, tile of BLOCK_V state
-columns)``. A program holds its [K, BLOCK_V] slice of the state in registers for all T steps and
-touches HBM for it exactly twice: one load at the start, one store at the end. The delta rule never
-mixes state columns (every step is "scale rows, rank-1 update, read with k or q"), so the V columns
-split into independent programs with no communication, while the K rows cannot be split: the
-prediction S^T k sums over all of them. Per step the program loads the token's k, q, g rows [K] and
-its v tile, and computes
-
-    S <- S * exp(g)[:, None];  pred = sum_K(S * k);  S <- S + beta k (v - pred)^T;  o = sum_K(S * q)
-
-with both sums as in-register reductions. Decode (T = 1, a batch of states) is therefore a pure
-stream over the state: 2 * 4 * K * V bytes per head, read and written once, in rows of BLOCK_V
-contiguous fp32 values (128 bytes at BLOCK_V = 32: whole cache lines). Small tiles give many programs
-(batch 64 x 96 heads x 4 tiles = 24,576), enough to keep the H200's memory pipes full.
-
-**Chunked form** (``kda_chunk``, five kernels, the formulas of ``kda_chunk_ref``'s docstring). The
-sequence is cut into chunks of C = min(chunk_size, 64) tokens (the result does not depend on C);
-a chunk is a tile of BC rows (C rounded up to a power of two, at least 16 for ``tl.dot``). Rows past
-C or past T are padding: their loads are masked to k = q = v = beta = g = 0, steps that leave the
-state unchanged, exactly as the reference pads the tail, and their outputs are never stored.
-Intermediate results go to scratch tensors in a padded, head-major layout ``[B*HV, NT*BC, width]`` so
-later kernels read whole chunks without masks.
+Five kernels, the formulas of ``kda_chunk_ref``'s docstring. The sequence is cut into chunks of
+C = min(chunk_size, 64) tokens (the result does not depend on C); a chunk is a tile of BC rows (C
+rounded up to a power of two, at least 16 for ``tl.dot``). Rows past C or past T are padding: their
+loads are masked to k = q = v = beta = g = 0, steps that leave the state unchanged, exactly as the
+reference pads the tail, and their outputs are never stored. Intermediate results go to scratch
+tensors in a padded, head-major layout ``[B*HV, NT*BC, width]`` so later kernels read whole chunks
+without masks.
 
 1. ``_chunk_decay_kernel``, per (chunk, head): G = cumsum(g) inside the chunk (fp32), stored, plus the
    per-token operands that need only G: Qg = exp(G) * scale * q, Kd = exp(G_C - G) * k and exp(G_C).
+   Binds (from its structure): memory, one read of q, k, g and elementwise work around a cumsum.
 2. ``_chunk_pairs_kernel``, per (chunk, head, block i of 16 rows): rows 16 i .. 16 i + 15 of the pair
    matrices A_qk and A_kk, summed over K in slices of KC channels. The pair decay exp(G_r - G_j)
    cannot be factored as exp(G_r) exp(-G_j): over 64 steps near -5 per step exp(-G_j) overflows
@@ -39,22 +26,25 @@ later kernels read whole chunks without masks.
    is a reference: exp(G_r - G_j) = exp(G_r - G_m) exp(G_m - G_j) with both exponents <= 0, so that
    part is one ``tl.dot`` of (q * exp(G - G_m)) with (k * exp(G_m - G))^T. Inside the diagonal
    16 x 16 block no such row exists, so the decay is formed pair by pair, one column j at a time
-   ([16, KC] in registers, key row j loaded straight into the layout it is broadcast in), with the
-   exponent masked to -inf above the diagonal. Every exponent is <= 0: nothing overflows; what
-   underflows to 0 is below what fp32 can hold anyway. (Nsight Compute on the H200: a [16, 16, KC]
-   broadcast of the same pairs bound the kernel at 91 % of L1 throughput on layout changes; the
-   column loop took it from 614 to 496 us at T = 8192.)
+   ([16, KC] in registers, key row j loaded straight into the layout it is broadcast in, so no tile
+   changes layout through shared memory, as a [16, 16, KC] broadcast of the same pairs does), with
+   the exponent masked to -inf above the diagonal. Every exponent is <= 0: nothing overflows; what
+   underflows to 0 is below what fp32 can hold anyway. Binds (profiled): the diagonal block's
+   exponentials and in-register layout work; the largest share of the op's GPU time.
 3. ``_chunk_solve_kernel``, per (chunk, head): M = (I + Diag(beta) A_kk)^-1, built row block by row
    block in registers: the 16 x 16 diagonal inverse by forward substitution, then M_i = inv(I + A_ii)
    (E_i - A_i,<i M_<i) with dots (block forward substitution). Then W = M (beta exp(G) k) and
-   U = M (beta v), WC columns at a time. (One kernel for 2 and 3 held the pairs' temporaries and M
-   at once: 255 registers and spills, 1.7 ms; split, 0.5 + 0.24 ms.)
+   U = M (beta v), WC columns at a time. Pairs and solve are separate kernels because one program
+   holding the pairs' temporaries and M at once runs out of registers and spills. Binds (from its
+   structure): the sequential substitution inside each 16-row block.
 4. ``_chunk_state_kernel``, per (head, tile of V columns): the only sequential part. It walks the
    chunks in order carrying S [K, BLOCK_V] in registers: stores S (the chunk's S0), V_new = U - W S0,
    then S <- exp(G_C) S + Kd^T V_new. Two dots per chunk; W, U, Kd of the next chunk do not depend on
    S, so the compiler's software pipelining (num_stages) prefetches them during the current chunk.
+   Binds: its length, NT chunks in order (see below).
 5. ``_chunk_output_kernel``, per (chunk, head, V tile: all of V on a GPU), fully parallel:
-   O = Qg S0 + A_qk V_new.
+   O = Qg S0 + A_qk V_new. Binds (from its structure): the reads of its chunk's scratch (Qg, A_qk,
+   S0, V_new), each once.
 
 Splitting the state walk (4) from the output (5) keeps the sequential loop at two dots per chunk;
 B=1, T=8192, 16 heads gives only 16 x (V / BLOCK_V) programs for it, so its length, not the GPU's
@@ -70,10 +60,8 @@ accuracy on tensor cores; IEEE fp32 dots at these tiles run on the FMA units and
 ``_GPU_F32_DOT`` switches back) and "ieee" in the interpreter, which always computes in fp32 (its
 ``tl.dot`` on bf16 operands returns garbage: docs/design.md §10).
 
-**Block sizes** (``_recurrent_block_v``, ``_chunk_config``) come from sweeps on the H200 at B=1,
-T=8192, 16 heads x 128 (benchmarks/bench_kda.py): GPU time 2.51 ms with one 8-warp kernel for
-pairs and solve, 1.12 ms now, against 0.60 ms for flash-linear-attention's ``chunk_kda`` (T=32768:
-4.38 ms against 2.33).
+**Block sizes** (``_chunk_config``) come from sweeps on the H200 at B=1, T=8192, 16 heads x K=V=128,
+chunk 64 (benchmarks/bench_kda.py).
 """
 
 from __future__ import annotations
@@ -82,8 +70,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks import acc_dtype
-from .reference import _check, kda_chunk_ref, kda_recurrent_ref
+from .io_triton import copy_state, load_state, new_outputs, token_row, wants_reference
+from .reference import _check, kda_chunk_ref
 
 MAX_CHUNK = 64  # registers: the chunk kernels hold [BC, BC] and [BC, K] tiles
 _GPU_F32_DOT = "tf32x3"  # precision of fp32 dots on a GPU ("ieee": exact products, FMA units, slow)
@@ -93,19 +81,6 @@ SUB = tl.constexpr(SUB_ROWS)  # the same, as the kernels see it
 
 # --------------------------------------------------------------------------------------- loads
 @triton.jit
-def _load_state(s0_ptr, bh, K, V, d, e, BK: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr):
-    """The [BK, BV] fp32 tile (key rows d, value columns e) of state bh, zeros without an initial
-    state; also its offsets and mask, for the store of the final state at the same place."""
-    state_offs = bh * K * V + d[:, None] * V + e[None, :]
-    state_mask = (d < K)[:, None] & (e < V)[None, :]
-    if HAS_S0:
-        S = tl.load(s0_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)
-    else:
-        S = tl.zeros([BK, BV], dtype=tl.float32)
-    return S, state_offs, state_mask
-
-
-@triton.jit
 def _token_tile(ptr, bT, t, ok, head, n_heads, width, d):
     """fp32 tile [len(t), len(d)] of a contiguous [B, T, n_heads, width] tensor: tokens ``bT + t`` of
     one head, columns d; zero where ``ok`` is False or d >= width (masked, never read)."""
@@ -114,15 +89,9 @@ def _token_tile(ptr, bT, t, ok, head, n_heads, width, d):
 
 
 @triton.jit
-def _token_row(ptr, bT, t, mask, head, n_heads, width, d):
-    """fp32 row [len(d)] of token ``bT + t`` (a scalar) of one head; zero where ``mask`` is False."""
-    offs = ((bT + t) * n_heads + head) * width + d
-    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _scratch_tile(ptr, rows, width: tl.constexpr, cols):
-    """Tile [len(rows), len(cols)] of a padded fp32 scratch tensor with rows of ``width`` values."""
+    """Tile [len(rows), len(cols)] of a padded scratch tensor (fp32 or the dot type) with rows of
+    ``width`` values."""
     return tl.load(ptr + rows[:, None] * width + cols[None, :])
 
 
@@ -131,72 +100,6 @@ def _mm(a, b, DOT: tl.constexpr, F32: tl.constexpr):
     """a @ b with fp32 accumulation, operands converted to DOT; fp32 operands use the F32 precision
     ("ieee" in the interpreter, "tf32x3" on a GPU: fp32-grade tensor-core products, never plain TF32)."""
     return tl.dot(a.to(DOT), b.to(DOT), input_precision=F32)
-
-
-# --------------------------------------------------------------------------------- recurrence
-@triton.jit
-def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0_ptr, o_ptr, s_ptr,
-                      T, H, HV, K, V, REP, scale,
-                      BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_S0: tl.constexpr):
-    """One (batch row, value head, V tile): the state slice [BLOCK_K, BLOCK_V] stays in registers
-    for all T steps; o [B, T, HV, V] is written per step, the final state once."""
-    bh = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a batch of states may pass 2^31 values
-    b, hv = bh // HV, bh % HV
-    h = hv // REP  # grouped value heads share q/k head hv // (HV / H)
-    d = tl.arange(0, BLOCK_K)
-    e = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    S, state_offs, state_mask = _load_state(s0_ptr, bh, K, V, d, e, BLOCK_K, BLOCK_V, HAS_S0)
-    bT = b * T
-    for t in range(T):
-        k = _token_row(k_ptr, bT, t, d < K, h, H, K, d)
-        q = _token_row(q_ptr, bT, t, d < K, h, H, K, d) * scale
-        g = _token_row(g_ptr, bT, t, d < K, hv, HV, K, d)
-        v = _token_row(v_ptr, bT, t, e < V, hv, HV, V, e)
-        beta = tl.load(beta_ptr + (bT + t) * HV + hv).to(tl.float32)
-        S = S * tl.exp(g)[:, None]  # padded rows: g = 0 keeps them at their 0
-        pred = tl.sum(S * k[:, None], axis=0)  # S^T k: what the state already returns for k
-        S = S + (beta * k)[:, None] * (v - pred)[None, :]
-        o = tl.sum(S * q[:, None], axis=0)
-        tl.store(o_ptr + ((bT + t) * HV + hv) * V + e, o.to(o_ptr.dtype.element_ty), mask=e < V)
-    tl.store(s_ptr + state_offs, S, mask=state_mask)
-
-
-def _recurrent_block_v(K: int, V: int, cuda: bool) -> int:
-    """State columns per program. GPU: about 4096 state values per 4-warp program (32 fp32 registers
-    a thread; 32 columns at K = 128, one 128-byte line per state row). Interpreter: one tile."""
-    bv = triton.next_power_of_2(V)
-    if not cuda:
-        return bv
-    return min(bv, max(16, 4096 // triton.next_power_of_2(K)))
-
-
-def _outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialised o [B, T, HV, V] in v's dtype and a NEW fp32 final state [B, HV, K, V]."""
-    B, T, _, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    return (torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device),
-            torch.empty(B, HV, K, V, dtype=torch.float32, device=v.device))
-
-
-def _launch_recurrent(q, k, v, g, beta, scale, initial_state, block_v=None):
-    """Run the recurrence on checked, non-fp64 inputs. ``block_v`` overrides the V tile (tests)."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    o, state = _outputs(q, v)
-    if state.numel() == 0 or T == 0:  # nothing to run (K = 0 leaves o = S^T q = 0)
-        return o.zero_(), _copy_state(initial_state, state)
-    bv = block_v or _recurrent_block_v(K, V, v.device.type == "cuda")
-    s0 = initial_state.contiguous() if initial_state is not None else state  # placeholder when absent
-    _recurrent_kernel[(B * HV, triton.cdiv(V, bv))](
-        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), s0, o, state,
-        T, H, HV, K, V, HV // H, scale,
-        BLOCK_K=triton.next_power_of_2(K), BLOCK_V=bv, HAS_S0=initial_state is not None, num_warps=4)
-    return o, state
-
-
-def _copy_state(initial_state, out):
-    """The result state when no step runs: a fresh fp32 copy (or zeros), never the caller's tensor."""
-    return out.zero_() if initial_state is None else out.copy_(initial_state)
 
 
 # ------------------------------------------------------------------------------ chunked: decay
@@ -267,7 +170,7 @@ def _pair_rows(q_ptr, k_ptr, G_ptr, bT, row0, c, i, T, H, h, K, C, scale,
         # broadcast did, through shared memory, and bound the kernel on L1 traffic).
         for jj in range(SUB):
             r_j = d * 0 + i * SUB + jj  # as a vector: the interpreter mishandles vector & scalar masks
-            k_j = _token_row(k_ptr, bT, c * C + i * SUB + jj, (d < K) & (r_j < C) & (c * C + r_j < T), h, H, K, d)
+            k_j = token_row(k_ptr, bT, c * C + i * SUB + jj, (d < K) & (r_j < C) & (c * C + r_j < T), h, H, K, d)
             e = tl.exp(tl.where((s16 >= jj)[:, None], G - tl.load(G_ptr + (row0 + i * SUB + jj) * BK + d)[None, :],
                                 float("-inf"))) * k_j[None, :]
             col = (s16 == jj)[None, :]
@@ -378,7 +281,7 @@ def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gl_ptr, s0_ptr, hs_ptr, vn_ptr, s_
     d = tl.arange(0, BK)
     e = tl.program_id(1) * BV + tl.arange(0, BV)  # < BVF: the grid covers the padded width exactly
     r = tl.arange(0, BC)
-    S, state_offs, state_mask = _load_state(s0_ptr, bh, K, V, d, e, BK, BV, HAS_S0)
+    S, state_offs, state_mask = load_state(s0_ptr, bh, K, V, d, e, BK, BV, HAS_S0)
     for c in range(NT):
         rows = (bh * NT + c) * BC + r
         tl.store(hs_ptr + (bh * NT + c) * BK * BVF + d[:, None] * BVF + e[None, :], S)
@@ -429,12 +332,11 @@ def _chunk_config(BK: int, BVF: int, device: torch.device) -> dict:
 
     BV: V columns per program of the state walk (32 and 64 time alike; 32 gives the walk, which has
     only B*HV x V / BV programs, twice as many). out_BV: V columns per program of the output, all of
-    them: each program then reads its chunk's Qg and A_qk once (108 -> 46 us at T = 8192 against 32
-    columns; 429 -> 174 us at T = 32768). KC: key channels per slice of the
-    pair matrices (32: 496 us for the pairs at T = 8192; 16: 648; 64: 643). WC: columns per slice of W
-    and U (it divides both widths: all are powers of two; 32-128 time alike). Warps: 4 for every
-    kernel (pairs with 8 warps: 0.80-1.1 ms; the solve with 8: +200 us). The interpreter takes whole
-    widths: it pays per operation."""
+    them: each program then reads its chunk's Qg and A_qk once instead of once per V tile. KC: key
+    channels per slice of the pair matrices (32, the fastest of 16, 32 and 64). WC: columns per slice
+    of W and U (it divides both widths: all are powers of two; 32-128 time alike). Warps: 4 for every
+    kernel (8 is slower for the pairs and for the solve). The interpreter takes whole widths: it pays
+    per operation."""
     if device.type != "cuda":
         return dict(BV=BVF, out_BV=BVF, KC=BK, WC=min(BK, BVF), warps=4, pair_warps=4, solve_warps=4,
                     state_warps=4)
@@ -447,9 +349,9 @@ def _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, config=Non
     ``_chunk_config`` (tests use it to run the GPU's slicing in the interpreter)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    o, state = _outputs(q, v)
+    o, state = new_outputs(q, v)
     if state.numel() == 0 or T == 0:  # nothing to run (K = 0 leaves o = S^T q = 0)
-        return o.zero_(), _copy_state(initial_state, state)
+        return o.zero_(), copy_state(initial_state, state)
     C = max(1, min(chunk_size, T, MAX_CHUNK))  # the result does not depend on C, only its rounding does
     BC, BK = max(SUB_ROWS, triton.next_power_of_2(C)), max(16, triton.next_power_of_2(K))
     BVF, NT, BH = max(16, triton.next_power_of_2(V)), triton.cdiv(T, C), B * HV
@@ -487,26 +389,7 @@ def _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, config=Non
     return o, state
 
 
-def _wants_reference(q, k, v, g, beta, initial_state) -> bool:
-    """fp64 anywhere: the exactness tests' contract (fp64 math, fp64 state) belongs to the reference."""
-    extra = [initial_state] if initial_state is not None else []
-    return acc_dtype(q, k, v, g, beta, *extra) == torch.float64
-
-
-# ------------------------------------------------------------------------------------ public ops
-def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None):
-    """Step-by-step KDA, fused: returns (o [B, T, HV, V] in v.dtype, final_state [B, HV, K, V] fp32).
-
-    q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] log-decay; beta [B, T, HV]; initial_state
-    [B, HV, K, V] (read only; None = zeros). ``scale`` defaults to K^-0.5 and multiplies q.
-    """
-    _check(q, k, v, g, beta, initial_state)
-    if _wants_reference(q, k, v, g, beta, initial_state):
-        return kda_recurrent_ref(q, k, v, g, beta, scale, initial_state)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _launch_recurrent(q, k, v, g, beta, scale, initial_state)
-
-
+# ------------------------------------------------------------------------------------ public op
 def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64):
     """Chunked KDA (WY form), equal to ``kda_recurrent`` up to rounding; T need not be a multiple of
     the chunk. Shapes and results as ``kda_recurrent``; chunks hold min(chunk_size, 64) tokens.
@@ -514,7 +397,7 @@ def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64):
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     _check(q, k, v, g, beta, initial_state)
-    if _wants_reference(q, k, v, g, beta, initial_state):
+    if wants_reference(q, k, v, g, beta, initial_state):
         return kda_chunk_ref(q, k, v, g, beta, scale, initial_state, chunk_size)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size)
