@@ -32,6 +32,10 @@ from .indexer import LightningIndexer
 from .norm import RMSNorm
 from .trace import ForwardTrace
 
+# The released modeling code builds the two latent norms without an eps, so they run at the RMSNorm class
+# default, 1e-6, not the model's rms_norm_eps (1e-5), as DeepSeek-V3.2 does (docs/design.md §2).
+LATENT_NORM_EPS = 1e-6
+
 
 class GatedMLA(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, cache_layer: int) -> None:
@@ -42,10 +46,10 @@ class GatedMLA(nn.Module):
         self.num_heads, self.dn, self.dr, self.dv, self.r = (
             m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank)
         self.q_a_proj = nn.Linear(cfg.hidden_size, m.q_lora_rank, bias=False)
-        self.q_a_layernorm = RMSNorm(m.q_lora_rank, cfg.rms_norm_eps)
+        self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
         self.q_b_proj = nn.Linear(m.q_lora_rank, m.num_heads * (self.dn + self.dr), bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.r + self.dr, bias=False)
-        self.kv_a_layernorm = RMSNorm(self.r, cfg.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.r, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.r, m.num_heads * (self.dn + self.dv), bias=False)
         self.g_proj = nn.Linear(cfg.hidden_size, m.num_heads * self.dv, bias=False)
         self.o_proj = nn.Linear(m.num_heads * self.dv, cfg.hidden_size, bias=False)
