@@ -23,7 +23,7 @@ if DRY:
 import torch  # noqa: E402
 from _bench import pick_device, timer, warm_up, write_results  # noqa: E402
 
-from minidsa.ops.activation.reference import reference as ref  # noqa: E402
+from minidsa.ops.activation import reference as ref  # noqa: E402
 
 HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (docs/design.md §11)
 BG, BU = 4.0, 25.0
@@ -33,7 +33,7 @@ def main() -> int:
     dev = pick_device("bench_activation", DRY)
     if dev is None:
         return 0
-    from minidsa.ops.activation.reference import situ_glu_triton as kern
+    from minidsa.ops.activation import situ_glu_triton as kern
     warm_up(dev)
     run = timer(dev)
     N, F = (32768, 512) if not DRY else (8, 96)

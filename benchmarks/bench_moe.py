@@ -1,4 +1,4 @@
-"""Routed-expert kernels (minidsa/ops/moe_experts/experts_triton.py) on an H200: conversion, fused MXFP4 MLP,
+"""Routed-expert kernels (minidsa/ops/moe_experts/*_triton.py) on an H200: conversion, fused MXFP4 MLP,
 workspace FP8 MLP, against the reference ops and a bf16 plain-torch peer (docs/design.md §7, §11).
 
     PYTHONPATH=. python benchmarks/bench_moe.py                 # needs CUDA; about two minutes
@@ -37,6 +37,7 @@ import argparse
 import math
 import os
 import sys
+from types import SimpleNamespace
 
 DRY = "--dry-run" in sys.argv
 if DRY:
@@ -47,7 +48,7 @@ from _bench import graph_time, pick_device, timer, warm_up, write_results  # noq
 
 from minidsa.formats import mxfp4  # noqa: E402
 from minidsa.ops.activation.reference import situ_glu_values  # noqa: E402
-from minidsa.ops.moe_experts.reference import reference as ref  # noqa: E402
+from minidsa.ops.moe_experts import reference as ref  # noqa: E402
 
 HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (docs/design.md §11)
 BETA_G, BETA_U = 4.0, 25.0
@@ -304,7 +305,9 @@ def main() -> int:
     dev = pick_device("bench_moe.py", args.dry_run)
     if dev is None:
         return 0
-    from minidsa.ops.moe_experts.reference import experts_triton as kern
+    from minidsa.ops.moe_experts import convert_triton, mlp_triton
+    kern = SimpleNamespace(mxfp4_to_fp8=convert_triton.mxfp4_to_fp8, expert_mlp_fp8=mlp_triton.expert_mlp_fp8,
+                           expert_mlp_mxfp4=mlp_triton.expert_mlp_mxfp4)  # the three public kernels
     warm_up(dev)
     results: dict = {}
     ok = True

@@ -13,7 +13,8 @@ import torch
 from _bench import timer, warm_up
 from bench_moe import BETA_G, BETA_U, HBM, make_experts
 
-from minidsa.ops.moe_experts.reference import experts_triton as kern
+from minidsa.ops.moe_experts import convert_triton as convert
+from minidsa.ops.moe_experts import mlp_triton as mlp
 
 
 def main() -> None:
@@ -27,29 +28,29 @@ def main() -> None:
     elements = torch.empty(slots, 3, I * L, dtype=torch.float8_e4m3fn, device=dev)
     ws_scales = torch.empty(slots, 3, I * L // 32, dtype=torch.uint8, device=dev)
     moved = slots * 3 * (I * L // 2 + I * L + 2 * I * L // 32)
-    kern.mxfp4_to_fp8(packed, scales, experts, elements, ws_scales)
+    convert.mxfp4_to_fp8(packed, scales, experts, elements, ws_scales)
     want = elements.view(torch.uint8).clone()
     print(f"conversion of {slots} experts ({moved / 1e9:.3f} GB moved)")
     for block, warps in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16)):
-        kern.CONVERT_BLOCK["cuda"], kern.CONVERT_WARPS = block, warps
-        t = run(lambda: kern.mxfp4_to_fp8(packed, scales, experts, elements, ws_scales))
+        convert.CONVERT_BLOCK["cuda"], convert.CONVERT_WARPS = block, warps
+        t = run(lambda: convert.mxfp4_to_fp8(packed, scales, experts, elements, ws_scales))
         ok = torch.equal(elements.view(torch.uint8), want)
         print(f"  BLOCK {block:6d} warps {warps:2d}: {t * 1e3:.3f} ms {moved / t / HBM * 100:5.1f} % HBM "
               f"{'exact' if ok else 'WRONG'}")
     z = torch.randn(1, L, generator=gen).to(dev)
     gates = torch.rand(slots, 1, generator=gen).to(dev)
-    base = kern._config
-    want = kern.expert_mlp_fp8(z, elements, ws_scales, gates, BETA_G, BETA_U)
+    base = mlp._config
+    want = mlp.expert_mlp_fp8(z, elements, ws_scales, gates, BETA_G, BETA_U)
     w_bytes = {"fp8": slots * 3 * I * L * (1 + 1 / 32), "mxfp4": slots * 3 * I * L * (0.5 + 1 / 32)}
     print("decode MLP, 1 token, 16 slots")
     for R, K, warps, stages in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3,)):
-        kern._config = lambda on_gpu, dense, c=dict(BLOCK_T=16, BLOCK_R=R, BLOCK_K=K, num_warps=warps,
-                                                    num_stages=stages, BLOCK_S=16, BLOCK_L=256): \
+        mlp._config = lambda on_gpu, dense, c=dict(BLOCK_T=16, BLOCK_R=R, BLOCK_K=K, num_warps=warps,
+                                                   num_stages=stages, BLOCK_S=16, BLOCK_L=256): \
             c if dense else base(on_gpu, dense)
         try:
-            t8 = run(lambda: kern.expert_mlp_fp8(z, elements, ws_scales, gates, BETA_G, BETA_U))
-            t4 = run(lambda: kern.expert_mlp_mxfp4(z, packed, scales, experts, gates, BETA_G, BETA_U))
-            got = kern.expert_mlp_fp8(z, elements, ws_scales, gates, BETA_G, BETA_U)
+            t8 = run(lambda: mlp.expert_mlp_fp8(z, elements, ws_scales, gates, BETA_G, BETA_U))
+            t4 = run(lambda: mlp.expert_mlp_mxfp4(z, packed, scales, experts, gates, BETA_G, BETA_U))
+            got = mlp.expert_mlp_fp8(z, elements, ws_scales, gates, BETA_G, BETA_U)
             err = (got - want).abs().max().item()
         except Exception as e:  # a tile that does not compile (shared memory) is reported, not fatal
             print(f"  R {R:3d} K {K:3d} warps {warps} stages {stages}: {type(e).__name__}")
@@ -57,7 +58,7 @@ def main() -> None:
         print(f"  R {R:3d} K {K:3d} warps {warps} stages {stages}: fp8 {t8 * 1e3:.3f} ms "
               f"{w_bytes['fp8'] / t8 / HBM * 100:5.1f} %  mxfp4 {t4 * 1e3:.3f} ms "
               f"{w_bytes['mxfp4'] / t4 / HBM * 100:5.1f} %  max|diff| {err:.1e}")
-    kern._config = base
+    mlp._config = base
 
 
 if __name__ == "__main__":

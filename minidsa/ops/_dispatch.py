@@ -35,9 +35,9 @@ TRITON_KERNELS: dict[str, tuple[str, str]] = {
     "sparse_mla_prefill": ("minidsa.ops.mla.prefill_triton", "sparse_mla_prefill"),
     "kda_recurrent": ("minidsa.ops.kda.recurrent_triton", "kda_recurrent"),
     "kda_chunk": ("minidsa.ops.kda.chunk_triton", "kda_chunk"),
-    "mxfp4_to_fp8": ("minidsa.ops.moe_experts.experts_triton", "mxfp4_to_fp8"),
-    "expert_mlp_fp8": ("minidsa.ops.moe_experts.experts_triton", "expert_mlp_fp8"),
-    "expert_mlp_mxfp4": ("minidsa.ops.moe_experts.experts_triton", "expert_mlp_mxfp4"),
+    "mxfp4_to_fp8": ("minidsa.ops.moe_experts.convert_triton", "mxfp4_to_fp8"),
+    "expert_mlp_fp8": ("minidsa.ops.moe_experts.mlp_triton", "expert_mlp_fp8"),
+    "expert_mlp_mxfp4": ("minidsa.ops.moe_experts.mlp_triton", "expert_mlp_mxfp4"),
     "situ_glu": ("minidsa.ops.activation.situ_glu_triton", "situ_glu"),
     "situ_glu_backward": ("minidsa.ops.activation.situ_glu_triton", "situ_glu_backward"),
 }

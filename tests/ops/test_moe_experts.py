@@ -9,7 +9,7 @@ import minidsa
 from minidsa.formats import mxfp4
 from minidsa.model.moe import ExpertWorkspace
 from minidsa.ops.activation.reference import situ_glu_values
-from minidsa.ops.moe_experts.reference import reference as ref
+from minidsa.ops.moe_experts import reference as ref
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from minidsa.ops.activation.reference import reference as ref  # noqa: E402
-from minidsa.ops.activation.reference import situ_glu_triton as kern  # noqa: E402
+from minidsa.ops.activation import reference as ref  # noqa: E402
+from minidsa.ops.activation import situ_glu_triton as kern  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

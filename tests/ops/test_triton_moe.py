@@ -1,4 +1,4 @@
-"""Triton kernels of the routed experts (minidsa/ops/moe_experts/experts_triton.py) against their references, on
+"""Triton kernels of the routed experts (minidsa/ops/moe_experts/*_triton.py) against their references, on
 tiny odd shapes (L = 96, I = 160: neither a power of two nor a multiple of the tiles).
 
 Without a GPU the kernels run in Triton's interpreter with fp32 dots. The conversion must be bit-exact.
@@ -24,17 +24,21 @@ from conftest import kernel_device  # noqa: E402
 
 import minidsa  # noqa: E402
 from minidsa.formats import mxfp4  # noqa: E402
-from minidsa.ops.moe_experts.reference import experts_triton as kern  # noqa: E402
-from minidsa.ops.moe_experts.reference import reference as ref  # noqa: E402
+from minidsa.ops.moe_experts import convert_triton as convert  # noqa: E402
+from minidsa.ops.moe_experts import matvec_triton as matvec  # noqa: E402
+from minidsa.ops.moe_experts import mlp_triton as mlp  # noqa: E402
+from minidsa.ops.moe_experts import reference as ref  # noqa: E402
 
 DEV = kernel_device()
 TOL = dict(atol=2e-5, rtol=2e-5) if DEV == "cpu" else dict(atol=2e-4, rtol=2e-4)
 E, L, I = 5, 96, 160
+KERNELS = {"mxfp4_to_fp8": convert.mxfp4_to_fp8, "expert_mlp_fp8": mlp.expert_mlp_fp8,
+           "expert_mlp_mxfp4": mlp.expert_mlp_mxfp4}
 
 
 @pytest.mark.parametrize("name", ["mxfp4_to_fp8", "expert_mlp_fp8", "expert_mlp_mxfp4"])
 def test_signatures_match_the_references(name):
-    assert inspect.signature(getattr(kern, name)) == inspect.signature(getattr(ref, name + "_ref"))
+    assert inspect.signature(KERNELS[name]) == inspect.signature(getattr(ref, name + "_ref"))
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +77,7 @@ def test_conversion_is_bit_exact(experts_store):
     packed, scales = experts_store
     experts = torch.tensor([4, 1, 0, 4], device=DEV)  # any order, repeats allowed
     outs = []
-    for fn in (kern.mxfp4_to_fp8, ref.mxfp4_to_fp8_ref):
+    for fn in (convert.mxfp4_to_fp8, ref.mxfp4_to_fp8_ref):
         els = torch.full((6, 3, I * L), 0x5A, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn)
         scs = torch.full((6, 3, I * L // 32), 0x33, dtype=torch.uint8, device=DEV)
         fn(packed, scales, experts, els, scs)
@@ -90,7 +94,7 @@ def test_conversion_of_every_byte_value():
     scales = torch.arange(16, dtype=torch.uint8, device=DEV).view(1, 1, 16)
     els = torch.empty(1, 1, 512, dtype=torch.float8_e4m3fn, device=DEV)
     scs = torch.empty(1, 1, 16, dtype=torch.uint8, device=DEV)
-    kern.mxfp4_to_fp8(packed, scales, torch.tensor([0], device=DEV), els, scs)
+    convert.mxfp4_to_fp8(packed, scales, torch.tensor([0], device=DEV), els, scs)
     want, _ = mxfp4.to_fp8(packed.cpu(), scales.cpu())
     assert torch.equal(els.view(torch.uint8).cpu(), want.view(torch.uint8)) and torch.equal(scs, scales)
 
@@ -101,11 +105,11 @@ def test_fp8_and_mxfp4_mlps_match_the_reference(experts_store, N, dense, monkeyp
     # N = 5 fits one token tile of the dense pair layout; N = 19 takes two tiles, dense (a decode batch:
     # it must not compact, which reads the pair counts back to the host) or compact (prefill).
     if dense is None:
-        monkeypatch.setattr(kern, "_compact", lambda *a: pytest.fail("a decode-sized call synchronised"))
+        monkeypatch.setattr(mlp, "_compact", lambda *a: pytest.fail("a decode-sized call synchronised"))
     z, experts, gates, els, scs = case(experts_store, N)
     want = live_reference(z, experts_store, experts, gates)
-    got_fp8 = kern._launch_mlp(z, els, scs, None, gates, 4.0, 25.0, L, I, dense=dense)
-    got_mx = kern._launch_mlp(z, *experts_store, experts, gates, 4.0, 25.0, L, I, dense=dense)
+    got_fp8 = mlp._launch_mlp(z, els, scs, None, gates, 4.0, 25.0, L, I, dense=dense)
+    got_mx = mlp._launch_mlp(z, *experts_store, experts, gates, 4.0, 25.0, L, I, dense=dense)
     assert got_fp8.dtype == torch.float32 and torch.isfinite(got_fp8).all(), "the unrouted NaN slot was read"
     torch.testing.assert_close(got_fp8, want, **TOL)
     torch.testing.assert_close(got_mx, want, **TOL)
@@ -121,7 +125,7 @@ def test_k_parts_cover_every_group_once(K):
     # units: each a power of two (a tensor dimension), together at least every group, the tail less than
     # one part-B group past K (padding only there), so that a warp's threads idle on no padding for
     # group counts with at most three set bits (K3's 112 and 96).
-    parts = kern._k_parts(K)
+    parts = matvec._k_parts(K)
     ga, gb, hc = parts["GA"], parts["GB"], parts["HC"]
     groups = K // 32
     assert ga & (ga - 1) == 0 and gb & (gb - 1) == 0 and hc & (hc - 1) == 0 and ga >= 1
@@ -137,12 +141,12 @@ def test_mxfp4_decode_with_a_half_group_tail():
     g = torch.Generator().manual_seed(3)
     packed, scales = mxfp4.quantize(torch.randn(2, 3, i_tail * L, generator=g) * 0.1)
     packed, scales = packed.to(DEV), scales.to(DEV)
-    assert kern._k_parts(i_tail) == dict(GA=4, GB=2, HC=2)
+    assert matvec._k_parts(i_tail) == dict(GA=4, GB=2, HC=2)
     experts = torch.tensor([1, 0], device=DEV)
     gates = (torch.rand(2, 3, generator=g) + 0.1).to(DEV)
     z = torch.randn(3, L, generator=g).to(DEV)
     want = ref.expert_mlp_mxfp4_ref(z, packed, scales, experts, gates, 4.0, 25.0)
-    got = kern._launch_mlp(z, packed, scales, experts, gates, 4.0, 25.0, L, i_tail, dense=True)
+    got = mlp._launch_mlp(z, packed, scales, experts, gates, 4.0, 25.0, L, i_tail, dense=True)
     torch.testing.assert_close(got, want, **TOL)
 
 
@@ -190,7 +194,7 @@ def test_gpu_e2m1_ptx_decodes_every_code():
     g = torch.Generator().manual_seed(3)
     words = [0x76543210, 0xFEDCBA98, 0x89ABCDEF] + torch.randint(0, 2**31, (40,), generator=g).tolist()
     for word in words:
-        got = torch.tensor(_run_ptx(kern._E2M1_PTX.value, word), dtype=torch.int32).to(torch.int16)
+        got = torch.tensor(_run_ptx(matvec._E2M1_PTX.value, word), dtype=torch.int32).to(torch.int16)
         got = got.view(torch.float16).double()
         want = values[[(word >> 4 * j) & 15 for j in range(8)]]
         assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), hex(word)
@@ -200,10 +204,10 @@ def test_public_kernels_and_unrouted_tokens(experts_store):
     # A token routed nowhere gets exactly 0; the public entry points pick the layout themselves.
     z, experts, gates, els, scs = case(experts_store, 4, seed=1)
     gates[:, 2] = 0.0
-    got = kern.expert_mlp_mxfp4(z, *experts_store, experts, gates, 4.0, 25.0)
+    got = mlp.expert_mlp_mxfp4(z, *experts_store, experts, gates, 4.0, 25.0)
     assert torch.equal(got[2], torch.zeros(L, device=DEV))
     torch.testing.assert_close(got, live_reference(z, experts_store, experts, gates), **TOL)
-    got_fp8 = kern.expert_mlp_fp8(z, els, scs, gates, 4.0, 25.0)
+    got_fp8 = mlp.expert_mlp_fp8(z, els, scs, gates, 4.0, 25.0)
     assert torch.equal(got_fp8[2], torch.zeros(L, device=DEV))
     torch.testing.assert_close(got_fp8, got, **TOL)
 
@@ -211,8 +215,8 @@ def test_public_kernels_and_unrouted_tokens(experts_store):
 @pytest.mark.parametrize("N", [5, 80])  # the matrix-vector (decode) and tensor-core (prefill) paths
 def test_kernels_are_deterministic(experts_store, N):
     z, experts, gates, els, scs = case(experts_store, N, seed=2)
-    a = kern.expert_mlp_mxfp4(z, *experts_store, experts, gates, 4.0, 25.0)
-    b = kern.expert_mlp_mxfp4(z, *experts_store, experts, gates, 4.0, 25.0)
+    a = mlp.expert_mlp_mxfp4(z, *experts_store, experts, gates, 4.0, 25.0)
+    b = mlp.expert_mlp_mxfp4(z, *experts_store, experts, gates, 4.0, 25.0)
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
@@ -230,8 +234,8 @@ def test_kernel_reproduces_the_tiny_layer():
         experts, _ = moe.conversion_plan(ids)
         gates = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * weights).sum(-1)
     on = lambda t: t.to(DEV)  # noqa: E731
-    got = kern.expert_mlp_mxfp4(on(z), on(moe.experts_packed), on(moe.experts_scale), on(experts), on(gates),
-                                moe.beta_gate, moe.beta_up)
+    got = mlp.expert_mlp_mxfp4(on(z), on(moe.experts_packed), on(moe.experts_scale), on(experts), on(gates),
+                               moe.beta_gate, moe.beta_up)
     torch.testing.assert_close(got.cpu(), seen[0], **TOL)
 
 
@@ -251,16 +255,16 @@ def test_bad_inputs_raise_like_the_reference(experts_store):
         with pytest.raises((TypeError, ValueError)) as want:
             getattr(ref, name + "_ref")(*args)
         with pytest.raises(want.type, match=str(want.value).replace("(", r"\(").replace(")", r"\)")):
-            getattr(kern, name)(*args)
+            KERNELS[name](*args)
     with pytest.raises(ValueError, match="contiguous"):
-        kern.expert_mlp_mxfp4(z, packed.transpose(0, 1).contiguous().transpose(0, 1), scales, experts, gates,
-                              4.0, 25.0)  # matrices of one expert not adjacent
+        mlp.expert_mlp_mxfp4(z, packed.transpose(0, 1).contiguous().transpose(0, 1), scales, experts, gates,
+                             4.0, 25.0)  # matrices of one expert not adjacent
 
 
 def test_fp64_goes_to_the_reference(experts_store):
     z, experts, gates, els, scs = case(experts_store, 2)
     z64, g64 = z.double(), gates.double()
     keep = torch.tensor([0, 1, 3], device=DEV)
-    got = kern.expert_mlp_fp8(z64, els[keep], scs[keep], g64[keep], 4.0, 25.0)
+    got = mlp.expert_mlp_fp8(z64, els[keep], scs[keep], g64[keep], 4.0, 25.0)
     assert got.dtype == torch.float64
     assert torch.equal(got, ref.expert_mlp_fp8_ref(z64, els[keep], scs[keep], g64[keep], 4.0, 25.0))

@@ -1,12 +1,12 @@
-"""Triton kernels of SiTU-GLU forward and backward (``activation.py``): one elementwise pass each.
+"""Triton kernels of SiTU-GLU forward and backward (``reference.py``): one elementwise pass each.
 
 The forward reads g and u and writes h; the backward reads g, u and dLoss/dh and writes both input
 gradients, recomputing tanh and sigmoid in registers. In plain torch the same backward is about twenty
 full-size elementwise passes, so on a GPU (where a training step's SiTU-GLU tensors are the largest
 activations) the fused pass is what makes recomputation cheaper than keeping intermediates. tanh is
-built from exp (``_tanh`` of the expert kernels, whose ``_situ_glu`` the forward reuses; relative error
-~1e-7), so results agree with the references to fp32 rounding, not bitwise. Inputs are flattened: any
-shape, any float dtype, outputs fp32.
+built from exp (``_tanh``; relative error ~1e-7), so results agree with the references to fp32 rounding,
+not bitwise. Inputs are flattened: any shape, any float dtype, outputs fp32. The jit helpers ``_tanh``
+and ``_situ_glu`` are also what the routed-expert kernels (``ops/moe_experts``) apply in registers.
 """
 
 from __future__ import annotations
@@ -15,10 +15,28 @@ import torch
 import triton
 import triton.language as tl
 
-from ..moe_experts.experts_triton import _situ_glu, _tanh
 from .reference import _check, situ_glu_backward_ref, situ_glu_ref
 
 BLOCK = {"cuda": 2048, "cpu": 64}
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp (no libdevice in the interpreter): odd Taylor series below |x| = 0.1, where
+    (1 - e^-2|x|) / (1 + e^-2|x|) would cancel, that quotient above it (relative error ~1e-7)."""
+    a = tl.abs(x)
+    a2 = a * a
+    series = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0))))
+    e = tl.exp(-2.0 * a)
+    t = tl.where(a < 0.1, series, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _situ_glu(g, u, beta_gate, beta_up):
+    """beta_gate * tanh(g / beta_gate) * sigmoid(g) * beta_up * tanh(u / beta_up) (minidsa.model.ffn.situ_glu)."""
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    return (beta_gate * _tanh(g / beta_gate) * sig) * (beta_up * _tanh(u / beta_up))
 
 
 @triton.jit

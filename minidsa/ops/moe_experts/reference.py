@@ -16,9 +16,7 @@ operation, what ``LatentMoE.forward`` computes, so it reproduces the layer's rou
     h_m    = SiTU-GLU(z W1_m^T, z W3_m^T)           [m, N, I]   dense over slots (docs/design.md §14)
     y_lat  = sum_m (gates[m, :, None] * h_m) W2_m^T  [N, L]
 
-This module may import only torch and other ops modules (docs/design.md §13), so the E2M1 and E8M0
-tables are rebuilt here instead of imported from ``minidsa.mxfp4`` (they are the same 16 and 256
-values).
+The E2M1, e4m3 and E8M0 tables and the byte-pair lookup are those of ``minidsa.formats.mxfp4``.
 """
 
 from __future__ import annotations
@@ -27,44 +25,17 @@ import functools
 
 import torch
 
+from ...formats.mxfp4 import E8M0_NAN, GROUP, _byte_to_fp8_pair, _lookup, e2m1_table, e8m0_to_float
+from ...formats.mxfp4 import _fp8_values as _e4m3_values
 from .._checks import acc_dtype, cast, check_tensor, on_host
 from ..activation.reference import situ_glu_values
-
-GROUP = 32  # elements per E8M0 scale
-E8M0_BIAS = 127
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-@functools.lru_cache(maxsize=None)
-def _e2m1_fp8_bytes(device) -> torch.Tensor:
-    """uint8 [16]: the e4m3 bit pattern of every E2M1 code (code 8 is -0.0 -> 0x80)."""
-    mags = torch.tensor(_E2M1, dtype=torch.float32)
-    with torch.inference_mode(False):
-        return torch.cat([mags, -mags]).to(torch.float8_e4m3fn).view(torch.uint8).to(device)
-
-
-@functools.lru_cache(maxsize=None)
-def _byte_to_fp8_pair(device) -> torch.Tensor:
-    """int16 [256]: both e4m3 bytes of a packed byte's two E2M1 codes, low nibble first in memory (built by
-    viewing the byte pair as int16, so it is right on either byte order)."""
-    codes = torch.arange(256)
-    fp8 = _e2m1_fp8_bytes("cpu")
-    with torch.inference_mode(False):
-        pair = torch.stack([fp8[codes & 0x0F], fp8[codes >> 4]], dim=-1).contiguous()
-        return pair.view(torch.int16)[:, 0].to(device)
-
-
-def _lookup(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """table [256] indexed by uint8 codes [...] -> [...] in table's dtype (index_select on int32 indices is
-    the fastest gather on a CPU; on a GPU this is the reference, the kernels do not use it)."""
-    return table.index_select(0, codes.reshape(-1).int()).view(codes.shape)
 
 
 @functools.lru_cache(maxsize=None)
 def _fp32_pairs() -> torch.Tensor:
     """int64 [65536]: for every 2-byte pattern (read as uint16), the fp32 values of its two e4m3 bytes in
     memory order, packed in 8 bytes."""
-    fp8 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    fp8 = _e4m3_values()
     with torch.inference_mode(False):
         byte_pairs = torch.arange(65536, dtype=torch.int32).to(torch.uint16).view(torch.uint8).view(-1, 2)
         return fp8[byte_pairs.long()].contiguous().view(torch.int64).view(-1)
@@ -84,11 +55,10 @@ def _tables(device, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, t
     """[16] E2M1 values, [256] e4m3 values, [256] E8M0 values (0xFF = NaN, as at load), all exact in
     ``dtype`` (fp32 or fp64), built once per device and dtype."""
     with torch.inference_mode(False):
-        mags = torch.tensor(_E2M1, dtype=torch.float64)
-        e2m1 = torch.cat([mags, -mags])
-        fp8 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).double()
-        e8m0 = torch.exp2(torch.arange(256, dtype=torch.float64) - E8M0_BIAS)
-        e8m0[255] = float("nan")
+        e2m1 = e2m1_table(torch.float64)
+        fp8 = _e4m3_values().double()
+        e8m0 = e8m0_to_float(torch.arange(256, dtype=torch.int32).to(torch.uint8), torch.float64, check=False)
+        e8m0[E8M0_NAN] = float("nan")  # as the checkpoint load treats it (e8m0_to_float would give 2^128)
         return tuple(t.to(device=device, dtype=dtype) for t in (e2m1, fp8, e8m0))
 
 

@@ -1,0 +1,311 @@
+"""Triton kernels of the routed-expert MLPs (docs/design.md §6, §7, §12): ``expert_mlp_fp8`` over the FP8
+workspace slots and ``expert_mlp_mxfp4`` straight from MXFP4 storage. Same signatures and results as the
+``*_ref`` ops of ``reference.py`` (to fp32 rounding: tests/ops/test_triton_moe.py); fp64 inputs
+(exactness tests only) go to the reference.
+
+Three launches, grouped over all slots, no Python loop over experts and no atomics:
+
+1. *up*: grid ``(token tile, block of BLOCK_R rows of I, slot)``. A program walks L in BLOCK_K steps,
+   dequantises a [BLOCK_R, BLOCK_K] tile of w1 and of w3 in registers (``dequant_triton.py``), and
+   accumulates ``g, u [BLOCK_R, BLOCK_T] += W @ z^T`` in fp32 (weights are the dot's M: 64-128 rows; a
+   token tile short of BLOCK_T is padded by masked lanes). It then applies SiTU-GLU and the gate and
+   writes ``h = gate * SiTU-GLU(g, u)`` [BLOCK_T, BLOCK_R] rows.
+2. *down*: grid ``(token tile, block of BLOCK_R rows of L, slot)``: ``part = h @ W2^T`` per
+   (slot, token) pair, written to a per-pair buffer [pairs, L].
+3. *combine*: one program per (token, BLOCK_L columns) sums its pairs' rows over the slots in a
+   fixed order (a masked [BLOCK_S, BLOCK_L] gather per step, then a tree sum). The split of the
+   expert sum into per-pair rows and a separate ordered reduction is what makes the result bitwise
+   reproducible without atomics.
+At decode (the dense layout: FP8 for one token, MXFP4 at every decode size) the up and down programs run
+matrix-vector products on the FMA units instead of tensor-core tiles (``matvec_triton.py``).
+
+*Skipping unrouted pairs.* A token lane is live only where ``gates[slot, token] != 0``: dead lanes
+load nothing and store nothing, and a program with no live lane reads no weight at all, so
+placeholder slots (docs/design.md §14) cost a few gate loads. Two pair layouts, chosen by shape:
+- dense (decode: N <= BLOCK_T, or up to ``DENSE_MAX_TOKENS`` while its buffers stay under
+  ``DENSE_PAIR_BYTES``): pair (slot, token) is row ``slot * N + token``; a step is one or a few token
+  tiles (or, MXFP4, one walk over the slot's routed tokens), so little is to be gained from
+  compaction, and no host sync is needed, which a decode step cannot afford in every MoE layer
+  (docs/design.md §14).
+- compact (prefill): each slot's routed tokens are listed in ascending order (rank = cumsum of the
+  routed mask, offsets = cumsum of the counts, a scatter of token ids), and token tiles walk those
+  lists, so compute scales with the routed pairs, not with slots x tokens. The buffers are sized by
+  the number of routed pairs and the grid by the longest list: both are read back together (one
+  host sync per call; decode batches within the dense limits never take this path).
+
+*Precision.* Accumulation is fp32. On the GPU each weight tile is cast to bf16 (exact: e4m3 has
+3 mantissa bits) and the fp32 activations are split into ``hi = bf16(x)``, ``lo = bf16(x - hi)``;
+two bf16 tensor-core dots then carry about 16 mantissa bits of x (relative error <= 2^-17 per
+product, against 2^-24 for fp32) instead of the 8 of a single bf16 dot. The interpreter computes
+fp32 dots with ``input_precision="ieee"`` (its bf16 tl.dot is wrong: docs/design.md §12).
+
+*Bytes moved* per routed expert with I*L elements per matrix (K3: I*L = 11.0 M):
+- fused MXFP4 MLP: 3 * I*L * (1/2 + 1/32) = 17.6 MB of weights, read from DRAM once per launch at
+  decode (a second routed token of the slot re-reads them, mostly from L2);
+- workspace path: conversion (51.6 MB, ``convert_triton.py``) + MLP over FP8, 3 * I*L * (1 + 1/32) = 34.1 MB;
+- bf16 weights (the plain-torch peer): 3 * I*L * 2 = 66.1 MB.
+At decode (one token tile) every weight byte of a routed slot is read from DRAM once; the h and
+per-pair buffers (N*(I+L)*4 bytes per slot) are small beside them. At prefill each token tile of a
+slot re-reads that slot's tile rows; consecutive programs share them (token tile is the fastest grid
+axis), so most repeats hit L2. Prefill at K3 shapes (4096 tokens, top-16 of 256) runs at ~87-95 TFLOP/s,
+11-12 % of the H200's 790: far from the tensor cores' limit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..activation.situ_glu_triton import _situ_glu
+from .convert_triton import _require_rows_contiguous
+from .dequant_triton import _weight_tile
+from .matvec_triton import _down_decode, _gemv_meta, _gemv_rows, _up_decode
+from .reference import check_fp8_mlp, check_mxfp4_mlp, expert_mlp_fp8_ref, expert_mlp_mxfp4_ref
+
+# Calls of up to DENSE_MAX_TOKENS tokens (decode batches) use the dense pair layout, which needs no host
+# sync, while its two pair buffers (slots x tokens rows of I and L fp32) fit in DENSE_PAIR_BYTES: every
+# decode batch of the scaled configs, and K3's up to 16 tokens (256 slots: 109 MB). Larger calls compact.
+DENSE_MAX_TOKENS = 64
+DENSE_PAIR_BYTES = 256 * 2**20
+
+
+@triton.jit
+def _dot(w, x_t, acc, SPLIT: tl.constexpr):
+    """acc + w @ x_t for fp32 w [R, K] (bf16-exact weights) and fp32 x_t [K, T], accumulated in fp32."""
+    if SPLIT:  # GPU: two bf16 tensor-core dots carry ~16 mantissa bits of x
+        wb = w.to(tl.bfloat16)
+        hi = x_t.to(tl.bfloat16)
+        lo = (x_t - hi.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(wb, hi, acc)
+        acc = tl.dot(wb, lo, acc)
+    else:  # interpreter: plain fp32
+        acc = tl.dot(w, x_t, acc, input_precision="ieee")
+    return acc
+
+
+# ---------------------------------------------------------------------------------------- MLP passes
+@triton.jit
+def _pairs(slot, tile, gates_ptr, count_ptr, offset_ptr, token_ptr, N, DENSE: tl.constexpr,
+           BLOCK_T: tl.constexpr):
+    """The token lanes of a program: (pair row int64, token, gate fp32, live) [BLOCK_T] each."""
+    j = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    if DENSE:  # pair (slot, token) is row slot * N + token
+        inside = j < N
+        token = j
+        pair = slot.to(tl.int64) * N + j
+    else:  # the slot's routed tokens, listed from its offset
+        inside = j < tl.load(count_ptr + slot)
+        pair = tl.load(offset_ptr + slot).to(tl.int64) + j
+        token = tl.load(token_ptr + pair, mask=inside, other=0)
+    gate = tl.load(gates_ptr + slot.to(tl.int64) * N + token, mask=inside, other=0.0).to(tl.float32)
+    return pair, token, gate, inside & (gate != 0.0)
+
+
+@triton.jit
+def _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP: tl.constexpr):
+    """Base pointers of the slot's expert block (slot j -> experts[j] for MXFP4 storage)."""
+    if HAS_MAP:
+        e = tl.load(experts_ptr + slot).to(tl.int64)
+    else:
+        e = slot.to(tl.int64)
+    return w_ptr + e * sw_e, s_ptr + e * ss_e
+
+
+# N (tokens) is left unspecialised in the three passes: a new token count (prompt length, batch) compiles
+# no new variant; it only masks token rows and scales offsets.
+@triton.jit(do_not_specialize=["N"])
+def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_ptr, token_ptr, h_ptr,
+               N, L, I, sw_e, sw_m, ss_e, ss_m, beta_gate, beta_up,
+               MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, SPLIT: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GEMV: tl.constexpr,
+               PTX: tl.constexpr, RB: tl.constexpr, GA: tl.constexpr, GB: tl.constexpr,
+               HC: tl.constexpr):
+    """h[pair, rows] = gate * SiTU-GLU(W1 z, W3 z) for one slot, BLOCK_R rows of I and one token tile."""
+    slot = tl.program_id(2)
+    if GEMV and MXFP4:  # decode, MXFP4: matrix-vector products over the slot's routed tokens
+        w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
+        _up_decode(z_ptr, w1, s1, sw_m, ss_m, gates_ptr, h_ptr, slot, N, L, I, beta_gate, beta_up, BLOCK_R, RB, GA, GB,
+                   HC, PTX)
+        return
+    if GEMV:  # one token, FP8: the slot's pair is row ``slot``
+        gate = tl.load(gates_ptr + slot).to(tl.float32)
+        if gate != 0.0:
+            rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+            row_ok = rows < I
+            w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
+            g = _gemv_rows(w1, s1, rows, row_ok, L, z_ptr, BLOCK_R, BLOCK_K)
+            u = _gemv_rows(w1 + sw_m, s1 + ss_m, rows, row_ok, L, z_ptr, BLOCK_R, BLOCK_K)
+            h = _situ_glu(g, u, beta_gate, beta_up) * gate
+            tl.store(h_ptr + slot.to(tl.int64) * I + rows, h, mask=row_ok)
+        return
+    pair, token, gate, live = _pairs(slot, tl.program_id(0), gates_ptr, count_ptr, offset_ptr, token_ptr, N,
+                                     DENSE, BLOCK_T)
+    if tl.max(live.to(tl.int32), axis=0) > 0:  # no routed token here: read no weight at all
+        rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < I
+        w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
+        acc_g = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
+        acc_u = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
+        for k0 in range(0, L, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            z_t = tl.load(z_ptr + token[None, :] * L + k[:, None], mask=live[None, :] & (k < L)[:, None], other=0.0)
+            acc_g = _dot(_weight_tile(w1, s1, rows, row_ok, L, k0, MXFP4, BLOCK_R, BLOCK_K), z_t, acc_g, SPLIT)
+            acc_u = _dot(_weight_tile(w1 + sw_m, s1 + ss_m, rows, row_ok, L, k0, MXFP4, BLOCK_R, BLOCK_K), z_t,
+                         acc_u, SPLIT)
+        h = _situ_glu(acc_g, acc_u, beta_gate, beta_up) * gate[None, :]
+        tl.store(h_ptr + pair[None, :] * I + rows[:, None], h, mask=row_ok[:, None] & live[None, :])
+
+
+@triton.jit(do_not_specialize=["N"])
+def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_ptr, token_ptr, part_ptr,
+                 N, L, I, sw_e, sw_m, ss_e, ss_m,
+                 MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GEMV: tl.constexpr,
+               PTX: tl.constexpr, RB: tl.constexpr, GA: tl.constexpr, GB: tl.constexpr,
+               HC: tl.constexpr):
+    """part[pair, rows] = W2[rows] @ h[pair] for one slot, BLOCK_R latent rows and one token tile."""
+    slot = tl.program_id(2)
+    if GEMV and MXFP4:
+        w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
+        _down_decode(h_ptr, w1 + 2 * sw_m, s1 + 2 * ss_m, gates_ptr, part_ptr, slot, N, L, I, BLOCK_R, RB, GA, GB, HC,
+                     PTX)
+        return
+    if GEMV:
+        if tl.load(gates_ptr + slot).to(tl.float32) != 0.0:
+            rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+            row_ok = rows < L
+            w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
+            part = _gemv_rows(w1 + 2 * sw_m, s1 + 2 * ss_m, rows, row_ok, I, h_ptr + slot.to(tl.int64) * I, BLOCK_R,
+                              BLOCK_K)
+            tl.store(part_ptr + slot.to(tl.int64) * L + rows, part, mask=row_ok)
+        return
+    pair, token, gate, live = _pairs(slot, tl.program_id(0), gates_ptr, count_ptr, offset_ptr, token_ptr, N,
+                                     DENSE, BLOCK_T)
+    if tl.max(live.to(tl.int32), axis=0) > 0:
+        rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < L
+        w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
+        acc = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            h_t = tl.load(h_ptr + pair[None, :] * I + k[:, None], mask=live[None, :] & (k < I)[:, None], other=0.0)
+            w2 = _weight_tile(w1 + 2 * sw_m, s1 + 2 * ss_m, rows, row_ok, I, k0, MXFP4, BLOCK_R, BLOCK_K)
+            acc = _dot(w2, h_t, acc, SPLIT)
+        tl.store(part_ptr + pair[None, :] * L + rows[:, None], acc, mask=row_ok[:, None] & live[None, :])
+
+
+@triton.jit(do_not_specialize=["m", "N"])
+def _combine_kernel(part_ptr, gates_ptr, rank_ptr, offset_ptr, out_ptr, m, N, L, DENSE: tl.constexpr,
+                    BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr):
+    """y[token, cols] = sum over slots (fixed order) of the token's per-pair rows; unrouted slots skipped."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    col_ok = cols < L
+    acc = tl.zeros((BLOCK_L,), tl.float32)
+    for s0 in range(0, m, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        routed = (s < m) & (tl.load(gates_ptr + s.to(tl.int64) * N + token, mask=s < m, other=0.0) != 0.0)
+        if DENSE:
+            pair = s.to(tl.int64) * N + token
+        else:  # rank is the inclusive count of routed tokens up to this one in the slot's list
+            rank = tl.load(rank_ptr + s.to(tl.int64) * N + token, mask=routed, other=1)
+            pair = tl.load(offset_ptr + s, mask=routed, other=0).to(tl.int64) + rank - 1
+        rows = tl.load(part_ptr + pair[:, None] * L + cols[None, :], mask=routed[:, None] & col_ok[None, :],
+                       other=0.0)
+        acc += tl.sum(rows, axis=0)
+    tl.store(out_ptr + token.to(tl.int64) * L + cols, acc, mask=col_ok)
+
+
+# -------------------------------------------------------------------------------------------- launch
+def _config(on_gpu: bool, dense: bool) -> dict:
+    """Tile sizes: decode (dense) favours many small weight-streaming programs; prefill (compact) a
+    tensor-core-sized tile of 128 weight rows x 64 tokens. The interpreter gets the smallest legal
+    tiles (it pays per program and per element). BLOCK_K is a multiple of the 32-element scale group."""
+    if not on_gpu:
+        return dict(BLOCK_T=16, BLOCK_R=32, BLOCK_K=32, num_warps=4, BLOCK_S=16, BLOCK_L=32)
+    if dense:
+        return dict(BLOCK_T=16, BLOCK_R=64, BLOCK_K=128, num_warps=4, num_stages=3, BLOCK_S=16, BLOCK_L=256)
+    return dict(BLOCK_T=64, BLOCK_R=128, BLOCK_K=64, num_warps=8, num_stages=3, BLOCK_S=16, BLOCK_L=256)
+
+
+def _compact(gates: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-slot lists of routed tokens: (rank int32 [m, N] inclusive, count int32 [m], offset int32 [m],
+    token int32 [pairs + 1], pairs, the longest list). Reads those two numbers back to the host (one
+    sync): the buffers are sized by the pairs and the grid by the longest list, not by N."""
+    m, N = gates.shape
+    routed = gates != 0
+    rank = torch.cumsum(routed, 1, dtype=torch.int32)
+    count = rank[:, -1].contiguous()
+    offset = torch.cumsum(count, 0, dtype=torch.int32) - count
+    pairs, longest = torch.stack([count.sum(), count.max()]).tolist()
+    dest = torch.where(routed, offset[:, None] + rank - 1, pairs).view(-1).long()  # unrouted -> a spare row
+    tokens = torch.arange(N, dtype=torch.int32, device=gates.device).expand(m, N).reshape(-1)
+    token = torch.empty(pairs + 1, dtype=torch.int32, device=gates.device).scatter_(0, dest, tokens)
+    return rank, count, offset, token, pairs, longest
+
+
+def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool | None = None) -> torch.Tensor:
+    """The three passes; ``experts`` None means slot j is storage row j (the FP8 workspace)."""
+    N, m = z.shape[0], gates.shape[0]
+    out = torch.zeros(N, L, dtype=torch.float32, device=z.device)
+    if N == 0 or m == 0:
+        return out
+    on_gpu = z.is_cuda
+    if dense is None:
+        fits = N <= DENSE_MAX_TOKENS and m * N * (I + L) * 4 <= DENSE_PAIR_BYTES
+        dense = N <= _config(on_gpu, True)["BLOCK_T"] or fits
+    cfg = _config(on_gpu, dense)
+    z, gates = z.float().contiguous(), gates.float().contiguous()
+    if dense:
+        rank = count = offset = token = gates  # unused pointers
+        pairs, longest = m * N, N
+    else:
+        rank, count, offset, token, pairs, longest = _compact(gates)
+        if pairs == 0:  # no token routed anywhere
+            return out
+    h = torch.empty(pairs, I, dtype=torch.float32, device=z.device)
+    part = torch.empty(pairs, L, dtype=torch.float32, device=z.device)
+    shared = (w, s, gates if experts is None else experts.contiguous(), gates, count, offset, token)
+    strides = (N, L, I, w.stride(0), w.stride(1), s.stride(0), s.stride(1))
+    meta = dict(MXFP4=w.dtype == torch.uint8, HAS_MAP=experts is not None, DENSE=dense, SPLIT=on_gpu,
+                BLOCK_T=cfg["BLOCK_T"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+    if on_gpu:
+        meta["num_stages"] = cfg["num_stages"]
+    # matrix-vector products: the FP8 MLP for one token, the MXFP4 one per routed pair at every decode size
+    meta["GEMV"] = dense and (N == 1 or w.dtype == torch.uint8)
+    meta["PTX"] = on_gpu and triton.runtime.driver.active.get_current_target().backend == "cuda"
+    if meta["GEMV"] and meta["MXFP4"]:  # activations as 8 planes z[n, j::8] (see matvec_triton._x_part)
+        z = z.view(N, L // 8, 8).transpose(1, 2).contiguous()
+    tiles = max(1, triton.cdiv(longest, cfg["BLOCK_T"]))  # token tiles per slot
+    meta, parts_up, parts_down = _gemv_meta(meta, on_gpu, L, I)
+    _up_kernel[(tiles, triton.cdiv(I, meta["BLOCK_R"]), m)](z, *shared, h, *strides, float(beta_gate),
+                                                            float(beta_up), **meta, **parts_up)
+    _down_kernel[(tiles, triton.cdiv(L, meta["BLOCK_R"]), m)](h, *shared, part, *strides, **meta, **parts_down)
+    _combine_kernel[(N, triton.cdiv(L, cfg["BLOCK_L"]))](part, gates, rank, offset, out, m, N, L, DENSE=dense,
+                                                         BLOCK_S=cfg["BLOCK_S"], BLOCK_L=cfg["BLOCK_L"])
+    return out
+
+
+def expert_mlp_fp8(z: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor, gates: torch.Tensor,
+                   beta_gate: float, beta_up: float) -> torch.Tensor:
+    """Routed-expert MLPs over the FP8 workspace slots: z [N, L], elements float8_e4m3fn [cap, 3, I*L],
+    scales uint8 [cap, 3, I*L/32], gates [m, N] (0 = not routed) -> y_lat [N, L] fp32."""
+    N, L, I, m = check_fp8_mlp(z, elements, scales, gates)
+    if torch.float64 in (z.dtype, gates.dtype):
+        return expert_mlp_fp8_ref(z, elements, scales, gates, beta_gate, beta_up)
+    _require_rows_contiguous("elements", elements)
+    _require_rows_contiguous("scales", scales)
+    return _launch_mlp(z, elements, scales, None, gates, beta_gate, beta_up, L, I)
+
+
+def expert_mlp_mxfp4(z: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,
+                     gates: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
+    """Routed-expert MLPs straight from MXFP4 storage: z [N, L], packed uint8 [E, 3, I*L/2], scales uint8
+    [E, 3, I*L/32], experts integer [m] (slot j = expert experts[j]), gates [m, N] -> y_lat [N, L] fp32."""
+    N, L, I, m = check_mxfp4_mlp(z, packed, scales, experts, gates)
+    if torch.float64 in (z.dtype, gates.dtype):
+        return expert_mlp_mxfp4_ref(z, packed, scales, experts, gates, beta_gate, beta_up)
+    _require_rows_contiguous("packed", packed)
+    _require_rows_contiguous("scales", scales)
+    return _launch_mlp(z, packed, scales, experts, gates, beta_gate, beta_up, L, I)
