@@ -5,10 +5,10 @@
 
 Chunked prefill (``kda_chunk``, chunk 64): B=1, T=8192 and T=32768, 16 heads x K=V=128, bf16 q, k, v,
 beta, fp32 log-decays g = -5 sigmoid(.) (the model's bounded decay), unit-norm q and k, an fp32
-initial state. Floor: no slower than 2x fla's ``chunk_kda``. Roofline = max(FLOPs of the chunked
+initial state. Target: no slower than 2x fla's ``chunk_kda``. Roofline = max(FLOPs of the chunked
 algorithm / 790 TFLOP/s, bytes of inputs + outputs / 4.3 TB/s) (docs/design.md §11).
 
-Recurrent decode (``kda_recurrent``, T=1): batch 64 x 96 heads x K=V=128, fp32 states. Floor: at least
+Recurrent decode (``kda_recurrent``, T=1): batch 64 x 96 heads x K=V=128, fp32 states. Target: at least
 50 % of 4.3 TB/s on the state bytes read and written.
 
 Peers: the reference ops (``kda_chunk_ref``, ``kda_recurrent_ref``) on the GPU (the chunk reference
@@ -134,7 +134,7 @@ def bench_chunk(T: int, dev: str, dry: bool, fla, results: dict) -> bool:
           f"({nbytes / t_kernel / 1e12:.2f} TB/s): {roof / t_kernel * 100:.1f} % of the roofline "
           f"({'compute' if flops / PEAK >= nbytes / HBM else 'memory'} bound, {roof * 1e6:.1f} us)")
     if t_fla is not None:
-        print(f"  floor (no slower than 2x fla chunk_kda): {'MET' if t_kernel <= 2 * t_fla else 'NOT MET'} "
+        print(f"  target (no slower than 2x fla chunk_kda): {'reached' if t_kernel <= 2 * t_fla else 'not reached'} "
               f"({t_kernel / t_fla:.2f}x fla's time)")
     results[f"chunk_T{T}"] = dict(res, shape=dict(B=B, T=T, H=H, K=K, V=V), flops=flops, bytes=nbytes,
                                   pct_roofline=roof / t_kernel * 100, ref_scaled_from_T=T_ref, agree=ok)
@@ -167,7 +167,7 @@ def bench_decode(dev: str, dry: bool, fla, results: dict) -> bool:
     other = sum(x.numel() * x.element_size() for x in (q, k, v, g, beta, o))
     pct = state_bytes / t_kernel / HBM * 100
     print(f"  state bytes read + written {state_bytes / 1e6:.0f} MB: {state_bytes / t_kernel / 1e12:.2f} TB/s = "
-          f"{pct:.1f} % of 4.3 TB/s (floor 50 %: {'MET' if pct >= 50 else 'NOT MET'}); "
+          f"{pct:.1f} % of 4.3 TB/s (target 50 %: {'reached' if pct >= 50 else 'not reached'}); "
           f"all bytes {(state_bytes + other) / t_kernel / 1e12:.2f} TB/s")
     if t_fla is not None:
         print(f"  fla: {state_bytes / t_fla / HBM * 100:.1f} % of 4.3 TB/s on the same state bytes")

@@ -1,5 +1,5 @@
 """Training throughput: the reference no-cache forward + backward, the lean training path and a plain dense
-pre-norm transformer of the same width and depth, in one run (issue 11's acceptance measurement).
+pre-norm transformer of the same width and depth, in one run.
 
     python benchmarks/train_throughput.py                           # GPU: laptop config, batch 32 x 1024
     python benchmarks/train_throughput.py --device cpu --tiny       # dry run on a CPU (seconds)
@@ -8,7 +8,7 @@ Variants (each a forward + backward of a full next-token loss over every positio
   reference  MiniDSA.forward (per-query gathers, offline FP8 experts dequantised each forward; experts are buffers)
   lean       TrainingModel: masked SDPA over the selected keys, matmul-only KDA chunks, grouped float experts
   lean_kl    lean + the indexer's sparse-stage KL (indexer_training.layer_kl), i.e. a real training step
-  dense      pre-norm transformer, same width/depth/heads, causal SDPA, SwiGLU 4d (the peer of the issue)
+  dense      pre-norm transformer, same width/depth/heads, causal SDPA, SwiGLU 4d
 Prints tokens/s and peak memory per variant, and the loss of reference vs lean on the same batch. On a GPU
 the peak is torch.cuda.max_memory_allocated during the timed steps; on a CPU each variant runs in its own
 process and the peak is that process's maximum resident set size.
