@@ -48,7 +48,9 @@ def e8m0_to_float(scales: torch.Tensor, dtype: torch.dtype = torch.float32, name
         raise ValueError(f"{name} holds the E8M0 NaN code 0xFF; the checkpoint is corrupt or was written with NaN "
                          f"weights (re-export it)")
     # fp64 holds 2^-127 .. 2^127 exactly; the cast to fp32 keeps them (2^-127 is an fp32 subnormal).
-    return torch.exp2(scales.to(torch.float64) - E8M0_BIAS).to(dtype)
+    # 0xFF would give 2^128 (inf in fp32); the format defines it as NaN.
+    values = torch.exp2(scales.to(torch.float64) - E8M0_BIAS)
+    return values.masked_fill_(scales == E8M0_NAN, float("nan")).to(dtype)
 
 
 def check_scales(scales: torch.Tensor, name: str) -> None:
@@ -135,9 +137,11 @@ def _fp8_values(device=None) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _e8m0_values(device=None) -> torch.Tensor:
-    """fp32 [256]: 2^(s - 127) for every E8M0 code (0xFF gives NaN; it is rejected at load)."""
+    """fp32 [256]: 2^(s - 127) for every E8M0 code, NaN for 0xFF (which loading rejects)."""
     with torch.inference_mode(False):
-        return torch.exp2(torch.arange(256, dtype=torch.float64) - E8M0_BIAS).float().to(device)
+        values = torch.exp2(torch.arange(256, dtype=torch.float64) - E8M0_BIAS)
+        values[E8M0_NAN] = float("nan")
+        return values.float().to(device)
 
 
 def _lookup(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,6 @@ def _tables(device, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, t
         e2m1 = e2m1_table(torch.float64)
         fp8 = _e4m3_values().double()
         e8m0 = e8m0_to_float(torch.arange(256, dtype=torch.int32).to(torch.uint8), torch.float64, check=False)
-        e8m0[E8M0_NAN] = float("nan")  # as the checkpoint load treats it (e8m0_to_float would give 2^128)
         return tuple(t.to(device=device, dtype=dtype) for t in (e2m1, fp8, e8m0))
 
 
