@@ -82,7 +82,8 @@ def gluon_fits(kv_plane: torch.Tensor, pe_plane: torch.Tensor, H: int) -> bool:
     if kv_plane.dtype not in (torch.bfloat16, torch.float16) or pe_plane.dtype != kv_plane.dtype:
         return False
     # 16 heads or fewer: the Triton kernel's 16-row tiles are faster. From 17 heads this kernel wins despite
-    # padding its 64-row tiles, against the Triton kernel's 32-row tiles (H200 times: docs/benchmarks.md).
+    # padding its 64-row tiles, against the Triton kernel's 32-row tiles (H200 times: docs/benchmarks.md,
+    # "Gluon against Triton latent kernel, by head count").
     if H <= 16:
         return False
     # r/2 is each group's value wgmma N (at most 256) and the query loads in 128-column chunks, half per group;

@@ -238,7 +238,8 @@ def _config(H: int, R: int, K: int, queries: int, device: torch.device, num_spli
     """Tile sizes and split count for the kernel (``elt``: bytes per plane element) -> (BLOCK_H, BLOCK_N,
     NUM_SPLITS, num_warps, num_stages). Registers are the limit: the [BLOCK_H, r] fp32 accumulator lives in
     them, while the query is a shared-memory operand of the score wgmma. The H200 sweeps behind these choices
-    (r=512, dr=64, bf16) are in docs/benchmarks.md."""
+    (r=512, dr=64, bf16) are in docs/benchmarks.md, "Decode: Triton tile sweep" and "Absorbed prefill (latent
+    kernel over every query)"."""
     BLOCK_H = min(64, max(16, triton.next_power_of_2(H)))
     BLOCK_R = max(16, triton.next_power_of_2(R))
     if BLOCK_H == 16:

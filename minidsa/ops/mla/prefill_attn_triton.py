@@ -112,8 +112,8 @@ def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, co
 def tile_config(on_gpu: bool, elt: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the union attention, which the union build follows (its tiles
     of BLOCK_M queries): 128 x 32, 8 warps, 3 stages for 16-bit kv on a GPU, the fastest on the H200 (the sweeps:
-    docs/benchmarks.md). The interpreter costs ~4 ms per program instance and loop step: CPU runs take the
-    smallest tiles."""
+    docs/benchmarks.md, "Prefill: Triton union attention tile sweep"). The interpreter costs ~4 ms per program
+    instance and loop step: CPU runs take the smallest tiles."""
     # BLOCK_N <= 32: one int32 mask word per query and chunk.
     if not on_gpu:
         return 16, 16, 4, 1

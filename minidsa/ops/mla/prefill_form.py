@@ -27,7 +27,7 @@ FORM = os.environ.get("MINIDSA_PREFILL_FORM", "auto")
 # 1.08e-11 + 4.4e-13 per head (bits, unions, decompression), plus 1.6e-12 per head and (query, union slot) pair.
 # Absorbed form: per selected pair, which its gathers bind: 2.65e-10 up to 16 heads (the Triton kernel's 16-row
 # tiles), else 3.45e-10 per 64 heads (the Gluon kernel's tiles on sm_90). The fit and its residuals:
-# docs/benchmarks.md.
+# docs/benchmarks.md, "Prefill: form cost model".
 UNION_FIXED = (1.08e-11, 4.4e-13)
 UNION_PER_HEAD_PAIR = 1.6e-12
 # The Gluon kernel's per (head, union pair) cost: the Triton kernel's scaled by their measured ratio (0.84-0.85,
