@@ -7,7 +7,7 @@ pre-norm transformer of the same width and depth, in one run.
 Variants (each a forward + backward of a full next-token loss over every position, no optimizer step):
   reference  MiniDSA.forward (per-query gathers, offline FP8 experts dequantised each forward; experts are buffers)
   lean       TrainingModel: masked SDPA over the selected keys, matmul-only KDA chunks, grouped float experts
-  lean_kl    lean + the indexer's sparse-stage KL (indexer_training.layer_kl), i.e. a real training step
+  lean_kl    lean + the indexer's sparse-stage KL (training/indexer_losses.layer_kl), i.e. a real training step
   dense      pre-norm transformer, same width/depth/heads, causal SDPA, SwiGLU 4d
 Prints tokens/s and peak memory per variant, and the loss of reference vs lean on the same batch. On a GPU
 the peak is torch.cuda.max_memory_allocated during the timed steps; on a CPU each variant runs in its own

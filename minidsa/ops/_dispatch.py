@@ -1,8 +1,8 @@
 """Backend selection for every public op, decided in one place.
 
-Each op has a PyTorch reference in ``minidsa/ops/<op>.py`` (always available, fp32 math) and, where
-it is a hot path, a Triton kernel in ``minidsa/ops/<op>_triton.py`` with the same signature. The
-table ``TRITON_KERNELS`` below is the only place that says which kernel backs which op; kernel
+Each op has a PyTorch reference in ``minidsa/ops/<op>/reference.py`` (always available, fp32 math)
+and, where it is a hot path, a Triton kernel beside it in ``minidsa/ops/<op>/<name>_triton.py`` with
+the same signature. The table ``TRITON_KERNELS`` below is the only place that says which kernel backs which op; kernel
 modules are imported the first time they are picked, so importing minidsa never imports triton.
 
 The backend in force comes from ``use_backend(...)`` (a context manager; ``model.set_backend``
