@@ -277,7 +277,8 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
     meta["PTX"] = on_gpu and triton.runtime.driver.active.get_current_target().backend == "cuda"
     if meta["GEMV"] and meta["MXFP4"]:  # activations as 8 planes z[n, j::8] (see matvec_triton._x_part)
         z = z.view(N, L // 8, 8).transpose(1, 2).contiguous()
-    tiles = max(1, triton.cdiv(longest, cfg["BLOCK_T"]))  # token tiles per slot
+    # token tiles per slot; the MXFP4 matrix-vector programs walk all of a slot's tokens themselves
+    tiles = 1 if meta["GEMV"] and meta["MXFP4"] else max(1, triton.cdiv(longest, cfg["BLOCK_T"]))
     meta, parts_up, parts_down = _gemv_meta(meta, on_gpu, L, I)
     _up_kernel[(tiles, triton.cdiv(I, meta["BLOCK_R"]), m)](z, *shared, h, *strides, float(beta_gate),
                                                             float(beta_up), **meta, **parts_up)
