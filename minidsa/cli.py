@@ -67,12 +67,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="always generate --max-new-tokens (the untrained model samples eos at random)")
     c = sub.add_parser("params", parents=[common],
                        help="count total and active parameters of a config (meta device, no memory)")
-    c.add_argument("config", help="preset name, config JSON path or checkpoint directory")
+    c.add_argument("config", help="'default' (the shipped model's config), a preset name, a config JSON path or a "
+                                  "checkpoint directory")
     k = sub.add_parser("check-checkpoint", parents=[common],
                        help="check a checkpoint's names, shapes and dtypes from its headers alone")
     k.add_argument("directory", help="checkpoint directory (config.json, index JSON, shards)")
-    k.add_argument("--config", default=None, help="preset name or config JSON to check against "
-                                                   "(default: the directory's config.json)")
+    k.add_argument("--config", default=None, help="'default' (the shipped model's config), a preset name or a "
+                                                   "config JSON to check against (default: the directory's "
+                                                   "config.json)")
     k.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     _train_parser(sub, common)
     e = sub.add_parser("eval", parents=[common], help="accuracy, random-selection baseline and indexer recall on "

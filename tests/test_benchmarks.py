@@ -19,6 +19,7 @@ def test_there_are_benchmarks_to_check():
     assert len(SCRIPTS) >= 5, [p.name for p in SCRIPTS]
 
 
+@pytest.mark.slow  # each script is a fresh process that compiles and interprets every kernel it times: minutes in all
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.name for p in SCRIPTS])
 def test_benchmark_dry_run(script):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")

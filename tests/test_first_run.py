@@ -1,4 +1,4 @@
-"""What a new user meets on a first run and with bad input (issue 13), one table per group: the README's
+"""What a new user meets on a first run and with bad input, one table per group: the README's
 set-up order, thread counts, damaged checkpoints, errors that are ValueError/TypeError naming the value,
 leftovers, and the CLI's output."""
 
@@ -333,6 +333,23 @@ def test_cli_prints_one_line_for_a_user_error(cli_scratch, capsys, threads_resto
     assert main(args + ["--no-progress"] * (args[:1] == ["generate"])) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("error: ") and re.search(msg, err), err
+
+
+SHIPPED = minidsa.checkpoint.PRETRAINED["default"]
+DEFAULT_NAMED = [  # a command naming the shipped model "default", the same command with its config.json's path
+    (["params", "default"], ["params", str(SHIPPED / "config.json")]),
+    (["check-checkpoint", str(SHIPPED), "--config", "default", "--no-progress"],
+     ["check-checkpoint", str(SHIPPED), "--config", str(SHIPPED / "config.json"), "--no-progress"]),
+]
+
+
+@pytest.mark.parametrize("by_name, by_path", DEFAULT_NAMED, ids=[a[0] for a, _ in DEFAULT_NAMED])
+def test_cli_takes_default_wherever_it_takes_a_config_name(capsys, threads_restored, by_name, by_path):
+    def output(argv):
+        assert main(argv) == 0
+        text = capsys.readouterr().out
+        return re.sub(r"read in [\d.]+ s", "", text).removeprefix(f"{argv[1]}:")  # the name or path it echoes
+    assert output(by_name) == output(by_path)
 
 
 # ------------------------------------------------------------------ 5. leftovers

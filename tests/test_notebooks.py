@@ -11,6 +11,7 @@ import pytest
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 
 
+@pytest.mark.slow  # every cell of every notebook, plots included: a tour of the whole package per notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path):
     """... and leaves nothing in the temp folder (notebook 02 once left a 56 MB checkpoint per run)."""

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..config import load_config
+from ..config import ModelConfig, load_config
 from ..formats import mxfp4, shards
 from ..formats.dtypes import SAFETENSORS_NAMES, disk_dtype
 from ..model.minidsa import MiniDSA
@@ -32,7 +32,7 @@ _EXPERT_TENSOR = re.compile(r"^(.*\.block_sparse_moe)\.experts\.(\d+)\.(w[123])\
 _DEFAULT_MODELS: dict[str, MiniDSA] = {}
 DEFAULT_MODEL = "default"  # the trained checkpoint shipped in the package (PRETRAINED below)
 # Checkpoints shipped inside the package, by the name load() accepts for them. "default" is the tiny
-# config trained on the synthetic tasks (data.py) by the README's training command.
+# config trained on the synthetic tasks (training/tasks.py) by the README's training command.
 PRETRAINED = {"default": Path(__file__).resolve().parent.parent / "pretrained" / "default"}
 
 
@@ -43,10 +43,7 @@ def load(name_or_path="tiny", *, device: torch.device | str = "cpu", progress: b
     tqdm bar while a checkpoint streams in; ``lazy_experts`` leaves routed experts on disk until a
     token is routed to them. ``"default"`` is the trained checkpoint shipped with the package."""
     if isinstance(name_or_path, str) and name_or_path in PRETRAINED:
-        if not PRETRAINED[name_or_path].is_dir():
-            raise ValueError(f"the shipped checkpoint {name_or_path!r} is missing from this install "
-                             f"({PRETRAINED[name_or_path]}); reinstall minidsa or pass a checkpoint directory")
-        name_or_path = PRETRAINED[name_or_path]
+        name_or_path = pretrained_dir(name_or_path)
     if isinstance(name_or_path, (str, os.PathLike)) and Path(name_or_path).is_dir():
         return load_pretrained(name_or_path, device=device, progress=progress, lazy_experts=lazy_experts)
     if isinstance(name_or_path, (str, os.PathLike)) and (Path(name_or_path).name == shards.INDEX_NAME
@@ -56,15 +53,33 @@ def load(name_or_path="tiny", *, device: torch.device | str = "cpu", progress: b
     return build_model(name_or_path, device=device)
 
 
+def pretrained_dir(name: str) -> Path:
+    """The directory of a checkpoint shipped in the package, by its name in PRETRAINED."""
+    if not PRETRAINED[name].is_dir():
+        raise ValueError(f"the shipped checkpoint {name!r} is missing from this install "
+                         f"({PRETRAINED[name]}); reinstall minidsa or pass a checkpoint directory")
+    return PRETRAINED[name]
+
+
+def resolve_config(name_or_config) -> ModelConfig:
+    """``load_config`` plus the names of the shipped checkpoints: ``"default"`` is the config the shipped
+    model was trained with (its config.json), so every entry point that takes a config name takes the
+    names ``load`` takes. The config layer knows presets only; shipped checkpoints live up here."""
+    if isinstance(name_or_config, str) and name_or_config in PRETRAINED:
+        return load_config(pretrained_dir(name_or_config) / "config.json")
+    return load_config(name_or_config)
+
+
 def build_model(name_or_config="tiny", *, device: torch.device | str = "cpu") -> MiniDSA:
-    """A seeded, randomly initialised model of the named config (``load("default")`` is the trained one)."""
-    return MiniDSA(load_config(name_or_config), device=device)
+    """A seeded, randomly initialised model of the named config; ``build_model("default")`` has the shipped
+    model's config and random weights (``load("default")`` is the trained one)."""
+    return MiniDSA(resolve_config(name_or_config), device=device)
 
 
 def checkpoint_manifest(name_or_config) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every tensor ``save_pretrained`` writes for a config: {name: (shape, on-disk dtype)}, the dtype in
     safetensors spelling ("BF16", "F32", "U8"). Built on the meta device, so it works for "k3.1-pro"."""
-    cfg = load_config(name_or_config)
+    cfg = resolve_config(name_or_config)
     model = MiniDSA(cfg, device="meta", init=False)
     return {name: (tuple(t.shape), SAFETENSORS_NAMES[disk_dtype(name, t, cfg.torch_dtype)])
             for name, t in model.checkpoint_tensors().items()}
@@ -78,7 +93,7 @@ def count_parameters(name_or_config) -> dict[str, int]:
     routed to, leaving out the input embedding (a row lookup) and the vision tower and projector (the
     model card's definition). active_with_embedding_and_vision: the same plus those.
     """
-    cfg = load_config(name_or_config)
+    cfg = resolve_config(name_or_config)
     model = MiniDSA(cfg, device="meta", init=False)
     moe = model.moe_layers()
     total = sum(p.numel() for p in model.parameters()) + sum(m.experts_packed.numel() * 2 for m in moe)

@@ -20,9 +20,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..config import load_config
 from ..formats import shards
-from .loading import checkpoint_manifest
+from .loading import checkpoint_manifest, resolve_config
 
 INDEX_SHARD = "(index)"  # where findings about names the index does not list are filed
 MAX_PRINTED = 20  # findings printed per shard; the rest are counted
@@ -65,12 +64,14 @@ class CheckReport:
 
 
 def check_checkpoint(directory: str | os.PathLike, config=None, *, progress: bool = True) -> CheckReport:
-    """Check ``directory`` against the manifest of ``config`` (default: its own config.json)."""
+    """Check ``directory`` against the manifest of ``config``: a preset name, ``"default"`` (the shipped
+    model's config), a config JSON path or a ModelConfig; None (the default) is the directory's own
+    config.json."""
     start = time.perf_counter()
     directory = Path(directory)
     if not directory.is_dir():
         raise ValueError(f"checkpoint directory {str(directory)!r} does not exist")
-    cfg = load_config(config if config is not None else directory / "config.json")
+    cfg = resolve_config(config if config is not None else directory / "config.json")
     manifest = checkpoint_manifest(cfg)
     weight_map = shards.read_index(directory).weight_map
     findings = [Finding("missing", INDEX_SHARD, name, f"not listed in {shards.INDEX_NAME}")

@@ -1,6 +1,6 @@
 """Sharded safetensors on disk: writing shards + the index JSON, and reading tensors back verified.
 
-Nothing here knows the model: ``checkpoint.py`` (above the model) maps the model's tensors to names
+Nothing here knows the model: ``checkpoint/loading.py`` (above the model) maps the model's tensors to names
 and calls these; the MoE layer receives readers made by ``tensor_reader`` for its lazy experts.
 
     directory/model-0000N-of-0000M.safetensors   tensors, at most ~max_shard_size bytes per shard

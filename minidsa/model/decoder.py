@@ -3,7 +3,7 @@ Residuals (docs/design.md §1), and the cache layout those layers need.
 
 Each layer has two sub-layers and two residual mixers; the decoder keeps the stored block
 representations (the embedding is block 0) and the running sum of the current block, and feeds each
-sub-layer a softmax mix over depth. ``MiniDSA`` (model.py) wraps this with the embedding inputs,
+sub-layer a softmax mix over depth. ``MiniDSA`` (minidsa.py) wraps this with the embedding inputs,
 the caches, the experts and the vision path.
 """
 

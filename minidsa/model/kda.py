@@ -96,7 +96,7 @@ class KimiDeltaAttention(nn.Module):
 
     def recurrence_inputs(self, x: torch.Tensor, state: dict[str, torch.Tensor]):
         """x [B, T, d] and the conv state -> ((q, k [B, T, H, K], v [B, T, H, K], g [B, T, H, K], beta [B, T, H]),
-        {"conv": the new conv state}). The training path reuses it (training_forward.py)."""
+        {"conv": the new conv state}). The training path reuses it (training/forward.py)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         acc = acc_dtype(x)

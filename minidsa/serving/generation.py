@@ -5,7 +5,7 @@
     for piece in minidsa.generate("hi", stream=True): print(piece, end="")       # streaming
     text, trace = minidsa.generate("hi", return_trace=True)                     # DSA selections
 
-Every argument is checked before any cache block is taken (prompts.py); blocks are reserved for the
+Every argument is checked before any cache block is taken (requests.py); blocks are reserved for the
 whole request up front (all-or-nothing) and always given back, so a failed or abandoned request
 leaves the model and its cache as they were.
 """

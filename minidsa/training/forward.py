@@ -2,7 +2,7 @@
 forward + backward at batch x context (docs/design.md §2).
 
 The reference stays the definition; this path reuses every layer's own projections and differs only in
-how the expensive parts are computed (training_ops.py):
+how the expensive parts are computed (lean_ops.py):
   * MLA: the indexer's top-k becomes a boolean key mask and attention is one SDPA call with it, instead
     of gathering K keys per query;
   * KDA: the chunked form with matmul-only intra-chunk terms and one batched triangular solve;

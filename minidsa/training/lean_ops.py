@@ -1,4 +1,4 @@
-"""The lean ops of the training path (training_forward.py): the same functions as the reference
+"""The lean ops of the training path (forward.py): the same functions as the reference
 layers compute, written for a forward + backward over fixed sequences, where every key is in memory.
 
 * ``selection_mask``: the indexer's top-k as a boolean key mask [B, T, S] (no per-query gathers), so

@@ -5,9 +5,9 @@ Stages (one run, one AdamW, one warm-up + cosine learning-rate schedule over all
   0. dense   - the whole model learns the tasks with dense attention (the miniature's stand-in for the
                dense checkpoint that DSA training starts from); the indexer is unused;
   1. warmup  - attention stays dense and only the indexer learns, by KL to the main attention summed
-               over heads (indexer_training.layer_kl, stage "warmup");
+               over heads (indexer_losses.layer_kl, stage "warmup");
   2. sparse  - attention uses the indexer's top-k; the model learns from the LM loss (and, when
-               focus_loss_weight > 0, the focus term, indexer_training.focus_loss) and the indexer
+               focus_loss_weight > 0, the focus term, indexer_losses.focus_loss) and the indexer
                from its KL over the selected keys with its input detached (stage "sparse").
 The indexer's KL (stages 1 and 2) and the focus term take the MLA inputs of the retrieval rows and of
 the multimodal rows: the indexer must learn where an answer about an image looks, too.
@@ -15,7 +15,7 @@ The LM loss is cross-entropy on the answer tokens (and eos) of each row, plus (t
 next-token loss on every token of the retrieval rows; in stage 0 some pass keys are one repeated digit
 (easy_key_*), which teaches "find the digits and copy them" before their order. Without these two the
 answer loss stays at ln(10) per digit (the model learns the format, never the copy). Forward and backward run on
-the lean training path (training_forward.py), equal to the reference forward.
+the lean training path (forward.py), equal to the reference forward.
 
     result = train(TrainConfig(model="tiny", out_dir="runs/tiny", sparse_steps=300))
     result = train(TrainConfig(out_dir="runs/tiny", max_minutes=9), resume=True)   # the next leg
@@ -58,15 +58,15 @@ class TrainConfig:
     model: str = "tiny"  # preset name or config JSON; training starts from its seeded initialisation
     out_dir: str = "runs/minidsa"  # checkpoint directory of the run (created; resumed from with resume=True)
     seed: int = 0  # seeds the data stream and the evaluation's random selections (the weights: config seed)
-    dense_steps: int = 4400  # stage 0 steps: dense attention, everything but the indexer learns (shapes in the
-    # images were still being learned at 3600 steps, so the shipped recipe runs this long)
+    dense_steps: int = 4400  # stage 0 steps: dense attention, everything but the indexer learns (the image task
+    # is the slowest to learn and needs a dense stage this long)
     warmup_steps: int = 200  # stage 1 steps: dense attention, only the indexer learns (KL)
     sparse_steps: int = 1400  # stage 2 steps: top-k attention, LM loss + the indexer's KL (input detached)
     batch_size: int = 8  # retrieval rows per step
-    mm_batch_size: int = 32  # multimodal rows per step (0 = none; at 4 the shapes were never learned)
+    mm_batch_size: int = 32  # multimodal rows per step (0 = none; a few rows per step are too few to learn the shapes)
     context: int = 72  # tokens per retrieval row (9 x tiny's top-k); 0 = tasks.default_context (16 x top-k, capped)
     num_distractors: int = 0  # extra pass-key passages with other names per retrieval row
-    focus_loss_weight: float = 0.3  # sparse stage: weight of indexer_training.focus_loss (0 = DSA's recipe as is)
+    focus_loss_weight: float = 0.3  # sparse stage: weight of indexer_losses.focus_loss (0 = DSA's recipe as is)
     text_loss_weight: float = 1.0  # weight of a next-token loss on every token of the retrieval rows (0 = off)
     easy_key_steps: int = 150  # first steps on which every pass key is one digit repeated ("77777"): copying
     easy_key_frac: float = 0.25  # ... and the share of such rows afterwards (0 = none)

@@ -11,9 +11,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import minidsa
+from minidsa.checkpoint import DEFAULT_MODEL, PRETRAINED
 from minidsa.formats.shards import file_checksum
 
 INDEX = "model.safetensors.index.json"
+SHIPPED = PRETRAINED[DEFAULT_MODEL]  # the trained checkpoint load("default") reads
 
 
 def copy_of(saved, tmp_path):
@@ -180,6 +182,28 @@ def test_params_cli(capsys):
     out = capsys.readouterr().out
     assert out.startswith("tiny:") and "active per token" in out
     assert main(["params", "nope"]) == 2
+
+
+def test_default_names_the_shipped_model_wherever_a_config_name_is_taken(capsys):
+    """"default" is what load("default") loads: the counts, the manifest and the random model of its name are
+    those of the shipped config.json, and the validator checks against it."""
+    trained = minidsa.load("default", progress=False)
+    shipped = SHIPPED / "config.json"
+    counts = minidsa.count_parameters("default")
+    assert counts == minidsa.count_parameters(shipped)
+    packed = sum(m.experts_packed.numel() * 2 for m in trained.moe_layers())  # two MXFP4 elements a byte
+    assert counts["total"] == sum(p.numel() for p in trained.parameters()) + packed
+    assert minidsa.build_model("default").config == trained.config
+    manifest = minidsa.checkpoint_manifest("default")
+    assert manifest == minidsa.checkpoint_manifest(shipped)
+    assert {n: tuple(t.shape) for n, t in trained.checkpoint_tensors().items()} == {n: s for n, (s, _) in manifest.items()}
+    report = minidsa.check_checkpoint(SHIPPED, "default", progress=False)
+    assert report.ok and report.tensors == len(manifest), str(report)
+    from minidsa.cli import main
+    assert main(["params", "default"]) == 0
+    by_name = capsys.readouterr().out
+    assert main(["params", str(shipped)]) == 0
+    assert by_name.removeprefix("default:") == capsys.readouterr().out.removeprefix(f"{shipped}:")
 
 
 def test_lazy_experts_are_read_on_first_use(saved, tmp_path):

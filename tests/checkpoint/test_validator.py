@@ -208,6 +208,7 @@ def test_cli(saved, tmp_path, capsys):
     assert "shape" in out and A_LOG in out and "(4,) on disk, expected (128,)" in out
     assert main(["check-checkpoint", str(tmp_path / "nope"), "--no-progress"]) == 2
     assert main(["check-checkpoint", str(saved), "--config", "laptop", "--no-progress"]) == 1  # wrong config
+    assert main(["check-checkpoint", str(saved), "--config", "default", "--no-progress"]) == 0  # the shipped: tiny
 
 
 # ------------------------------------------------------------------- header-only reference-scale sets

@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from ...formats.mxfp4 import E8M0_NAN, GROUP, _byte_to_fp8_pair, _lookup, e2m1_table, e8m0_to_float
+from ...formats.mxfp4 import GROUP, _byte_to_fp8_pair, _lookup, e2m1_table, e8m0_to_float
 from ...formats.mxfp4 import _fp8_values as _e4m3_values
 from .._checks import acc_dtype, cast, check_tensor, on_host
 from ..activation.reference import situ_glu_values
