@@ -401,3 +401,16 @@ def test_kernels_sit_beside_their_reference():
         if module.rpartition(".")[0] != folder or not module.endswith("_triton"):
             bad.append(f"{op}: kernel module {module} is not a *_triton module in {folder}")
     assert not bad, "\n".join(bad)
+
+
+def test_every_environment_switch_is_in_the_design_table():
+    """Each MINIDSA_* variable the package reads has a row in docs/design.md's one table of switches."""
+    read = set()
+    for path in package_files():
+        read |= set(re.findall(r"environ(?:\.get)?\(\s*[\"'](MINIDSA_\w+)", path.read_text()))
+        read |= set(re.findall(r"environ\[\s*[\"'](MINIDSA_\w+)", path.read_text()))
+    assert read, "found no MINIDSA_* switches: is the pattern still right?"
+    text = DESIGN.read_text()
+    section = text[text.index("### Environment switches"):]
+    rows = set(re.findall(r"^\| `(MINIDSA_\w+)` \|", section, flags=re.MULTILINE))
+    assert read == rows, f"read by the package: {sorted(read)}; rows in the table: {sorted(rows)}"

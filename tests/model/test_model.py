@@ -7,6 +7,7 @@ from conftest import tiny_config, with_indexer
 
 import minidsa
 from minidsa import ops
+from minidsa.model.mla import GatedMLA
 
 # fp32: the cached paths compute the same function in another order (absorbed vs decompressed
 # attention, block gathers, different matmul shapes), so logits (|x| ~ 0.1-1) differ by rounding:
@@ -290,3 +291,14 @@ def test_bfloat16_model_runs_every_path():
     fp8 = minidsa.MiniDSA(with_indexer(tiny_config(dtype="bfloat16"), fp8=True, hadamard=True))
     with torch.no_grad():
         assert torch.isfinite(fp8(ids)).all()
+
+
+def test_mla_latent_norms_use_the_release_eps(tiny_model):
+    """The release builds q_a_layernorm and kv_a_layernorm without an eps (the RMSNorm default, 1e-6), every
+    other norm with rms_norm_eps (1e-5). A latent whose mean square is near 1e-6 tells the two apart."""
+    mla = next(m for m in tiny_model.modules() if isinstance(m, GatedMLA))
+    for norm in (mla.q_a_layernorm, mla.kv_a_layernorm):
+        x = torch.full((1, norm.weight.numel()), 1e-3)   # mean square 1e-6
+        want = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.detach().float()
+        torch.testing.assert_close(norm(x), want, rtol=1e-6, atol=0)  # fp32 rounding of one division
+    assert tiny_model.config.rms_norm_eps == 1e-5 and mla.indexer.k_norm.eps == tiny_model.config.rms_norm_eps
