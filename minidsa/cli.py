@@ -18,7 +18,8 @@ import time
 import torch
 
 from .cache import OutOfKVBlocksError
-from .checkpoint.loading import DEFAULT_MODEL, count_parameters, load
+from .checkpoint.loading import load
+from .checkpoint.manifest import DEFAULT_MODEL, count_parameters
 from .checkpoint.validator import check_checkpoint
 from .serving.generation import generate
 from .training import loop as training_loop

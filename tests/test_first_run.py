@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import minidsa
-from minidsa.checkpoint.loading import check_values, checkpoint_manifest
+from minidsa.checkpoint.loading import check_values
+from minidsa.checkpoint.manifest import checkpoint_manifest
 from minidsa.cli import human_count, main, printable
 from minidsa.formats import mxfp4, shards
 

@@ -1,5 +1,6 @@
 """Loading a model: a checkpoint directory (sharded safetensors + index JSON + config.json, docs/design.md §9)
-or a preset's seeded random weights. This sits above the model; the file format is in shards.py.
+or a preset's seeded random weights. This sits above the model; the file format is in formats/shards.py,
+the names, shapes and dtypes a config implies in manifest.py.
 
     model.save_pretrained("ckpt", max_shard_size="50MB")
     model = minidsa.load("ckpt")
@@ -22,18 +23,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..config import ModelConfig, load_config
+from ..config import load_config
 from ..formats import mxfp4, shards
-from ..formats.dtypes import SAFETENSORS_NAMES, disk_dtype
+from ..formats.dtypes import disk_dtype
 from ..model.minidsa import MiniDSA
-from ..model.moe import expert_shapes
+from .manifest import DEFAULT_MODEL, PRETRAINED, pretrained_dir, resolve_config
 
 _EXPERT_TENSOR = re.compile(r"^(.*\.block_sparse_moe)\.experts\.(\d+)\.(w[123])\.(weight_packed|weight_scale)$")
 _DEFAULT_MODELS: dict[str, MiniDSA] = {}
-DEFAULT_MODEL = "default"  # the trained checkpoint shipped in the package (PRETRAINED below)
-# Checkpoints shipped inside the package, by the name load() accepts for them. "default" is the tiny
-# config trained on the synthetic tasks (training/tasks.py) by the README's training command.
-PRETRAINED = {"default": Path(__file__).resolve().parent.parent / "pretrained" / "default"}
 
 
 def load(name_or_path="tiny", *, device: torch.device | str = "cpu", progress: bool = True,
@@ -53,55 +50,10 @@ def load(name_or_path="tiny", *, device: torch.device | str = "cpu", progress: b
     return build_model(name_or_path, device=device)
 
 
-def pretrained_dir(name: str) -> Path:
-    """The directory of a checkpoint shipped in the package, by its name in PRETRAINED."""
-    if not PRETRAINED[name].is_dir():
-        raise ValueError(f"the shipped checkpoint {name!r} is missing from this install "
-                         f"({PRETRAINED[name]}); reinstall minidsa or pass a checkpoint directory")
-    return PRETRAINED[name]
-
-
-def resolve_config(name_or_config) -> ModelConfig:
-    """``load_config`` plus the names of the shipped checkpoints: ``"default"`` is the config the shipped
-    model was trained with (its config.json), so every entry point that takes a config name takes the
-    names ``load`` takes. The config layer knows presets only; shipped checkpoints live up here."""
-    if isinstance(name_or_config, str) and name_or_config in PRETRAINED:
-        return load_config(pretrained_dir(name_or_config) / "config.json")
-    return load_config(name_or_config)
-
-
 def build_model(name_or_config="tiny", *, device: torch.device | str = "cpu") -> MiniDSA:
     """A seeded, randomly initialised model of the named config; ``build_model("default")`` has the shipped
     model's config and random weights (``load("default")`` is the trained one)."""
     return MiniDSA(resolve_config(name_or_config), device=device)
-
-
-def checkpoint_manifest(name_or_config) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Every tensor ``save_pretrained`` writes for a config: {name: (shape, on-disk dtype)}, the dtype in
-    safetensors spelling ("BF16", "F32", "U8"). Built on the meta device, so it works for "k3.1-pro"."""
-    cfg = resolve_config(name_or_config)
-    model = MiniDSA(cfg, device="meta", init=False)
-    return {name: (tuple(t.shape), SAFETENSORS_NAMES[disk_dtype(name, t, cfg.torch_dtype)])
-            for name, t in model.checkpoint_tensors().items()}
-
-
-def count_parameters(name_or_config) -> dict[str, int]:
-    """Parameters of any config, built on the meta device (no memory); docs/design.md §0.
-
-    total: every weight, a packed MXFP4 expert element counted once (its scales are not parameters).
-    active: what one token's decoder computation touches, i.e. all but the routed experts it is not
-    routed to, leaving out the input embedding (a row lookup) and the vision tower and projector (the
-    model card's definition). active_with_embedding_and_vision: the same plus those.
-    """
-    cfg = resolve_config(name_or_config)
-    model = MiniDSA(cfg, device="meta", init=False)
-    moe = model.moe_layers()
-    total = sum(p.numel() for p in model.parameters()) + sum(m.experts_packed.numel() * 2 for m in moe)
-    per_expert = sum(rows * k for rows, k in expert_shapes(cfg).values())
-    active_all = total - len(moe) * (cfg.moe.num_experts - cfg.moe.top_k) * per_expert
-    outside = [model.language_model.model.embed_tokens, model.vision_tower, model.mm_projector]
-    left_out = sum(p.numel() for module in outside for p in module.parameters())
-    return {"total": total, "active": active_all - left_out, "active_with_embedding_and_vision": active_all}
 
 
 def default_model() -> MiniDSA:

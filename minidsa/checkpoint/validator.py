@@ -21,7 +21,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..formats import shards
-from .loading import checkpoint_manifest, resolve_config
+from .manifest import checkpoint_manifest, resolve_config
 
 INDEX_SHARD = "(index)"  # where findings about names the index does not list are filed
 MAX_PRINTED = 20  # findings printed per shard; the rest are counted

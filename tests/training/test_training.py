@@ -236,7 +236,7 @@ def test_train_cli_writes_a_checkpoint_eval_reads(tmp_path, capsys):
 def test_shipped_checkpoint_answers_a_held_out_retrieval_prompt():
     """minidsa.load("default") is the trained model: greedy decoding through the cached (paged, sparse)
     path returns the pass key of a held-out prompt, and the shipped files stay under 32 MB."""
-    from minidsa.checkpoint.loading import PRETRAINED
+    from minidsa.checkpoint.manifest import PRETRAINED
     assert sum(f.stat().st_size for f in PRETRAINED["default"].iterdir()) < 32 * 2**20
     model = minidsa.load("default", progress=False)
     sample = tasks.samples("retrieval", "eval", 123, 0, 1, 72)[0]
