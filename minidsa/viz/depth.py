@@ -1,4 +1,4 @@
-"""Pictures of Block Attention Residuals: how each depth mixer weighted the blocks below it (docs/design.md §5).
+"""Pictures of Block Attention Residuals: how each depth mixer weighted the blocks below it (docs/design.md §1).
 
 Instead of adding every layer's output into one residual stream, the decoder stores one summed output per
 block of layers (the embedding is block 0) and each mixer ("{layer}.attn", "{layer}.ffn", and "out" before

@@ -121,7 +121,7 @@ def plot_format_bytes(config="k3.1-pro", *, unit: str | None = "GB", ax=None):
     ax.set_ylim(0, 1.15 * b["bf16"])
     bytes_axis(ax, "y", unit=unit)
     name = meta_model(config).config.name
-    ax.set_title(f"{name}: all routed experts ({b['elements']:.3g} weights) by storage format")
+    ax.set_title(f"{name}: routed experts ({b['elements']:.3g} weights)\nby storage format")
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     return fig
