@@ -49,7 +49,13 @@ def resolves(module: str, attr: str) -> bool:
     except ImportError:
         parent, _, name = module.rpartition(".")   # minidsa.ops.x where x is a function of minidsa.ops
         return bool(parent) and hasattr(importlib.import_module(parent), name) and not attr
-    return not attr or hasattr(mod, attr)
+    if not attr or hasattr(mod, attr):
+        return True
+    try:   # ``from minidsa import viz``: a subpackage, importable though not yet an attribute
+        importlib.import_module(f"{module}.{attr}")
+        return True
+    except ImportError:
+        return False
 
 
 def test_the_helpers_find_what_they_should():
