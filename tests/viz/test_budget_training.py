@@ -2,36 +2,20 @@
 arithmetic, the curves against what a run records (its training_state.pt, read without unpickling), and
 each picture rendered to PNG with the bars, labels, legend and title it must show."""
 
-import io
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from figures import legend_texts, render  # noqa: E402
 
 import minidsa  # noqa: E402
 from minidsa.training.loop import STATE_FILE, TrainConfig  # noqa: E402
 from minidsa.viz import budget as vbudget  # noqa: E402
 from minidsa.viz import training as vtrain  # noqa: E402
 from minidsa.viz._common import meta_model  # noqa: E402
-
-
-def render(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=50)
-    plt.close(fig)
-    data = buf.getvalue()
-    assert data.startswith(b"\x89PNG") and len(data) > 1000
-    return data
-
-
-def legend_texts(ax) -> list[str]:
-    legend = ax.get_legend()
-    assert legend is not None, "no legend"
-    return [t.get_text() for t in legend.get_texts()]
 
 
 # --------------------------------------------------------------------------------------------- budget

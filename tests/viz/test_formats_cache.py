@@ -2,35 +2,19 @@
 dequantise (0 for exactly representable values), the expert bytes against the config's sizes, and each
 picture rendered to PNG with the marks, ticks, legend and title it must show."""
 
-import io
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from figures import legend_texts, render  # noqa: E402
 
 import minidsa  # noqa: E402
 from minidsa.formats import mxfp4  # noqa: E402
 from minidsa.viz import cache as vcache  # noqa: E402
 from minidsa.viz import mxfp4 as vmx  # noqa: E402
-
-
-def render(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=50)
-    plt.close(fig)
-    data = buf.getvalue()
-    assert data.startswith(b"\x89PNG") and len(data) > 1000
-    return data
-
-
-def legend_texts(ax) -> list[str]:
-    legend = ax.get_legend()
-    assert legend is not None, "no legend"
-    return [t.get_text() for t in legend.get_texts()]
 
 
 def representable(blocks: int, generator: torch.Generator) -> torch.Tensor:

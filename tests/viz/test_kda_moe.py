@@ -3,15 +3,14 @@ here on what the layer fed its op, the model's own conversion counter, the cache
 rendered to PNG with the marks, ticks, legend and title it must show."""
 
 import inspect
-import io
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from figures import legend_texts, render  # noqa: E402
 
 import minidsa  # noqa: E402
 from minidsa.viz import kda as vkda  # noqa: E402
@@ -31,19 +30,6 @@ def ids(model):
     return model.tokenizer.encode(TEXT)
 
 
-def render(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=50)
-    plt.close(fig)
-    data = buf.getvalue()
-    assert data.startswith(b"\x89PNG") and len(data) > 1000
-    return data
-
-
-def legend_texts(ax) -> list[str]:
-    legend = ax.get_legend()
-    assert legend is not None, "no legend"
-    return [t.get_text() for t in legend.get_texts()]
 
 
 def test_contract_signatures():
