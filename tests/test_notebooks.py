@@ -17,8 +17,8 @@ MAX_SECONDS = 180  # "well under 3 minutes" on 2 cores with one thread (notebook
 @pytest.mark.slow  # every cell of every notebook, plots included: a tour of the whole package per notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path):
-    """... in under MAX_SECONDS, and leaves nothing in the temp folder (notebook 02 once left a 56 MB
-    checkpoint per run)."""
+    """... in under MAX_SECONDS, and leaves nothing in the temp folder (a notebook that saves a checkpoint
+    must do it in a TemporaryDirectory)."""
     import torch._dynamo  # noqa: F401  (its first import creates torch's own cache folder in the temp folder)
     before = set(os.listdir(tempfile.gettempdir()))
     matplotlib.use("Agg")

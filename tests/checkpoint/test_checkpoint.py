@@ -163,7 +163,7 @@ def test_reference_scale_parameter_counts():
     # 2.7799 T is the sum over the released checkpoint's shapes (the card rounds it to 2.8 T); ours differs by the
     # DSA indexer of K3.1 (178.5 M parameters, 0.006 %) and may differ by no more than 0.1 %
     assert abs(counts["total"] / 2.7799e12 - 1) < 1e-3
-    # the card's 104 B (104.2 B) leaves out the input embedding and the vision path; 0.5 % is the bound
+    # the card's 104 B (104.2 B) leaves out the input embedding and the vision path; 0.5 % allows for the card's rounding
     assert abs(counts["active"] / 104.2e9 - 1) < 5e-3
     # what the other definition adds, worked out from the reference shapes (docs/design.md §0, §8)
     embedding = 163840 * 7168

@@ -257,7 +257,7 @@ def test_reference_scale_header_set(tmp_path, num_layers, num_shards):
     report = minidsa.check_checkpoint(tmp_path, progress=False)
     elapsed = time.perf_counter() - start
     assert report.ok and report.shards == num_shards, str(report)
-    assert elapsed < 60, f"{elapsed:.1f} s"  # the bound for the full 96-shard set on this machine
+    assert elapsed < 60, f"{elapsed:.1f} s"  # the full 96-shard set must check within a minute on a 2-core machine
     # one damaged header entry among them is found, by name: a transposed shape (same bytes, so nothing else)
     victim = f"{P}3.self_attn.indexer.weights_proj.weight"
     fname = json.loads((tmp_path / INDEX).read_text())["weight_map"][victim]
