@@ -6,7 +6,9 @@ MLA layer, multimodal accuracy, and both accuracies again with dense attention (
     print(format_metrics(metrics))     # one "name: value" line each
 
 A row counts as correct when every answer token (and the closing eos) is the argmax of the teacher-forced
-logits, which is exactly when greedy decoding reproduces the answer.
+logits, which is exactly when greedy decoding reproduces the answer. ``retrieval_digit_accuracy`` counts the
+pass-key digits one by one (chance: 0.1): it shows a model that has learned part of the copy, as a short
+run does, where whole-key accuracy is still 0.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ def evaluate(model: MiniDSA | TrainingModel, *, seed: int = 0, n: int = 64, cont
         raise ValueError(f"context = {context} must be in [8, max_seq_len = {cfg.max_seq_len}]")
     out: dict[str, float] = {}
     with torch.no_grad():
-        acc, recall = _retrieval(tm, "indexer", seed, n, context, batch_size, num_distractors)
+        acc, recall, digits = _retrieval(tm, "indexer", seed, n, context, batch_size, num_distractors)
         out["retrieval_accuracy"] = acc
+        out["retrieval_digit_accuracy"] = digits
         out["retrieval_accuracy_random_selection"] = _retrieval(tm, "random", seed, n, context, batch_size,
                                                                  num_distractors)[0]
         out.update({f"indexer_recall_layer{layer}": r for layer, r in sorted(recall.items())})
@@ -60,22 +63,29 @@ def rows_correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return hit.all(dim=1)
 
 
+def digits_correct(logits: torch.Tensor, labels: torch.Tensor, eos_id: int) -> tuple[int, int]:
+    """(pass-key digits that are the argmax of the teacher-forced logits, digits): the eos label left out."""
+    digit = (labels != -100) & (labels != eos_id)
+    return int(((logits.argmax(-1) == labels) & digit).sum()), int(digit.sum())
+
+
 def _retrieval(tm: TrainingModel, selection: str, seed: int, n: int, context: int, batch_size: int,
-               num_distractors: int) -> tuple[float, dict[int, float]]:
-    """(accuracy, {MLA layer index: recall}) over n retrieval samples with the given selection."""
+               num_distractors: int) -> tuple[float, dict[int, float], float]:
+    """(accuracy, {MLA layer index: recall}, digit accuracy) over n retrieval samples with the given selection."""
     gen = torch.Generator().manual_seed(seed)  # the random selections are part of the seeded evaluation
-    correct, mass, count = 0, {}, {}
+    correct, mass, count, digit_hits = 0, {}, {}, [0, 0]
     for start in range(0, n, batch_size):
         batch = tasks.encode(tasks.samples("retrieval", "eval", seed, start, min(batch_size, n - start), context,
                                          num_distractors), tm.model.config)
         ids, labels = batch.input_ids.to(tm.model.device), batch.labels.to(tm.model.device)
         logits, recorded = tm(ids, selection=selection, record=selection == "indexer", generator=gen)
         correct += int(rows_correct(logits, labels).sum())
+        digit_hits = [a + b for a, b in zip(digit_hits, digits_correct(logits, labels, tm.model.tokenizer.eos_id))]
         for mla, x in recorded.items():
             m, c = captured_mass(mla, x)
             mass[mla.layer_idx] = mass.get(mla.layer_idx, 0.0) + m
             count[mla.layer_idx] = count.get(mla.layer_idx, 0) + c
-    return correct / n, {layer: mass[layer] / max(count[layer], 1) for layer in mass}
+    return correct / n, {layer: mass[layer] / max(count[layer], 1) for layer in mass}, digit_hits[0] / digit_hits[1]
 
 
 def captured_mass(mla, x: torch.Tensor) -> tuple[float, int]:

@@ -22,12 +22,14 @@ the lean training path (forward.py), equal to the reference forward.
 
 ``out_dir`` then holds a checkpoint in the package's format (save_pretrained: routed experts quantised
 to MXFP4), ``training_state.pt`` (float master weights, optimizer state, step, history: what resuming
-needs) and ``loss_curves.png``.
+needs), ``training_log.json`` (the same history as JSON) and ``loss_curves.png``. ``TrainConfig.from_recipe``
+names the two recipes: "shipped" (the default fields) and "quick" (retrieval in a few minutes).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -47,6 +49,7 @@ from .indexer_losses import focus_loss, layer_kl
 
 STATE_FILE = "training_state.pt"
 CURVES_FILE = "loss_curves.png"
+LOG_FILE = "training_log.json"  # the run's config, per-step losses and evaluations, readable without torch
 # Settings of one leg, which a resumed run may change; every other field defines the run and is kept.
 LEG_FIELDS = ("out_dir", "max_minutes", "leg_steps", "eval_every", "eval_n", "save_every", "device", "progress")
 
@@ -87,6 +90,13 @@ class TrainConfig:
     def total_steps(self) -> int:
         return self.dense_steps + self.warmup_steps + self.sparse_steps
 
+    @classmethod
+    def from_recipe(cls, name: str, **overrides) -> TrainConfig:
+        """The TrainConfig of a named recipe (RECIPES), with keyword overrides: ``from_recipe("quick", out_dir=d)``."""
+        if name not in RECIPES:
+            raise ValueError(f"recipe = {name!r}; use one of {sorted(RECIPES)}")
+        return cls(**{**RECIPES[name], **overrides})
+
     def validate(self) -> None:
         for name in ("dense_steps", "warmup_steps", "sparse_steps", "easy_key_steps", "mm_batch_size", "context",
                      "num_distractors",
@@ -106,6 +116,18 @@ class TrainConfig:
             raise ValueError(f"TrainConfig needs lr > 0, 0 <= min_lr_ratio <= 1, grad_clip > 0 and max_minutes >= 0; "
                              f"got lr={self.lr}, min_lr_ratio={self.min_lr_ratio}, grad_clip={self.grad_clip}, "
                              f"max_minutes={self.max_minutes}")
+
+
+# Named recipes as TrainConfig overrides. "shipped" is the run behind minidsa/pretrained/default (about
+# 65 min on 2 CPU cores). "quick" learns retrieval in under 2 min on one CPU thread: pass-key rows only
+# (the image task needs thousands of steps), a smaller next-token weight (the filler competes with the
+# copy for the tiny model's capacity) and a learning rate that decays to a tenth, which keeps the sparse
+# stage from undoing what the dense stage learned (docs/log.md, 2026-12-02).
+RECIPES: dict[str, dict] = {
+    "shipped": {},
+    "quick": {"dense_steps": 400, "warmup_steps": 60, "sparse_steps": 140, "mm_batch_size": 0,
+              "text_loss_weight": 0.3, "min_lr_ratio": 0.1, "eval_every": 200, "eval_n": 32},
+}
 
 
 def stage_at(cfg: TrainConfig, step: int) -> str:
@@ -205,7 +227,7 @@ def train_step(tm: TrainingModel, opt: torch.optim.Optimizer, cfg: TrainConfig, 
 
 def train(config: TrainConfig | None = None, *, resume: bool = False, **overrides) -> dict:
     """Run (or, with ``resume``, continue from ``out_dir``) a training run; returns {"step", "history",
-    "evals", "out_dir", "done"}. Keyword overrides replace TrainConfig fields. On resume the run's fields
+    "evals", "train_config", "out_dir", "done"}. Keyword overrides replace TrainConfig fields. On resume the run's fields
     come from the checkpoint and only the leg fields (LEG_FIELDS) of ``config`` apply."""
     cfg = dataclasses.replace(config or TrainConfig(), **overrides)
     cfg.validate()
@@ -234,8 +256,8 @@ def train(config: TrainConfig | None = None, *, resume: bool = False, **override
         if out_of_time:
             break
     bar.close()
-    return {"step": done, "history": log["history"], "evals": log["evals"], "out_dir": cfg.out_dir,
-            "done": done == cfg.total_steps}
+    return {"step": done, "history": log["history"], "evals": log["evals"], "train_config": log["train_config"],
+            "out_dir": cfg.out_dir, "done": done == cfg.total_steps}
 
 
 def _start(cfg: TrainConfig, resume: bool):
@@ -259,24 +281,25 @@ def _start(cfg: TrainConfig, resume: bool):
 
 
 def save(tm: TrainingModel, opt: torch.optim.Optimizer, cfg: TrainConfig, step: int, log: dict) -> Path:
-    """The checkpoint (save_pretrained; routed experts quantised from the float masters), the training state
-    and the loss-curve PNG, all in ``cfg.out_dir``."""
+    """The checkpoint (save_pretrained; routed experts quantised from the float masters), the training state,
+    the log (LOG_FILE: config, per-step losses, evaluations) and the loss-curve PNG, all in ``cfg.out_dir``."""
     out = Path(cfg.out_dir)
     tm.export_experts()
     tm.model.save_pretrained(out)
     torch.save({"step": step, "model": tm.state_dict(), "optimizer": opt.state_dict(), **log}, out / STATE_FILE)
+    (out / LOG_FILE).write_text(json.dumps({"step": step, **log}, indent=0) + "\n")
     plot_curves(log["history"], log["evals"]).savefig(out / CURVES_FILE, dpi=110)
     return out
 
 
 def plot_curves(history: list[dict], evals: list[dict]):
     """Loss curves (log scale) per step, stage boundaries dashed, eval accuracies on a second axis -> Figure."""
-    import matplotlib
+    # a bare Figure, not pyplot: a file needs no display, and switching the backend here would stop a
+    # notebook that called train() from showing its later figures
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.subplots()
     for key, label in (("lm", "retrieval answer loss"), ("text", "next-token loss, all tokens"),
                        ("mm", "multimodal answer loss"), ("kl", "indexer KL"),
                        ("focus", "focus loss (weighted)")):

@@ -8,36 +8,39 @@ copy curriculum). ``plot_training_curves`` shades the stages and marks that swit
 read each loss against what was being trained at the time: the answer loss falling only after the
 curriculum, the indexer KL appearing at the warm-up, the jump (or not) when attention turns sparse.
 
-The run directory's ``training_state.pt`` is read with ``torch.load(..., weights_only=True)``: nothing is
-unpickled.
+A run directory is read from its ``training_log.json`` (or, for runs written before that file, its
+``training_state.pt`` with ``torch.load(..., weights_only=True)``: nothing is unpickled). The shipped
+model's directory, ``minidsa/pretrained/default``, holds the log of the run that made it.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..training.loop import STATE_FILE
+from ..training.loop import LOG_FILE, STATE_FILE
 from ._common import integer_axis, new_axes
 
 LOSSES = (("lm", "retrieval answer loss"), ("text", "next-token loss, all tokens"), ("mm", "multimodal answer loss"),
           ("kl", "indexer KL"), ("focus", "focus loss (weighted)"))
 STAGE_COLOURS = {"dense": "0.85", "warmup": "#f6e3a1", "sparse": "#cfe8cf"}
-ACCURACIES = (("retrieval_accuracy", "retrieval accuracy (held-out)", "o-", "0.2"),
-              ("multimodal_accuracy", "multimodal accuracy (held-out)", "s--", "tab:brown"))
+# Held-out accuracies with the indexer's top-k and with dense attention: in the dense stage the indexer is
+# untrained, so only the dense ones show what the model has learned by then.
+ACCURACIES = (("retrieval_accuracy", "retrieval accuracy, top-k (held-out)", "o-", "0.2"),
+              ("retrieval_accuracy_dense", "retrieval accuracy, dense", "x:", "0.2"),
+              ("retrieval_digit_accuracy", "pass-key digits right, top-k (chance 0.1)", "d-.", "tab:cyan"),
+              ("multimodal_accuracy", "multimodal accuracy, top-k (held-out)", "s--", "tab:brown"),
+              ("multimodal_accuracy_dense", "multimodal accuracy, dense", "+:", "tab:brown"))
 
 
 def load_history(history) -> tuple[list[dict], list[dict], dict]:
     """(per-step records, evaluations, train config or {}) of a run directory (or its training_state.pt),
     the dict ``train`` returns, a list of per-step dicts, or a dict of equal-length lists."""
     if isinstance(history, (str, Path)):
-        path = Path(history)
-        path = path / STATE_FILE if path.is_dir() else path
-        if not path.is_file():
-            raise ValueError(f"no {STATE_FILE} at {str(path)!r}: pass a run directory written by minidsa.train")
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = _read_run(Path(history))
         return list(state["history"]), list(state.get("evals", [])), dict(state.get("train_config", {}))
     if isinstance(history, dict) and "history" in history:
         return list(history["history"]), list(history.get("evals", [])), dict(history.get("train_config", {}))
@@ -53,6 +56,18 @@ def load_history(history) -> tuple[list[dict], list[dict], dict]:
         return [{"step": i, **r} for i, r in enumerate(history)], [], {}
     raise TypeError(f"history must be a run directory, train()'s result, a list of dicts or a dict of lists, "
                     f"got {type(history).__name__}")
+
+
+def _read_run(path: Path) -> dict:
+    """The log of a run directory (LOG_FILE, else STATE_FILE) or of one of those files."""
+    if path.is_dir():
+        path = path / LOG_FILE if (path / LOG_FILE).is_file() else path / STATE_FILE
+    if not path.is_file():
+        raise ValueError(f"no {LOG_FILE} or {STATE_FILE} at {str(path)!r}: pass a run directory written by "
+                         f"minidsa.train (or minidsa/pretrained/default, the shipped model's)")
+    if path.suffix == ".json":
+        return json.loads(path.read_text())
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def stage_spans(records: list[dict], config: dict) -> list[tuple[str, int, int]]:
@@ -120,6 +135,8 @@ def plot_training_curves(history, *, easy_key_steps: int | None = None, smooth: 
     if evals:
         ax2 = ax.twinx()
         for key, label, style, colour in ACCURACIES:
+            if key.startswith("multimodal") and config.get("mm_batch_size") == 0:
+                continue   # a run without image rows: its multimodal accuracy is 0 by construction
             pts = [(e["step"], e[key]) for e in evals if key in e]
             if pts:
                 ax2.plot(*zip(*pts), style, color=colour, ms=4, lw=0.8, label=label)

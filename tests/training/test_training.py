@@ -4,6 +4,7 @@ resuming is exact, the synthetic data is seeded, and `eval` prints every metric 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -13,9 +14,10 @@ from minidsa.cli import main
 from minidsa.formats import mxfp4
 from minidsa.ops import kda_chunk_ref
 from minidsa.training import tasks
+from minidsa.training.evaluation import digits_correct, rows_correct
 from minidsa.training.forward import TrainingModel
 from minidsa.training.lean_ops import kda_chunk_train, selection_mask, train_chunk_size
-from minidsa.training.loop import TrainConfig, answer_loss, easy_keys, step_losses, text_loss, train
+from minidsa.training.loop import LOG_FILE, RECIPES, TrainConfig, answer_loss, easy_keys, step_losses, text_loss, train
 
 TINY64 = minidsa.load_config("tiny").replace(dtype="float64")
 
@@ -134,7 +136,15 @@ def test_resume_equals_uninterrupted_training(tmp_path):
 
 
 def test_checkpoint_holds_the_quantised_masters_and_loads(tmp_path):
-    train(fast(tmp_path, dense_steps=1, warmup_steps=0, sparse_steps=1))
+    import matplotlib
+
+    backend = matplotlib.get_backend()
+    matplotlib.use("svg")   # stands in for a notebook's inline backend: saving the curves must not switch it
+    try:
+        train(fast(tmp_path, dense_steps=1, warmup_steps=0, sparse_steps=1))
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(backend)
     state = torch.load(tmp_path / "run" / "training_state.pt", weights_only=False)["model"]
     model = minidsa.load(tmp_path / "run", progress=False)
     layer = model.moe_layers()[0]
@@ -142,6 +152,19 @@ def test_checkpoint_holds_the_quantised_masters_and_loads(tmp_path):
     assert torch.equal(layer.packed["w1"], packed) and torch.equal(layer.scales["w1"], scales)
     assert not torch.equal(state["experts.0.w1"], mxfp4.dequantize(packed, scales))  # trained off the grid
     assert (tmp_path / "run" / "loss_curves.png").stat().st_size > 1000
+    log = json.loads((tmp_path / "run" / LOG_FILE).read_text())   # the history again, readable without torch
+    assert [h["step"] for h in log["history"]] == [0, 1] and [h["stage"] for h in log["history"]] == ["dense", "sparse"]
+    assert log["train_config"]["dense_steps"] == 1 and log["evals"][-1]["step"] == 2
+
+
+def test_recipes_are_named_config_overrides():
+    quick = TrainConfig.from_recipe("quick", out_dir="x")
+    assert TrainConfig.from_recipe("shipped") == TrainConfig()
+    assert quick.out_dir == "x" and quick.mm_batch_size == 0 and quick.total_steps < TrainConfig().total_steps / 5
+    assert dataclasses.replace(quick, **RECIPES["quick"], out_dir=TrainConfig().out_dir) == \
+        dataclasses.replace(TrainConfig(), **RECIPES["quick"])
+    with pytest.raises(ValueError, match="'fast'.*quick"):
+        TrainConfig.from_recipe("fast")
 
 
 def test_bad_train_config_names_the_field(tmp_path):
@@ -208,13 +231,23 @@ def test_multimodal_answer_names_what_is_drawn():
     assert len(batch.images) == 6 and (batch.input_ids == minidsa.ByteTokenizer().media_pad_id).sum(1).eq(4).all()
 
 
+def test_digit_accuracy_counts_key_digits_not_eos():
+    eos = 7
+    labels = torch.tensor([[-100, 3, 4, eos, -100], [-100, -100, 5, 6, eos]])
+    logits = torch.zeros(2, 5, 10)
+    for b, t, v in ((0, 1, 3), (0, 2, 9), (0, 3, eos), (1, 2, 5), (1, 3, 6), (1, 4, 0)):
+        logits[b, t, v] = 1.0
+    assert digits_correct(logits, labels, eos) == (3, 4)   # 3 of the 4 digits; the eos hits and misses ignored
+    assert rows_correct(logits, labels).tolist() == [False, False]
+
+
 # -------------------------------------------------------------------------------------------- CLI
 def test_eval_prints_every_metric(capsys):
     assert main(["eval", "--checkpoint", "tiny", "--n", "2", "--seed", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     names = [line.split(": ")[0] for line in lines]
     cfg = minidsa.load_config("tiny")
-    assert names == ["retrieval_accuracy", "retrieval_accuracy_random_selection",
+    assert names == ["retrieval_accuracy", "retrieval_digit_accuracy", "retrieval_accuracy_random_selection",
                      *[f"indexer_recall_layer{i}" for i in cfg.mla_layers], "multimodal_accuracy",
                      "retrieval_accuracy_dense", "multimodal_accuracy_dense", "context_length", "topk"]
     values = dict(line.split(": ") for line in lines)
@@ -231,6 +264,13 @@ def test_train_cli_writes_a_checkpoint_eval_reads(tmp_path, capsys):
     assert main(["eval", "--checkpoint", str(out), "--n", "1", "--context", "80"]) == 0
     assert "context_length: 80" in capsys.readouterr().out
     assert main(["eval", "--checkpoint", str(out), "--seed", "-1"]) == 2
+    # --recipe sets the defaults and explicit options win: the quick recipe's loss weights, two steps
+    quick = tmp_path / "quick"
+    assert main(["train", "--recipe", "quick", "--out", str(quick), "--dense-steps", "1", "--warmup-steps", "0",
+                 "--sparse-steps", "1", "--batch-size", "1", "--eval-n", "1", "--no-progress"]) == 0
+    run = json.loads((quick / LOG_FILE).read_text())["train_config"]
+    assert run["text_loss_weight"] == RECIPES["quick"]["text_loss_weight"] and run["mm_batch_size"] == 0
+    assert run["dense_steps"] == 1 and run["batch_size"] == 1
 
 
 def test_shipped_checkpoint_answers_a_held_out_retrieval_prompt():

@@ -3,6 +3,9 @@ arithmetic, the curves against what a run records (its training_state.pt, read w
 each picture rendered to PNG with the bars, labels, legend and title it must show."""
 
 
+import dataclasses
+import json
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -12,7 +15,8 @@ import torch  # noqa: E402
 from figures import legend_texts, render  # noqa: E402
 
 import minidsa  # noqa: E402
-from minidsa.training.loop import STATE_FILE, TrainConfig  # noqa: E402
+from minidsa.checkpoint.manifest import pretrained_dir  # noqa: E402
+from minidsa.training.loop import LEG_FIELDS, LOG_FILE, STATE_FILE, TrainConfig  # noqa: E402
 from minidsa.viz import budget as vbudget  # noqa: E402
 from minidsa.viz import training as vtrain  # noqa: E402
 from minidsa.viz._common import meta_model  # noqa: E402
@@ -81,7 +85,8 @@ def fake_history(dense=6, warmup=2, sparse=4):
         if stage != "dense":
             row["kl"] = 0.5 / (step - dense + 1)
         rows.append(row)
-    evals = [{"step": cfg.total_steps, "retrieval_accuracy": 0.5, "multimodal_accuracy": 0.25}]
+    evals = [{"step": cfg.total_steps, "retrieval_accuracy": 0.5, "multimodal_accuracy": 0.25,
+              "retrieval_accuracy_dense": 0.75}]
     return rows, evals, cfg
 
 
@@ -108,12 +113,41 @@ def test_load_history_reads_every_form(run_dir):
         vtrain.load_history(run_dir / "missing")
 
 
+def test_load_history_prefers_the_json_log(run_dir):
+    rows, evals, cfg = fake_history()
+    (run_dir / LOG_FILE).write_text(json.dumps({"history": rows[:5], "evals": [], "train_config": {}}))
+    assert vtrain.load_history(run_dir)[0] == rows[:5]   # the JSON log, not the state beside it
+    assert vtrain.load_history(run_dir / LOG_FILE)[0] == rows[:5]
+
+
+def test_a_run_without_image_rows_draws_no_multimodal_accuracy():
+    rows, evals, cfg = fake_history()
+    run = {"history": rows, "evals": evals, "train_config": {**cfg.__dict__, "mm_batch_size": 0}}
+    texts = legend_texts(vtrain.plot_training_curves(run).axes[0])
+    assert "retrieval accuracy, top-k (held-out)" in texts and not any("multimodal" in t for t in texts)
+    assert "easy-key curriculum ends (step 3)" in texts   # from the run's own config
+    with_images = legend_texts(vtrain.plot_training_curves({**run, "train_config": cfg.__dict__}).axes[0])
+    assert "multimodal accuracy, top-k (held-out)" in with_images
+
+
+def test_the_shipped_model_ships_its_recipe_log():
+    rows, evals, cfg = vtrain.load_history(pretrained_dir("default"))
+    assert len(rows) == TrainConfig().total_steps == cfg["dense_steps"] + cfg["warmup_steps"] + cfg["sparse_steps"]
+    assert {k: v for k, v in cfg.items() if k not in LEG_FIELDS} == \
+        {k: v for k, v in dataclasses.asdict(TrainConfig()).items() if k not in LEG_FIELDS}   # the shipped recipe
+    assert evals[-1]["step"] == len(rows) and evals[-1]["retrieval_accuracy"] == 1.0
+    report = json.loads((pretrained_dir("default") / "evaluation.json").read_text())
+    shipped = next(iter(report["shipped"].values()))
+    assert shipped["retrieval_accuracy"] == 1.0 and shipped["retrieval_accuracy_random_selection"] == 0.0
+
+
 def test_plot_training_curves_marks_stages_and_curriculum(run_dir):
     fig = vtrain.plot_training_curves(run_dir)
     ax = fig.axes[0]
     texts = legend_texts(ax)
     for want in ("stage: dense", "stage: warmup", "stage: sparse", "easy-key curriculum ends (step 3)",
-                 "retrieval answer loss", "next-token loss, all tokens", "indexer KL", "retrieval accuracy (held-out)"):
+                 "retrieval answer loss", "next-token loss, all tokens", "indexer KL",
+                 "retrieval accuracy, top-k (held-out)", "retrieval accuracy, dense"):
         assert want in texts, (want, texts)
     lm = next(line for line in ax.get_lines() if line.get_label() == "retrieval answer loss")
     rows, _, _ = fake_history()
