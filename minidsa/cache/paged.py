@@ -20,16 +20,37 @@ needs to ask the host anything (docs/design.md §14).
 
 Allocation is explicit and all-or-nothing: a request that needs more blocks than are free raises
 ``OutOfKVBlocksError`` before anything changes, so a failed request never loses state.
+
+The books are guarded by one lock per cache: threads that share a cache (two ``generate`` calls on
+one model) each take and give back whole sequences without corrupting the free lists, also where
+no global interpreter lock makes each list operation atomic (free-threaded Python). Different
+sequences write different blocks and state slots, so the forwards themselves need no lock here.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from ..ops import cast, paged_slots
 from .layout import CacheLayout, OutOfKVBlocksError
+
+
+def _locked(method):
+    """Run a bookkeeping method under the cache's lock (re-entrant: prepare calls reserve)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
+def _check_length(sid: int, length, what: str) -> None:
+    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+        raise ValueError(f"sequence {sid}: cannot {what} to {length!r} tokens; give an int >= 0")
 
 
 class PagedKVCache:
@@ -49,6 +70,7 @@ class PagedKVCache:
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
         self._next_id = 0
+        self._lock = threading.RLock()
 
     def _allocate(self) -> None:
         layout = self.layout
@@ -77,6 +99,7 @@ class PagedKVCache:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
+    @_locked
     def add_sequence(self) -> int:
         """Register a new, empty sequence (with a zeroed KDA state slot) and return its id."""
         if not self._free_state_slots:
@@ -115,6 +138,7 @@ class PagedKVCache:
         need = -(-length // self.block_size)  # ceil: a block is needed as soon as one token lands in it
         return max(0, need - len(self._tables[sid]))
 
+    @_locked
     def reserve(self, lengths: dict[int, int]) -> None:
         """Make every sequence ``sid`` able to hold ``lengths[sid]`` tokens. All-or-nothing."""
         for sid in lengths:
@@ -132,9 +156,11 @@ class PagedKVCache:
                 self.block_tokens[b] = 0
                 self._tables[sid].append(b)
 
+    @_locked
     def commit(self, sid: int, length: int) -> None:
         """Record that positions [0, length) of ``sid`` now hold valid data."""
         self._check_sid(sid)
+        _check_length(sid, length, "commit")
         if length > len(self._tables[sid]) * self.block_size:
             raise ValueError(f"sequence {sid}: cannot commit {length} tokens, only "
                              f"{len(self._tables[sid]) * self.block_size} reserved")
@@ -142,6 +168,7 @@ class PagedKVCache:
         for j, b in enumerate(self._tables[sid]):
             self.block_tokens[b] = min(self.block_size, max(0, length - j * self.block_size))
 
+    @_locked
     def free(self, sid: int) -> None:
         """Give the blocks of ``sid`` back to the pool and forget the sequence."""
         self._check_sid(sid)
@@ -153,9 +180,22 @@ class PagedKVCache:
         if sid in self._state_slot:
             self._free_state_slots.append(self._state_slot.pop(sid))
 
+    @_locked
     def truncate(self, sid: int, length: int) -> None:
-        """Forget tokens from ``length`` on (e.g. after a failed step) and release whole unused blocks."""
+        """Forget tokens from ``length`` on and release whole unused blocks.
+
+        Only for caches without KDA layers: a KDA layer's recurrent and conv states have absorbed every
+        token, and no earlier state is kept to roll back to, so continuing after a truncate would give
+        wrong logits. With KDA layers, free the sequence and prefill the kept tokens again."""
         self._check_sid(sid)
+        _check_length(sid, length, "truncate")
+        if length > self._lengths[sid]:
+            raise ValueError(f"sequence {sid}: cannot truncate to {length} tokens, it holds {self._lengths[sid]}")
+        if length < self._lengths[sid] and self.layout.num_state_layers:
+            raise ValueError(f"sequence {sid}: cannot truncate from {self._lengths[sid]} to {length} tokens: its "
+                             f"{self.layout.num_state_layers} KDA layers' recurrent states already hold the later "
+                             f"tokens and cannot be rolled back; free the sequence and prefill the first {length} "
+                             f"tokens again")
         keep = -(-length // self.block_size)
         table = self._tables[sid]
         while len(table) > keep:
@@ -166,8 +206,10 @@ class PagedKVCache:
         self.commit(sid, min(length, self._lengths[sid]))
 
     def _check_sid(self, sid: int) -> None:
+        if isinstance(sid, bool) or not isinstance(sid, int):
+            raise TypeError(f"sequence id must be an int (from add_sequence), got {type(sid).__name__} {sid!r}")
         if sid not in self._tables:
-            raise KeyError(f"unknown sequence id {sid!r}; live sequences: {sorted(self._tables)}")
+            raise ValueError(f"unknown sequence id {sid!r}; live sequences: {sorted(self._tables)} (add_sequence() makes one)")
 
     # ---------------------------------------------------------------- addressing
     def slots(self, sid: int, positions: torch.Tensor) -> torch.Tensor:
@@ -216,6 +258,7 @@ class PagedKVCache:
         self.state[layer][name][slots] = cast(value, self.layout.state_dtype)
 
     # ---------------------------------------------------------------- one forward
+    @_locked
     def prepare(self, seq_ids: list[int], num_tokens: int, device: torch.device | str,
                 max_len: int | None = None) -> "CacheContext":
         """Reserve room for ``num_tokens`` more tokens in each sequence (all-or-nothing; no sequence may

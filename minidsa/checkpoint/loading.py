@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from .manifest import DEFAULT_MODEL, PRETRAINED, pretrained_dir, resolve_config
 
 _EXPERT_TENSOR = re.compile(r"^(.*\.block_sparse_moe)\.experts\.(\d+)\.(w[123])\.(weight_packed|weight_scale)$")
 _DEFAULT_MODELS: dict[str, MiniDSA] = {}
+_DEFAULT_LOCK = threading.Lock()
 
 
 def load(name_or_path="tiny", *, device: torch.device | str = "cpu", progress: bool = True,
@@ -58,9 +60,10 @@ def build_model(name_or_config="tiny", *, device: torch.device | str = "cpu") ->
 
 def default_model() -> MiniDSA:
     """The model ``generate`` uses when given none (built once per process)."""
-    if DEFAULT_MODEL not in _DEFAULT_MODELS:
-        _DEFAULT_MODELS[DEFAULT_MODEL] = load(DEFAULT_MODEL, progress=False)  # 2 MB: no bar needed
-    return _DEFAULT_MODELS[DEFAULT_MODEL]
+    with _DEFAULT_LOCK:   # two threads' first generate() calls share one model, not two
+        if DEFAULT_MODEL not in _DEFAULT_MODELS:
+            _DEFAULT_MODELS[DEFAULT_MODEL] = load(DEFAULT_MODEL, progress=False)  # 2 MB: no bar needed
+        return _DEFAULT_MODELS[DEFAULT_MODEL]
 
 
 def load_pretrained(directory: str | os.PathLike, *, device: torch.device | str = "cpu",

@@ -12,6 +12,7 @@ self_attn.*``, ``language_model.lm_head.weight`` and so on.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -29,6 +30,8 @@ from .initialization import init_weights
 from .moe import ExpertWorkspace, LatentMoE, expert_stats
 from .trace import ForwardTrace
 from .vision import MultimodalProjector, PreparedImage, VisionTower, preprocess
+
+_CREATE_LOCK = threading.Lock()  # guards the lazy creation of a model's workspace and default cache
 
 _EXPERT_BUFFERS = (".experts_packed", ".experts_scale")  # stacked; the checkpoint names them per expert
 
@@ -73,7 +76,9 @@ class MiniDSA(nn.Module):
     def expert_workspace(self) -> ExpertWorkspace:
         """The one FP8 workspace shared by every MoE layer (allocated on first use)."""
         if self._workspace is None:
-            self._workspace = ExpertWorkspace(self.config, self.device)
+            with _CREATE_LOCK:   # two threads' first forwards must not build two workspaces
+                if self._workspace is None:
+                    self._workspace = ExpertWorkspace(self.config, self.device)
         return self._workspace
 
     def moe_layers(self) -> list[LatentMoE]:
@@ -122,7 +127,9 @@ class MiniDSA(nn.Module):
     def default_cache(self) -> PagedKVCache:
         """The cache generate() uses when none is passed; created once, shared by calls."""
         if self._default_cache is None:
-            self._default_cache = self.new_cache()
+            with _CREATE_LOCK:
+                if self._default_cache is None:
+                    self._default_cache = self.new_cache()
         return self._default_cache
 
     # ---------------------------------------------------------------- forward

@@ -24,6 +24,8 @@ dense over the converted slots, weighted by a routing matrix that is zero for un
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Callable
 
 import torch
@@ -67,6 +69,9 @@ class ExpertWorkspace:
             self.elements = torch.empty(self.capacity, 3, n, dtype=torch.float8_e4m3fn, device=device)
             self.scales = torch.empty(self.capacity, 3, n // mxfp4.GROUP, dtype=torch.uint8, device=device)
             self.routed = torch.zeros(2, dtype=torch.long, device=device)
+        # Held from a layer's conversion into the slots to its last read of them: two threads running the
+        # same model would otherwise convert their experts over each other's (wrong logits, no error).
+        self.lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
@@ -195,6 +200,19 @@ class LatentMoE(nn.Module):
         acc = acc_dtype(x)
         ids, weights = self.route(x)
         z = cast(self.routed_expert_down_proj(x), acc)  # [N, latent]
+        with self._exclusive():
+            y_lat = self._routed(z, ids, weights, acc)
+        y = self.routed_expert_up_proj(self.routed_expert_norm(cast(y_lat, x.dtype)))
+        return (y + self.shared_experts(x)).reshape(shape)
+
+    def _exclusive(self):
+        """The shared workspace's lock (online mode; a no-op while torch.compile traces, which has no threads)."""
+        if self.offline is not None and not self.lazy_source or torch.compiler.is_compiling():
+            return contextlib.nullcontext()
+        return self._workspace().lock
+
+    def _routed(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+        """[N, latent]: the routed experts' outputs in the latent space, summed with their gates."""
         if self.lazy_source:  # experts still on disk: the host must decide which to read (not graph-capturable)
             self.materialize(torch.unique(ids))
         experts, num_routed = self.conversion_plan(ids)
@@ -207,8 +225,7 @@ class LatentMoE(nn.Module):
             gates = ((ids.unsqueeze(0) == batch.view(-1, 1, 1)) * weights).sum(-1)  # [m, N], 0 = not routed
             part = ops.expert_mlp_fp8(z, *self._slots(batch), cast(gates, acc), self.beta_gate, self.beta_up)
             y_lat = part if y_lat is None else y_lat + part
-        y = self.routed_expert_up_proj(self.routed_expert_norm(cast(y_lat, x.dtype)))
-        return (y + self.shared_experts(x)).reshape(shape)
+        return y_lat
 
 
 def expert_stats(layers: list[LatentMoE], workspace: ExpertWorkspace | None) -> dict[str, int]:

@@ -55,7 +55,7 @@ def test_running_out_is_all_or_nothing_and_release_works():
     assert c.num_free_blocks == 4 and all(o == -1 for o in c.block_owner)
     c.reserve({b: 16})
     assert c.num_free_blocks == 0
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match=f"unknown sequence id {a}"):
         c.seq_len(a)
 
 
@@ -81,6 +81,32 @@ def test_truncate_releases_whole_blocks():
     c.commit(s, 10)
     c.truncate(s, 5)
     assert len(c.block_table(s)) == 2 and c.seq_len(s) == 5 and c.num_free_blocks == 2
+
+
+def test_bad_lengths_and_ids_are_refused_before_anything_changes():
+    c = make_cache(num_blocks=4, block_size=4)
+    s = c.add_sequence()
+    c.reserve({s: 6})
+    c.commit(s, 6)
+    for call, bad in ((c.truncate, -1), (c.commit, -3), (c.truncate, 7), (c.commit, 2.0), (c.truncate, True)):
+        with pytest.raises(ValueError, match=f"sequence {s}: cannot"):
+            call(s, bad)
+    assert c.seq_len(s) == 6 and len(c.block_table(s)) == 2
+    for bad in ("0", 1.0, None, [s]):
+        with pytest.raises(TypeError, match="sequence id must be an int"):
+            c.seq_len(bad)
+
+
+def test_truncate_is_refused_where_kda_states_cannot_roll_back():
+    import minidsa
+    cache = minidsa.MiniDSA("tiny").new_cache()
+    s = cache.add_sequence()
+    cache.reserve({s: 8})
+    cache.commit(s, 8)
+    with pytest.raises(ValueError, match="KDA layers' recurrent states .* cannot be rolled back; free the sequence"):
+        cache.truncate(s, 5)
+    cache.truncate(s, 8)   # to its own length: nothing to roll back
+    assert cache.seq_len(s) == 8
 
 
 def test_reference_scale_memory_arithmetic():
