@@ -1,4 +1,4 @@
-"""Accuracy of a trained run before and after MXFP4: the float master weights of ``training_state.pt``
+"""Accuracy of a trained run before and after MXFP4: the float master weights of ``training_state.safetensors``
 against the shipped checkpoint format (routed experts quantised to MXFP4 at save) of the same run.
 
     python benchmarks/quantisation_drop.py runs/tiny [--n 256] [--context 72]
@@ -9,12 +9,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
 import minidsa
 from minidsa.training.evaluation import evaluate
 from minidsa.training.forward import TrainingModel
-from minidsa.training.loop import STATE_FILE
+from minidsa.training.state import load_state
 
 
 def main() -> None:
@@ -26,7 +24,7 @@ def main() -> None:
     args = p.parse_args()
     run = Path(args.run)
     masters = TrainingModel(minidsa.MiniDSA(minidsa.load_config(run / "config.json")))
-    masters.load_state_dict(torch.load(run / STATE_FILE, map_location="cpu", weights_only=False)["model"])
+    masters.load_state_dict(load_state(run)["model"])
     rows = {"float masters": evaluate(masters, seed=args.seed, n=args.n, context=args.context),
             "MXFP4 checkpoint": evaluate(minidsa.load(run, progress=False), seed=args.seed, n=args.n,
                                          context=args.context)}

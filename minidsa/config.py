@@ -137,7 +137,10 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     def to_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        Path(path).write_text(self.to_json_text())
+
+    def to_json_text(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
@@ -301,7 +304,12 @@ def load_config(name_or_path: "str | Path | ModelConfig | dict") -> ModelConfig:
     if not isinstance(name_or_path, (str, Path)):
         raise TypeError(f"config must be a preset name, a path or a ModelConfig, got {type(name_or_path).__name__}")
     path = Path(name_or_path)
+    if path.is_dir() and (embedded := _index_config(path)) is not None:
+        return _parse(embedded, f"the index of checkpoint {str(path)!r}")
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"directory {str(path)!r} holds no config.json, so it is not a saved checkpoint; pass "
+                             f"a checkpoint directory, a config JSON path or a preset name ({preset_names()})")
         path = path / "config.json"
     if path.is_file():
         try:
@@ -320,6 +328,10 @@ def load_config(name_or_path: "str | Path | ModelConfig | dict") -> ModelConfig:
                              f"(or pass a path to a JSON file)")
         text = preset.read_text()
         source = f"preset {s!r}"
+    return _parse(text, source)
+
+
+def _parse(text: str, source: str) -> ModelConfig:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -328,3 +340,13 @@ def load_config(name_or_path: "str | Path | ModelConfig | dict") -> ModelConfig:
         return ModelConfig.from_dict(data)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
+
+
+def _index_config(directory: Path) -> str | None:
+    """The config a checkpoint's index embeds (minidsa's save_pretrained writes it there and in config.json;
+    after a save cut short between the two, the index's is the one that matches the shards)."""
+    try:
+        config = json.loads((directory / "model.safetensors.index.json").read_text())["metadata"]["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return config if isinstance(config, str) else None

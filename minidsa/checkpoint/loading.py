@@ -75,7 +75,7 @@ def load_pretrained(directory: str | os.PathLike, *, device: torch.device | str 
     then), so loading costs I/O only for the dense part.
     """
     directory = Path(directory)
-    cfg = load_config(directory / "config.json")
+    cfg = load_config(directory)  # the config its index embeds, else config.json
     weight_map, checksums = shards.read_index(directory)
     model = MiniDSA(cfg, device="meta", init=False).to_empty(device=device)
     expected = model.checkpoint_tensors()  # views into the model's own storage: copying fills the model

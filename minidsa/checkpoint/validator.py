@@ -71,7 +71,7 @@ def check_checkpoint(directory: str | os.PathLike, config=None, *, progress: boo
     directory = Path(directory)
     if not directory.is_dir():
         raise ValueError(f"checkpoint directory {str(directory)!r} does not exist")
-    cfg = resolve_config(config if config is not None else directory / "config.json")
+    cfg = resolve_config(config if config is not None else directory)
     manifest = checkpoint_manifest(cfg)
     weight_map = shards.read_index(directory).weight_map
     findings = [Finding("missing", INDEX_SHARD, name, f"not listed in {shards.INDEX_NAME}")

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import shutil
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -27,6 +29,9 @@ from safetensors.torch import save_file
 from .dtypes import SAFETENSORS_NAMES
 
 INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+TMP_SUFFIX = ".partial"  # a file being written: renamed into place when complete
+KEPT_PREFIX = ".previous-"  # the second name of an old shard while a new checkpoint is written over it
 SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # what write_shards names its shards
 CHECKSUM = "sha256"  # hashlib's sha256 uses the CPU's SHA extensions: about 1 s per GB here, the fastest stdlib hash
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
@@ -55,33 +60,89 @@ class Index(NamedTuple):
     checksums: dict[str, str]
 
 
-def write_shards(tensors: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str) -> None:
-    """Write ``tensors`` (name -> tensor, in order) as numbered shards plus the index JSON (with each
-    shard's checksum), then remove the shards of an earlier save that the new index no longer lists."""
+def write_shards(tensors: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str,
+                 config_text: str) -> None:
+    """Write ``tensors`` (name -> tensor, in order) as numbered shards, the index JSON (each shard's checksum,
+    and ``config_text``, the config.json it belongs with) and config.json, so that a kill or a full disk at any
+    point leaves the directory loadable as the old checkpoint or as the new one:
+
+    1. the old checkpoint's shards get a second name (a hard link, or a copy) and the old index is rewritten
+       to point at those: the old checkpoint stays whole while its usual names are overwritten;
+    2. the new shards are written under temporary names and renamed into place;
+    3. the new index is renamed over the old one: the commit. A reader of the directory takes the config
+       embedded in the index (``index_config``), so a kill before config.json is replaced is harmless;
+    4. config.json is replaced; the old shards and any leftovers of an interrupted save are removed.
+    """
     limit = check_shard_size(tensors, max_shard_size)
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    groups: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append({})
+        if groups[-1] and size + nbytes > limit:
+            groups.append({})
             size = 0
-        shards[-1][name] = t.detach().cpu().contiguous()
+        groups[-1][name] = t.detach().cpu().contiguous()
         size += nbytes
+    _keep_old_checkpoint(directory)
     weight_map, checksums = {}, {}
-    for i, shard in enumerate(shards, start=1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / fname), metadata={"format": "pt"})
-        checksums[fname] = file_checksum(directory / fname)  # re-read from the page cache: about 1 s per GB
-        weight_map.update({name: fname for name in shard})
+    for i, group in enumerate(groups, start=1):
+        fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        tmp = directory / f".{fname}{TMP_SUFFIX}"
+        save_file(group, str(tmp), metadata={"format": "pt"})
+        checksums[fname] = file_checksum(tmp)  # re-read from the page cache: about 1 s per GB
+        os.replace(tmp, directory / fname)
+        weight_map.update({name: fname for name in group})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (directory / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total, "checksums": checksums},
-                                                    "weight_map": weight_map}, indent=2) + "\n")
-    # Only after the new index is in place: a re-save with fewer shards must not leave old ones that a
-    # reader globbing *.safetensors (or a person) would take for part of this checkpoint.
-    for path in directory.iterdir():
-        if SHARD_NAME.fullmatch(path.name) and path.name not in checksums:
+    write_atomic(directory / INDEX_NAME, _index_text(weight_map, checksums, total, config_text))
+    write_atomic(directory / CONFIG_NAME, config_text)
+    for path in directory.iterdir():  # what the new index does not list: old shards, their second names
+        if (SHARD_NAME.fullmatch(path.name) and path.name not in checksums or path.name.startswith(KEPT_PREFIX)
+                or path.name.startswith(".model-") and path.name.endswith(TMP_SUFFIX)):
             path.unlink()
+
+
+def _index_text(weight_map: dict, checksums: dict, total: int, config_text: str | None) -> str:
+    meta = {"total_size": total, "checksums": checksums}
+    if config_text is not None:
+        meta["config"] = config_text
+    return json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2) + "\n"
+
+
+def _keep_old_checkpoint(directory: Path) -> None:
+    """Step 1 of write_shards: give the old shards a second name and point the old index at it."""
+    try:
+        old = json.loads((directory / INDEX_NAME).read_text())
+        weight_map, meta = dict(old["weight_map"]), dict(old.get("metadata", {}))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # no readable checkpoint here: nothing to keep
+    kept = {}
+    for fname in sorted(set(weight_map.values())):
+        if not (directory / fname).is_file() or fname.startswith(KEPT_PREFIX):
+            continue
+        kept[fname] = KEPT_PREFIX + fname
+        (directory / kept[fname]).unlink(missing_ok=True)
+        try:
+            os.link(directory / fname, directory / kept[fname])
+        except OSError:  # a file system without hard links
+            shutil.copyfile(directory / fname, directory / kept[fname])
+    if not kept:
+        return
+    config = meta.get("config")
+    if config is None and (directory / CONFIG_NAME).is_file():
+        config = (directory / CONFIG_NAME).read_text()
+    write_atomic(directory / INDEX_NAME, _index_text({n: kept.get(f, f) for n, f in weight_map.items()},
+                                                      {kept.get(f, f): c for f, c in meta.get("checksums", {}).items()},
+                                                      meta.get("total_size", 0), config))
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed over it: readers see the old or the new."""
+    tmp = path.with_name(f".{path.name}{TMP_SUFFIX}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def check_shard_size(tensors: dict[str, torch.Tensor], max_shard_size: int | str) -> int:

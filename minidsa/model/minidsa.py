@@ -233,13 +233,13 @@ class MiniDSA(nn.Module):
 
     def save_pretrained(self, directory, max_shard_size: int | str = "2GB") -> Path:
         """config.json + model-0000N-of-0000M.safetensors shards + model.safetensors.index.json (with each
-        shard's checksum), real names. Shards an earlier save left in ``directory`` are removed."""
+        shard's checksum), real names. Shards an earlier save left in ``directory`` are removed. Saving over a
+        checkpoint is safe to interrupt: the directory then loads as the old checkpoint or the new one."""
         self.materialize_experts()  # a lazily loaded model reads its remaining experts first
         dtype = self.config.torch_dtype  # each tensor in its on-disk dtype (router and norms: the model's)
         tensors = {n: t.to(disk_dtype(n, t, dtype)) for n, t in self.checkpoint_tensors().items()}
         shards.check_shard_size(tensors, max_shard_size)  # a bad size creates no directory
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        shards.write_shards(tensors, directory, max_shard_size)
-        self.config.to_json(directory / "config.json")
+        shards.write_shards(tensors, directory, max_shard_size, self.config.to_json_text())
         return directory

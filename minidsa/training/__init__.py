@@ -5,6 +5,7 @@
 - ``forward.py``: the lean training forward, the same function as ``MiniDSA.forward``.
 - ``indexer_losses.py``: the indexer's training signal (KL to the attention, focus loss).
 - ``evaluation.py``: retrieval accuracy, indexer recall and multimodal accuracy on held-out seeds.
+- ``state.py``: the training state on disk (safetensors + JSON: nothing is unpickled), written atomically.
 - ``loop.py``: ``train``: resumable legs, checkpoints, the dense warm-up then sparse stage.
 """
 

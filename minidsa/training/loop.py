@@ -21,8 +21,8 @@ the lean training path (forward.py), equal to the reference forward.
     result = train(TrainConfig(out_dir="runs/tiny", max_minutes=9), resume=True)   # the next leg
 
 ``out_dir`` then holds a checkpoint in the package's format (save_pretrained: routed experts quantised
-to MXFP4), ``training_state.pt`` (float master weights, optimizer state, step, history: what resuming
-needs), ``training_log.json`` (the same history as JSON) and ``loss_curves.png``. ``TrainConfig.from_recipe``
+to MXFP4), ``training_state.safetensors`` (float master weights, optimizer state, step, history: what
+resuming needs; state.py), ``training_log.json`` (the same history as JSON) and ``loss_curves.png``. ``TrainConfig.from_recipe``
 names the two recipes: "shipped" (the default fields) and "quick" (retrieval in a few minutes).
 """
 
@@ -41,13 +41,14 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..config import load_config
+from ..formats.shards import write_atomic
 from ..model.minidsa import MiniDSA
 from . import tasks
 from .evaluation import evaluate, format_metrics, multimodal_logits
 from .forward import TrainingModel
 from .indexer_losses import focus_loss, layer_kl
+from .state import STATE_FILE, load_state, save_state
 
-STATE_FILE = "training_state.pt"
 CURVES_FILE = "loss_curves.png"
 LOG_FILE = "training_log.json"  # the run's config, per-step losses and evaluations, readable without torch
 # Settings of one leg, which a resumed run may change; every other field defines the run and is kept.
@@ -264,10 +265,8 @@ def _start(cfg: TrainConfig, resume: bool):
     """(model wrapper, optimizer, first step, log) of a fresh run or of the checkpoint in out_dir."""
     out = Path(cfg.out_dir)
     if resume:
-        if not (out / STATE_FILE).is_file():
-            raise ValueError(f"no {STATE_FILE} in {str(out)!r} to resume from; train without resume first")
-        state = torch.load(out / STATE_FILE, map_location="cpu", weights_only=False)
-        tm = TrainingModel(MiniDSA(load_config(out / "config.json")))
+        state = load_state(out)
+        tm = TrainingModel(MiniDSA(load_config(out)))
         tm.load_state_dict(state["model"])
         step, log = state["step"], {k: state[k] for k in ("history", "evals", "train_config")}
     else:
@@ -286,8 +285,8 @@ def save(tm: TrainingModel, opt: torch.optim.Optimizer, cfg: TrainConfig, step: 
     out = Path(cfg.out_dir)
     tm.export_experts()
     tm.model.save_pretrained(out)
-    torch.save({"step": step, "model": tm.state_dict(), "optimizer": opt.state_dict(), **log}, out / STATE_FILE)
-    (out / LOG_FILE).write_text(json.dumps({"step": step, **log}, indent=0) + "\n")
+    save_state(out / STATE_FILE, tm.state_dict(), opt.state_dict(), step, log)
+    write_atomic(out / LOG_FILE, json.dumps({"step": step, **log}, indent=0) + "\n")
     plot_curves(log["history"], log["evals"]).savefig(out / CURVES_FILE, dpi=110)
     return out
 

@@ -9,7 +9,7 @@ read each loss against what was being trained at the time: the answer loss falli
 curriculum, the indexer KL appearing at the warm-up, the jump (or not) when attention turns sparse.
 
 A run directory is read from its ``training_log.json`` (or, for runs written before that file, its
-``training_state.pt`` with ``torch.load(..., weights_only=True)``: nothing is unpickled). The shipped
+training state, through ``training/state.py``: nothing is unpickled). The shipped
 model's directory, ``minidsa/pretrained/default``, holds the log of the run that made it.
 """
 
@@ -19,9 +19,9 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from ..training.loop import LOG_FILE, STATE_FILE
+from ..training.loop import LOG_FILE
+from ..training.state import LEGACY_STATE_FILE, STATE_FILE, load_state
 from ._common import integer_axis, new_axes
 
 LOSSES = (("lm", "retrieval answer loss"), ("text", "next-token loss, all tokens"), ("mm", "multimodal answer loss"),
@@ -37,7 +37,7 @@ ACCURACIES = (("retrieval_accuracy", "retrieval accuracy, top-k (held-out)", "o-
 
 
 def load_history(history) -> tuple[list[dict], list[dict], dict]:
-    """(per-step records, evaluations, train config or {}) of a run directory (or its training_state.pt),
+    """(per-step records, evaluations, train config or {}) of a run directory (or its training log or state file),
     the dict ``train`` returns, a list of per-step dicts, or a dict of equal-length lists."""
     if isinstance(history, (str, Path)):
         state = _read_run(Path(history))
@@ -59,15 +59,16 @@ def load_history(history) -> tuple[list[dict], list[dict], dict]:
 
 
 def _read_run(path: Path) -> dict:
-    """The log of a run directory (LOG_FILE, else STATE_FILE) or of one of those files."""
-    if path.is_dir():
-        path = path / LOG_FILE if (path / LOG_FILE).is_file() else path / STATE_FILE
-    if not path.is_file():
+    """The log of a run directory (LOG_FILE, else its training state) or of one of those files."""
+    if path.is_dir() and (path / LOG_FILE).is_file():
+        path = path / LOG_FILE
+    if path.is_file() and path.suffix == ".json":
+        return json.loads(path.read_text())
+    run_dir = path.parent if path.is_file() else path
+    if not (run_dir / STATE_FILE).is_file() and not (run_dir / LEGACY_STATE_FILE).is_file():
         raise ValueError(f"no {LOG_FILE} or {STATE_FILE} at {str(path)!r}: pass a run directory written by "
                          f"minidsa.train (or minidsa/pretrained/default, the shipped model's)")
-    if path.suffix == ".json":
-        return json.loads(path.read_text())
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return load_state(run_dir)
 
 
 def stage_spans(records: list[dict], config: dict) -> list[tuple[str, int, int]]:

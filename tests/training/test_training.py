@@ -18,6 +18,7 @@ from minidsa.training.evaluation import digits_correct, rows_correct
 from minidsa.training.forward import TrainingModel
 from minidsa.training.lean_ops import kda_chunk_train, selection_mask, train_chunk_size
 from minidsa.training.loop import LOG_FILE, RECIPES, TrainConfig, answer_loss, easy_keys, step_losses, text_loss, train
+from minidsa.training.state import LEGACY_STATE_FILE, STATE_FILE, load_state
 
 TINY64 = minidsa.load_config("tiny").replace(dtype="float64")
 
@@ -101,7 +102,7 @@ def test_a_few_steps_lower_the_loss(tmp_path):
 def test_warmup_updates_only_the_indexers(tmp_path):
     fresh = TrainingModel(minidsa.MiniDSA("tiny")).state_dict()
     train(fast(tmp_path, dense_steps=0, warmup_steps=2, sparse_steps=0))
-    state = torch.load(tmp_path / "run" / "training_state.pt", weights_only=False)["model"]
+    state = load_state(tmp_path / "run")["model"]
     changed = {n for n in fresh if fresh[n].is_floating_point() and not torch.equal(fresh[n], state[n])}
     indexer = {n for n in fresh if ".indexer." in n and fresh[n].is_floating_point()}
     assert changed and changed <= indexer, sorted(changed - indexer)
@@ -130,8 +131,8 @@ def test_resume_equals_uninterrupted_training(tmp_path):
     assert first["step"] == 3 and not first["done"]
     second = train(fast(tmp_path, out_dir=str(tmp_path / "b"), context=999), resume=True)  # run fields: kept
     assert second["done"] and [h["lm"] for h in second["history"]] == [h["lm"] for h in whole["history"]]
-    a = torch.load(tmp_path / "a" / "training_state.pt", weights_only=False)["model"]
-    b = torch.load(tmp_path / "b" / "training_state.pt", weights_only=False)["model"]
+    a = load_state(tmp_path / "a")["model"]
+    b = load_state(tmp_path / "b")["model"]
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
@@ -145,7 +146,7 @@ def test_checkpoint_holds_the_quantised_masters_and_loads(tmp_path):
         assert matplotlib.get_backend() == "svg"
     finally:
         matplotlib.use(backend)
-    state = torch.load(tmp_path / "run" / "training_state.pt", weights_only=False)["model"]
+    state = load_state(tmp_path / "run")["model"]
     model = minidsa.load(tmp_path / "run", progress=False)
     layer = model.moe_layers()[0]
     packed, scales = mxfp4.quantize(state["experts.0.w1"])
@@ -289,3 +290,63 @@ def test_shipped_checkpoint_names_colour_and_shape_of_held_out_images():
     model = minidsa.load("default", progress=False)
     for s in tasks.samples("multimodal", "eval", 123, 0, 8):
         assert minidsa.generate(s.prompt, model, images=[s.image], temperature=0, max_new_tokens=16) == s.answer
+
+
+# ------------------------------------------------------------------------------------ the state on disk
+def test_training_state_is_safetensors_and_a_pickle_is_refused(tmp_path):
+    import os
+    import pickle
+
+    run = tmp_path / "run"
+    train(fast(tmp_path, dense_steps=1, warmup_steps=0, sparse_steps=1))
+    with open(run / STATE_FILE, "rb") as f:   # safetensors: an 8-byte header length, then a JSON header
+        assert f.read(9)[8:] == b"{"
+    state = load_state(run)
+    assert state["step"] == 2 and len(state["history"]) == 2 and state["optimizer"]["state"]
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo owned > " + str(tmp_path / "owned"),))
+
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    with open(legacy / LEGACY_STATE_FILE, "wb") as f:
+        pickle.dump({"step": 1, "model": Evil()}, f)
+    with pytest.raises(ValueError, match="cannot be read safely"):
+        load_state(legacy)
+    assert not (tmp_path / "owned").exists()
+
+
+def test_a_state_write_cut_short_keeps_the_previous_leg(tmp_path, monkeypatch):
+    from minidsa.training import state as state_mod
+
+    run = tmp_path / "run"
+    train(fast(tmp_path, dense_steps=2, warmup_steps=0, sparse_steps=2, leg_steps=2))
+    before = load_state(run)
+
+    def disk_full(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 100)   # half a file, then the disk is full
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(state_mod, "save_file", disk_full)
+    with pytest.raises(OSError):
+        train(fast(tmp_path, dense_steps=2, warmup_steps=0, sparse_steps=2, leg_steps=2), resume=True)
+    monkeypatch.undo()
+    after = load_state(run)
+    assert after["step"] == before["step"] == 2
+    assert all(torch.equal(after["model"][k], before["model"][k]) for k in before["model"])
+    result = train(fast(tmp_path, dense_steps=2, warmup_steps=0, sparse_steps=2), resume=True)
+    assert result["done"] and result["step"] == 4
+
+
+def test_resume_from_a_damaged_state_is_one_clear_error(tmp_path, capsys):
+    run = tmp_path / "run"
+    train(fast(tmp_path, dense_steps=1, warmup_steps=0, sparse_steps=1, leg_steps=1))
+    data = (run / STATE_FILE).read_bytes()
+    (run / STATE_FILE).write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="damaged or incomplete"):
+        load_state(run)
+    assert main(["train", "--out", str(run), "--resume", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and STATE_FILE in err[0]

@@ -16,7 +16,8 @@ from figures import legend_texts, render  # noqa: E402
 
 import minidsa  # noqa: E402
 from minidsa.checkpoint.manifest import pretrained_dir  # noqa: E402
-from minidsa.training.loop import LEG_FIELDS, LOG_FILE, STATE_FILE, TrainConfig  # noqa: E402
+from minidsa.training.loop import LEG_FIELDS, LOG_FILE, TrainConfig  # noqa: E402
+from minidsa.training.state import LEGACY_STATE_FILE, STATE_FILE  # noqa: E402
 from minidsa.viz import budget as vbudget  # noqa: E402
 from minidsa.viz import training as vtrain  # noqa: E402
 from minidsa.viz._common import meta_model  # noqa: E402
@@ -95,7 +96,7 @@ def run_dir(tmp_path):
     """A run directory as ``minidsa.train`` leaves it (training_state.pt of plain tensors, lists and dicts)."""
     rows, evals, cfg = fake_history()
     torch.save({"step": cfg.total_steps, "model": {"w": torch.zeros(2)}, "optimizer": {"state": {}, "param_groups": []},
-                "history": rows, "evals": evals, "train_config": cfg.__dict__.copy()}, tmp_path / STATE_FILE)
+                "history": rows, "evals": evals, "train_config": cfg.__dict__.copy()}, tmp_path / LEGACY_STATE_FILE)
     return tmp_path
 
 
@@ -103,7 +104,7 @@ def test_load_history_reads_every_form(run_dir):
     rows, evals, cfg = fake_history()
     got, got_evals, got_cfg = vtrain.load_history(run_dir)
     assert got == rows and got_evals == evals and got_cfg["easy_key_steps"] == 3
-    assert vtrain.load_history(run_dir / STATE_FILE)[0] == rows
+    assert vtrain.load_history(run_dir / LEGACY_STATE_FILE)[0] == rows
     assert vtrain.load_history({"history": rows, "evals": evals})[:2] == (rows, evals)
     as_lists = {"lm": [r["lm"] for r in rows], "stage": [r["stage"] for r in rows]}
     assert [r["step"] for r in vtrain.load_history(as_lists)[0]] == list(range(len(rows)))

@@ -1,0 +1,91 @@
+"""Saving over a checkpoint is safe to interrupt: cut at every write and rename, the directory loads as the
+old checkpoint or as the new one, never as neither (formats/shards.py ``write_shards``)."""
+
+import os
+
+import pytest
+import torch
+
+import minidsa
+from minidsa.formats import shards
+
+
+class Cut(Exception):
+    """Stands in for a kill or a full disk at one point of a save."""
+
+
+def state(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.checkpoint_tensors().items()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def models():
+    old = minidsa.MiniDSA("tiny")
+    new = minidsa.MiniDSA(minidsa.load_config("tiny").replace(seed=1, rms_norm_eps=1e-6))  # other weights and config
+    return old, new
+
+
+def cut_at(monkeypatch, k: int) -> list:
+    """Make the k-th file operation of a save (a shard write, a rename, a link) raise Cut."""
+    calls = []
+
+    def counted(real):
+        def run(*args, **kwargs):
+            calls.append(real.__name__)
+            if len(calls) == k + 1:
+                raise Cut(f"cut at operation {k} ({real.__name__})")
+            return real(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(shards, "save_file", counted(shards.save_file))
+    monkeypatch.setattr(shards.os, "replace", counted(os.replace))
+    monkeypatch.setattr(shards.os, "link", counted(os.link))
+    return calls
+
+
+def test_a_save_cut_anywhere_leaves_the_old_or_the_new_checkpoint(tmp_path, models, monkeypatch):
+    old, new = models
+    old_state, new_state = state(old), state(new)
+    seen = set()
+    for k in range(40):
+        d = tmp_path / f"cut{k}"
+        old.save_pretrained(d, max_shard_size="1MB")   # three shards
+        with monkeypatch.context() as m:
+            calls = cut_at(m, k)
+            try:
+                new.save_pretrained(d, max_shard_size="600KB")
+                finished = True
+            except Cut:
+                finished = False
+        got = minidsa.load(d, progress=False)
+        loaded = state(got)
+        assert same(loaded, old_state) or same(loaded, new_state), f"cut at {k}: neither checkpoint"
+        is_new = same(loaded, new_state)
+        assert got.config == (new.config if is_new else old.config)
+        seen.add("new" if is_new else "old")
+        if finished:
+            assert len(calls) <= k and is_new
+            break
+    assert seen == {"old", "new"}   # the cuts fell before and after the commit
+
+
+def test_a_finished_save_leaves_no_second_names_or_partial_files(tmp_path, models):
+    old, new = models
+    old.save_pretrained(tmp_path, max_shard_size="1MB")
+    (tmp_path / "notes.txt").write_text("mine")   # a user's own file stays
+    new.save_pretrained(tmp_path)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "notes.txt"]
+    assert minidsa.load_config(tmp_path) == new.config
+
+
+def test_the_index_config_wins_over_a_stale_config_json(tmp_path, models):
+    old, new = models
+    new.save_pretrained(tmp_path)
+    old.config.to_json(tmp_path / "config.json")   # as a save cut between the commit and config.json leaves it
+    assert minidsa.load_config(tmp_path) == new.config
+    assert same(state(minidsa.load(tmp_path, progress=False)), state(new))
