@@ -196,14 +196,21 @@ class PagedKVCache:
                              f"{self.layout.num_state_layers} KDA layers' recurrent states already hold the later "
                              f"tokens and cannot be rolled back; free the sequence and prefill the first {length} "
                              f"tokens again")
-        keep = -(-length // self.block_size)
+        self._lengths[sid] = length
+        self.release_blocks(sid, keep=-(-length // self.block_size))
+        self.commit(sid, length)
+
+    @_locked
+    def release_blocks(self, sid: int, keep: int) -> None:
+        """Give back the blocks of ``sid`` past its first ``keep`` (never one holding committed tokens)."""
+        self._check_sid(sid)
+        keep = max(keep, -(-self._lengths[sid] // self.block_size))
         table = self._tables[sid]
         while len(table) > keep:
             b = table.pop()
             self.block_owner[b] = -1
             self.block_tokens[b] = 0
             self._free.append(b)
-        self.commit(sid, min(length, self._lengths[sid]))
 
     def _check_sid(self, sid: int) -> None:
         if isinstance(sid, bool) or not isinstance(sid, int):
@@ -271,6 +278,7 @@ class PagedKVCache:
             if max_len is not None and start + num_tokens > max_len:
                 raise ValueError(f"sequence {sid} would hold {start + num_tokens} tokens, more than "
                                  f"max_seq_len = {max_len}")
+        tables_before = {sid: len(self._tables[sid]) for sid in seq_ids}
         self.reserve({sid: s + num_tokens for sid, s in zip(seq_ids, starts)})
         positions = torch.tensor(starts).unsqueeze(1) + torch.arange(num_tokens)  # [B, T], host
         table = self.block_table_tensor(seq_ids, device="cpu")
@@ -283,7 +291,7 @@ class PagedKVCache:
         sizes = [B * T, B * T, table.numel(), B, B]
         pos, slot_mapping, tab, context_lens, state_slots = packed.split(sizes)
         return CacheContext(self, list(seq_ids), starts, pos.view(B, T), slot_mapping, tab.view(table.shape).int(),
-                            context_lens.int(), state_slots)
+                            context_lens.int(), state_slots, tables_before)
 
 @dataclass
 class CacheContext:
@@ -301,11 +309,18 @@ class CacheContext:
     block_table: torch.Tensor  # int32 [B, max_blocks] physical block of each logical block, -1 past the end
     context_lens: torch.Tensor  # int32 [B] tokens each sequence holds once this forward's are stored
     state_slots: torch.Tensor  # int64 [B] KDA state slot of each sequence
+    tables_before: dict = field(default_factory=dict)  # blocks each sequence owned before this forward
     staged: dict = field(default_factory=dict)  # (cache layer, state name) -> new KDA state [B, ...]
 
     def stage_state(self, layer: int, name: str, value: torch.Tensor) -> None:
         """Keep a KDA layer's new state until the whole forward succeeds."""
         self.staged[(layer, name)] = value
+
+    def rollback(self) -> None:
+        """The forward failed: give back the blocks it reserved (sequences freed meanwhile are skipped)."""
+        for sid, n in self.tables_before.items():
+            if sid in self.cache.sequences():
+                self.cache.release_blocks(sid, keep=n)
 
     def publish(self) -> None:
         """The forward succeeded: write the staged KDA states and commit the new lengths."""

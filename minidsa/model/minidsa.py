@@ -149,8 +149,13 @@ class MiniDSA(nn.Module):
         ctx = self._cache_context(cache, seq_ids, *h.shape[:2], h.device)
         if self._workspace is not None:
             self._workspace.routed[1].zero_()  # this forward's conversion count
-        with ops.use_backend(self.backend):
-            logits = self.language_model.lm_head(self.language_model.model(h, ctx, trace))
+        try:
+            with ops.use_backend(self.backend):
+                logits = self.language_model.lm_head(self.language_model.model(h, ctx, trace))
+        except BaseException:
+            if ctx is not None:
+                ctx.rollback()  # the blocks this forward reserved go back; nothing was committed
+            raise
         if ctx is not None:
             ctx.publish()  # success: the staged KDA states and the new lengths become the cache's
         return logits if logits.dtype == torch.float64 else logits.float()
@@ -188,11 +193,22 @@ class MiniDSA(nn.Module):
                 raise ValueError(f"input has {T} tokens, more than the model's context max_seq_len = "
                                  f"{self.config.max_seq_len}; shorten it")
             return None
-        if seq_ids is None or len(seq_ids) != B:
+        if seq_ids is None:
+            raise ValueError(f"pass seq_ids with one cache sequence per batch row ({B}) along with cache=")
+        if not isinstance(seq_ids, (list, tuple)):
+            raise TypeError(f"seq_ids must be a list of cache sequence ids, one per batch row (e.g. [sid] for one "
+                            f"row), got {type(seq_ids).__name__} {seq_ids!r}")
+        if len(seq_ids) != B:
             raise ValueError(f"pass seq_ids with one cache sequence per batch row ({B}), got {seq_ids!r}")
+        self.check_cache(cache)
+        return cache.prepare(list(seq_ids), T, device, max_len=self.config.max_seq_len)
+
+    def check_cache(self, cache) -> None:
+        """TypeError / ValueError unless ``cache`` is a PagedKVCache made for this model's layout."""
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache must be a PagedKVCache (model.new_cache()), got {type(cache).__name__}")
         if cache.layout != self.cache_layout(cache.layout.num_blocks):
             raise ValueError("this cache was made for a different model layout; use model.new_cache()")
-        return cache.prepare(list(seq_ids), T, device, max_len=self.config.max_seq_len)
 
     # ---------------------------------------------------------------- images
     def prepare_images(self, images: list) -> list[PreparedImage]:

@@ -42,14 +42,17 @@ class _Sequence:
 
 class GenerationStream:
     """Iterator of text pieces (str for one prompt; (index, str) for a batch). After it is exhausted,
-    ``.texts`` holds the full outputs and ``.traces`` the traces when requested."""
+    ``.texts`` holds the full outputs and ``.traces`` the traces when requested.
+
+    The request's cache sequences and blocks are given back when the stream ends, is closed (``close()``,
+    or leaving ``with generate(..., stream=True) as s:``), or is dropped: breaking out of
+    ``for piece in generate(..., stream=True)`` or an exception in that loop's body frees them at once.
+    The generator that does the work holds a ``_Run``, never the stream, so no reference cycle waits
+    for the garbage collector."""
 
     def __init__(self, model: MiniDSA, req: Request, cache: PagedKVCache) -> None:
-        self.model, self.req, self.cache = model, req, cache
-        self.texts = [""] * len(req.prompts)
-        self.num_generated = 0  # tokens sampled so far, all sequences together
-        self.traces: list[GenerationTrace] | None = None
-        self._it = self._run()
+        self._run = _Run(model, req, cache)
+        self._it = self._run.run()
 
     def __iter__(self) -> "GenerationStream":
         return self
@@ -57,17 +60,46 @@ class GenerationStream:
     def __next__(self):
         return next(self._it)
 
+    def __enter__(self) -> "GenerationStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
-        """Stop early and give the request's cache blocks back (also happens when the stream is garbage-collected)."""
+        """Stop early and give the request's cache sequences and blocks back."""
         self._it.close()
 
     @property
-    def trace(self) -> GenerationTrace | list[GenerationTrace] | None:
-        if self.traces is None:
-            return None
-        return self.traces if self.req.batched else self.traces[0]
+    def texts(self) -> list[str]:
+        return self._run.texts
 
-    def _run(self) -> Iterator:
+    @property
+    def num_generated(self) -> int:
+        """Tokens sampled so far, all sequences together."""
+        return self._run.num_generated
+
+    @property
+    def traces(self) -> list[GenerationTrace] | None:
+        return self._run.traces
+
+    @property
+    def trace(self) -> GenerationTrace | list[GenerationTrace] | None:
+        if self._run.traces is None:
+            return None
+        return self._run.traces if self._run.req.batched else self._run.traces[0]
+
+
+class _Run:
+    """The state and steps of one request; ``run()`` is the generator a GenerationStream wraps."""
+
+    def __init__(self, model: MiniDSA, req: Request, cache: PagedKVCache) -> None:
+        self.model, self.req, self.cache = model, req, cache
+        self.texts = [""] * len(req.prompts)
+        self.num_generated = 0
+        self.traces: list[GenerationTrace] | None = None
+
+    def run(self) -> Iterator:
         sids: list[int] = []
         try:
             for _ in self.req.prompts:
@@ -156,7 +188,8 @@ def generate(prompt, model: MiniDSA | str | None = None, *, images=None, max_new
         seed: seeds the sampler (row i of a batch uses seed + i, so it samples as it would alone);
             None draws a fresh seed.
         stream: return a GenerationStream that yields text pieces as they are decoded (for a batch,
-            (index, piece) pairs); its ``.trace`` is filled when it is exhausted.
+            (index, piece) pairs); its ``.trace`` is filled when it is exhausted. Breaking out of the
+            loop, an exception in it, ``close()`` or ``with ... as s:`` gives the cache blocks back.
         return_trace: also return a GenerationTrace (one per prompt for a batch).
         cache: a PagedKVCache to use (default: the model's own); its blocks are always given back.
         progress: show a tqdm bar over generated tokens.
@@ -170,8 +203,8 @@ def generate(prompt, model: MiniDSA | str | None = None, *, images=None, max_new
         model = default_model() if model is None else load(model)
     elif not isinstance(model, MiniDSA):
         raise TypeError(f"model must be a MiniDSA, a config name/path or None, got {type(model).__name__}")
-    if cache is not None and not isinstance(cache, PagedKVCache):
-        raise TypeError(f"cache must be a PagedKVCache (model.new_cache()), got {type(cache).__name__}")
+    if cache is not None:
+        model.check_cache(cache)  # type and layout, before a sequence or a block is taken from it
     req = build_request(model, prompt, images, max_new_tokens, temperature, top_p, seed, return_trace, progress,
                         stop_at_eos)
     run = GenerationStream(model, req, cache if cache is not None else model.default_cache())
