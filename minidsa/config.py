@@ -331,11 +331,37 @@ def load_config(name_or_path: "str | Path | ModelConfig | dict") -> ModelConfig:
     return _parse(text, source)
 
 
+# Fields a config JSON may leave out. Each default is documented on its field: the released model's value
+# (the SiTU-GLU betas, rms_norm_eps, A_log's stored length) or a size or seed that changes how a model is
+# initialised or how much it can serve at once, never what saved weights compute. Any other field missing
+# from a file is an error naming it: a silent default (attn_res_block_size, max_seq_len) changes the model.
+OPTIONAL_FIELDS = frozenset({"name", "seed", "init_std", "kv_num_blocks", "max_sequences", "activation_beta_gate",
+                             "activation_beta_up", "rms_norm_eps", "kda.a_log_size", "moe.workspace_experts",
+                             "moe.offline_experts"})
+
+
+def missing_fields(data: dict, cls=None, prefix: str = "") -> list[str]:
+    """The dotted names of the fields of ``cls`` (ModelConfig) absent from ``data`` and not optional."""
+    cls = cls or ModelConfig
+    out = []
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        name = prefix + f.name
+        if f.name not in data:
+            out += [] if name in OPTIONAL_FIELDS else [name]
+        elif dataclasses.is_dataclass(default) and isinstance(data[f.name], dict):
+            out += missing_fields(data[f.name], type(default), name + ".")
+    return out
+
+
 def _parse(text: str, source: str) -> ModelConfig:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"malformed config JSON in {source}: {e}") from None
+    if isinstance(data, dict) and (absent := missing_fields(data)):
+        raise ValueError(f"{source} lacks the config field(s) {', '.join(absent)}; every field that changes the "
+                         f"model must be given (only {', '.join(sorted(OPTIONAL_FIELDS))} have defaults)")
     try:
         return ModelConfig.from_dict(data)
     except ValueError as e:

@@ -151,6 +151,9 @@ def _load_shard(path: Path, names: list[str], expected: dict, dtypes: dict, lazy
         verify()
     with shards.open_shard(path) as f:
         present = set(f.keys())
+        if extra := sorted(present - set(names)):
+            raise ValueError(f"shard {path.name} holds {len(extra)} tensor(s) that {shards.INDEX_NAME} does not "
+                             f"list, e.g. {extra[:3]}: the index and the shard disagree; re-save the checkpoint")
         for name in names:
             if name not in present:
                 raise ValueError(f"tensor {name} is listed in {shards.INDEX_NAME} under {path.name} "

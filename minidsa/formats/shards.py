@@ -14,6 +14,7 @@ checksums (older minidsa, other tools) load unverified.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .dtypes import SAFETENSORS_NAMES
@@ -88,7 +89,10 @@ def write_shards(tensors: dict[str, torch.Tensor], directory: Path, max_shard_si
     for i, group in enumerate(groups, start=1):
         fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         tmp = directory / f".{fname}{TMP_SUFFIX}"
-        save_file(group, str(tmp), metadata={"format": "pt"})
+        try:
+            save_file(group, str(tmp), metadata={"format": "pt"})
+        except SafetensorError as e:  # safetensors reports a failed write in its own type: make it an OSError
+            raise OSError(errno.EIO, f"cannot write shard {fname} ({e})", str(tmp)) from None
         checksums[fname] = file_checksum(tmp)  # re-read from the page cache: about 1 s per GB
         os.replace(tmp, directory / fname)
         weight_map.update({name: fname for name in group})
@@ -264,11 +268,34 @@ def tensor_reader(path: Path, name: str, target: torch.Tensor, dtype: torch.dtyp
     """A zero-argument function that reads ``name`` from the shard at ``path`` into ``target``, checked
     as at load: ``verify()`` (the shard's checksum) first, then header and values (the MoE layer calls
     it when an expert is first routed)."""
+    seen = _identity(path)  # the file as verified at load
+
     def read() -> torch.Tensor:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             return f.get_tensor(name)
 
     def read_checked() -> None:
+        if _identity(path) != seen:
+            raise CheckpointChangedError(
+                f"shard {path} changed on disk after the model was loaded with lazy_experts=True (size or "
+                f"modification time differ), so expert tensor {name} is not read from it; load the checkpoint "
+                f"again", path)
         verify()
         store(name, path.name, read, target, dtype, check)
     return read_checked
+
+
+class CheckpointChangedError(OSError):
+    """A shard read lazily is no longer the file verified at load."""
+
+    def __init__(self, message: str, path: Path) -> None:
+        super().__init__(errno.ESTALE, message, str(path))
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """(size, modification time, inode) of ``path``: a file replaced or rewritten changes at least one."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ino

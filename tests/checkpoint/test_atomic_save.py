@@ -89,3 +89,35 @@ def test_the_index_config_wins_over_a_stale_config_json(tmp_path, models):
     old.config.to_json(tmp_path / "config.json")   # as a save cut between the commit and config.json leaves it
     assert minidsa.load_config(tmp_path) == new.config
     assert same(state(minidsa.load(tmp_path, progress=False)), state(new))
+
+
+def test_a_save_that_cannot_write_is_an_oserror_naming_the_path(tmp_path, models):
+    old, _ = models
+    target = tmp_path / "ro"
+    old.save_pretrained(target)
+    target.chmod(0o500)   # read-only directory
+    try:
+        if os.access(target, os.W_OK):
+            pytest.skip("running as a user who may write anywhere")
+        with pytest.raises(OSError) as err:
+            old.save_pretrained(target)
+        assert str(target) in str(err.value)
+    finally:
+        target.chmod(0o700)
+    assert same(state(minidsa.load(target, progress=False)), state(old))
+
+
+def test_a_failed_shard_write_is_an_oserror_and_keeps_the_old_checkpoint(tmp_path, models, monkeypatch):
+    from safetensors import SafetensorError
+    old, new = models
+    old.save_pretrained(tmp_path)
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(No space left on device)")
+
+    monkeypatch.setattr(shards, "save_file", full)
+    with pytest.raises(OSError, match="cannot write shard model-00001-of-00001.safetensors") as err:
+        new.save_pretrained(tmp_path)
+    assert err.value.filename.startswith(str(tmp_path))
+    monkeypatch.undo()
+    assert same(state(minidsa.load(tmp_path, progress=False)), state(old))

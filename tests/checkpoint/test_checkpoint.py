@@ -247,3 +247,61 @@ def test_lazy_expert_with_nan_scale_fails_by_name_on_use(saved, tmp_path):
                 lazy(torch.randint(0, 256, (1, 3)))
     with pytest.raises(ValueError, match="0xFF"):
         minidsa.load(path)  # eager loading rejects it up front
+
+
+def test_lazy_experts_refuse_a_shard_replaced_after_load(tmp_path):
+    from minidsa.formats.shards import CheckpointChangedError
+    path = tmp_path / "ckpt"
+    minidsa.MiniDSA("tiny").save_pretrained(path)
+    lazy = minidsa.load(path, lazy_experts=True, progress=False)
+    minidsa.MiniDSA(minidsa.load_config("tiny").replace(seed=5)).save_pretrained(path)   # replaced under it
+    with pytest.raises(CheckpointChangedError, match="changed on disk after the model was loaded") as err:
+        with torch.no_grad():
+            lazy(torch.tensor([[5, 6, 7]]))
+    assert isinstance(err.value, OSError) and err.value.filename.endswith(".safetensors")
+
+
+@pytest.mark.parametrize("field", ["attn_res_block_size", "max_seq_len", "indexer.topk"])
+def test_a_config_json_missing_a_field_that_changes_the_model_is_refused(tmp_path, field):
+    import json
+    path = tmp_path / "ckpt"
+    minidsa.MiniDSA("tiny").save_pretrained(path)
+    for name in ("config.json", "model.safetensors.index.json"):   # the index embeds the config too
+        data = json.loads((path / name).read_text())
+        cfg = json.loads(data["metadata"]["config"]) if name != "config.json" else data
+        outer, _, inner = field.rpartition(".")
+        del (cfg[outer] if outer else cfg)[inner]
+        if name == "config.json":
+            data = cfg
+        else:
+            data["metadata"]["config"] = json.dumps(cfg)
+        (path / name).write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"lacks the config field\\(s\\) {field};"):
+        minidsa.load(path, progress=False)
+
+
+def test_a_config_json_may_leave_out_the_documented_defaults(tmp_path):
+    import json
+    path = tmp_path / "c.json"
+    data = minidsa.load_config("tiny").to_dict()
+    for key in ("seed", "kv_num_blocks", "rms_norm_eps"):
+        del data[key]
+    path.write_text(json.dumps(data))
+    assert minidsa.load_config(path).rms_norm_eps == minidsa.ModelConfig().rms_norm_eps
+
+
+def test_a_tensor_the_index_does_not_list_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+    path = tmp_path / "ckpt"
+    minidsa.MiniDSA("tiny").save_pretrained(path)
+    shard = path / "model-00001-of-00001.safetensors"
+    tensors = load_file(shard)
+    tensors["language_model.model.layers.0.extra.weight"] = torch.zeros(3)
+    save_file(tensors, shard)
+    index = path / "model.safetensors.index.json"
+    import json
+    data = json.loads(index.read_text())
+    data["metadata"]["checksums"] = {}   # so the checksum does not catch it first
+    index.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="holds 1 tensor\\(s\\) that model.safetensors.index.json does not list"):
+        minidsa.load(path, progress=False)
