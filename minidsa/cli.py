@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,7 @@ from .checkpoint.validator import check_checkpoint
 from .serving.generation import generate
 from .training import loop as training_loop
 from .training.evaluation import evaluate, format_metrics
+from .training.state import load_state
 
 # Measured on the project's 2-core CPU (README, "Threads"): at these sizes one thread decodes about as
 # fast as two on a quiet machine, and two collapse 10-30x as soon as another process wants a core
@@ -102,9 +104,11 @@ def _train_parser(sub, common) -> None:
     d = training_loop.TrainConfig()
     t = sub.add_parser("train", parents=[common], help="train on the synthetic tasks (dense, indexer warm-up, "
                                                        "sparse), saving a checkpoint; --resume continues a run")
-    t.add_argument("--config", default=d.model, help=f"model preset or config JSON (default: {d.model})")
+    t.add_argument("--config", default=None, help=f"model preset or config JSON (default: {d.model})")
     t.add_argument("--out", default=d.out_dir, help=f"checkpoint directory of the run (default: {d.out_dir})")
-    t.add_argument("--resume", action="store_true", help="continue the run in --out; only leg options apply")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out with its own options; only "
+                                                          "leg options (--max-minutes, --leg-steps, ...) may be given")
+    t.add_argument("--overwrite", action="store_true", help="start over in an --out that holds a run")
     t.add_argument("--recipe", default="shipped", choices=sorted(training_loop.RECIPES),
                    help="the field defaults: 'shipped' (the run behind the shipped model, about 65 min on 2 "
                         "cores) or 'quick' (pass-key retrieval learned in under 2 min on one thread)")
@@ -134,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `| head`: the reader left; stop quietly (and keep Python's exit flush quiet)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except OSError as e:  # a file that cannot be read or written: one line naming it, not a traceback
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 2
 
 
 def _generate(args) -> int:
@@ -190,14 +197,29 @@ def _check(args) -> int:
 
 def _train(args) -> int:
     given = {k: v for k, v in vars(args).items() if k in TRAIN_INT_OPTIONS + TRAIN_FLOAT_OPTIONS and v is not None}
-    cfg = training_loop.TrainConfig.from_recipe(args.recipe, **given, model=args.config, out_dir=args.out,
-                                                device=args.device, progress=not args.no_progress)
-    result = training_loop.train(cfg, resume=args.resume)
+    run = {"out_dir": args.out, "device": args.device, "progress": not args.no_progress}
+    if args.resume:
+        cfg = _resumed_config(args, given, run)
+    else:
+        cfg = training_loop.TrainConfig.from_recipe(args.recipe, **given, model=args.config or "tiny", **run)
+    result = training_loop.train(cfg, resume=args.resume, overwrite=args.overwrite)
     state = "finished" if result["done"] else "stopped (resume with --resume)"
     print(f"{state} at step {result['step']}; checkpoint in {result['out_dir']}")
     if result["evals"]:
         print(format_metrics(result["evals"][-1]))
     return 0
+
+
+def _resumed_config(args, given: dict, run: dict) -> "training_loop.TrainConfig":
+    """The run's own TrainConfig; only leg options may be given again (any other is fixed at the start)."""
+    saved = load_state(Path(args.out))["train_config"]
+    fixed = sorted(k for k in given if k not in training_loop.LEG_FIELDS)
+    if fixed or args.config is not None and args.config != saved["model"]:
+        what = ", ".join("--" + k.replace("_", "-") for k in fixed) or f"--config {args.config}"
+        raise ValueError(f"{what} cannot change when resuming: the run in {args.out} was started with "
+                         f"{ {k: saved[k] for k in fixed} if fixed else 'config ' + repr(saved['model'])}; drop "
+                         f"it, or start a new run with another --out")
+    return training_loop.TrainConfig(**{**saved, **given, **run})
 
 
 def _eval(args) -> int:

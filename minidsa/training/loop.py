@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,7 @@ from . import tasks
 from .evaluation import evaluate, format_metrics, multimodal_logits
 from .forward import TrainingModel
 from .indexer_losses import focus_loss, layer_kl
-from .state import STATE_FILE, load_state, save_state
+from .state import LEGACY_STATE_FILE, STATE_FILE, load_state, save_state
 
 CURVES_FILE = "loss_curves.png"
 LOG_FILE = "training_log.json"  # the run's config, per-step losses and evaluations, readable without torch
@@ -226,12 +227,14 @@ def train_step(tm: TrainingModel, opt: torch.optim.Optimizer, cfg: TrainConfig, 
             **{k: v.item() for k, v in losses.items()}}
 
 
-def train(config: TrainConfig | None = None, *, resume: bool = False, **overrides) -> dict:
+def train(config: TrainConfig | None = None, *, resume: bool = False, overwrite: bool = False, **overrides) -> dict:
     """Run (or, with ``resume``, continue from ``out_dir``) a training run; returns {"step", "history",
-    "evals", "train_config", "out_dir", "done"}. Keyword overrides replace TrainConfig fields. On resume the run's fields
-    come from the checkpoint and only the leg fields (LEG_FIELDS) of ``config`` apply."""
+    "evals", "train_config", "out_dir", "done"}. Keyword overrides replace TrainConfig fields. On resume the
+    run's fields come from the checkpoint and only the leg fields (LEG_FIELDS) of ``config`` apply. A fresh
+    run refuses a directory that holds a run unless ``overwrite``; the directory is checked writable first."""
     cfg = dataclasses.replace(config or TrainConfig(), **overrides)
     cfg.validate()
+    check_run_dir(Path(cfg.out_dir), fresh=not resume, overwrite=overwrite)
     tm, opt, step, log = _start(cfg, resume)
     if resume:
         cfg = dataclasses.replace(TrainConfig(**log["train_config"]), **{f: getattr(cfg, f) for f in LEG_FIELDS})
@@ -259,6 +262,21 @@ def train(config: TrainConfig | None = None, *, resume: bool = False, **override
     bar.close()
     return {"step": done, "history": log["history"], "evals": log["evals"], "train_config": log["train_config"],
             "out_dir": cfg.out_dir, "done": done == cfg.total_steps}
+
+
+def check_run_dir(out: Path, fresh: bool, overwrite: bool = False) -> None:
+    """Before any step: a fresh run's directory holds no run (unless ``overwrite``); the directory is writable."""
+    held = [n for n in (STATE_FILE, LEGACY_STATE_FILE, LOG_FILE) if (out / n).is_file()]
+    if fresh and held and not overwrite:
+        raise ValueError(f"{str(out)!r} already holds a training run ({held[0]}); continue it with resume=True "
+                         f"(--resume) or start over with overwrite=True (--overwrite)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write the run directory {out} ({e.strerror}); choose another out_dir "
+                               f"(--out) before training", str(out)) from None
 
 
 def _start(cfg: TrainConfig, resume: bool):

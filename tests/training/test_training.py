@@ -350,3 +350,41 @@ def test_resume_from_a_damaged_state_is_one_clear_error(tmp_path, capsys):
     assert main(["train", "--out", str(run), "--resume", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and STATE_FILE in err[0]
+
+
+# ------------------------------------------------------------------------------------------ run directories
+def test_an_unwritable_run_directory_fails_before_any_step(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    steps = []
+    monkeypatch.setattr("minidsa.training.loop.train_step", lambda *a: steps.append(1))
+    with pytest.raises(OSError, match="cannot write the run directory"):
+        train(fast(tmp_path, out_dir=str(blocker / "run")))
+    assert not steps
+
+
+def test_an_existing_run_is_not_overwritten_without_asking(tmp_path, capsys):
+    train(fast(tmp_path, dense_steps=1, warmup_steps=0, sparse_steps=1))
+    before = load_state(tmp_path / "run")
+    with pytest.raises(ValueError, match="already holds a training run.*--resume.*--overwrite"):
+        train(fast(tmp_path, dense_steps=1, warmup_steps=0, sparse_steps=1, seed=3))
+    assert load_state(tmp_path / "run")["history"] == before["history"]
+    assert main(["train", "--out", str(tmp_path / "run"), "--dense-steps", "1", "--no-progress"]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert train(fast(tmp_path, dense_steps=1, warmup_steps=0, sparse_steps=1, seed=3), overwrite=True)["done"]
+
+
+def test_resume_keeps_the_runs_own_options_and_refuses_to_change_fixed_ones(tmp_path, capsys):
+    out = str(tmp_path / "cli")
+    base = ["--dense-steps", "2", "--warmup-steps", "0", "--sparse-steps", "1", "--batch-size", "1",
+            "--mm-batch-size", "0", "--context", "80", "--no-progress"]
+    assert main(["train", "--out", out, *base, "--eval-n", "3", "--leg-steps", "1", "--lr", "0.002"]) == 0
+    capsys.readouterr()
+    for bad in (["--config", "laptop"], ["--lr", "0.01"]):
+        assert main(["train", "--out", out, "--resume", *bad, "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "cannot change when resuming" in err[0]
+    assert main(["train", "--out", out, "--resume", "--leg-steps", "1", "--no-progress"]) == 0
+    assert main(["train", "--out", out, "--resume", "--no-progress"]) == 0
+    saved = load_state(tmp_path / "cli")
+    assert saved["step"] == 3 and saved["train_config"]["eval_n"] == 3 and saved["train_config"]["lr"] == 0.002
