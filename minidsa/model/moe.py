@@ -169,9 +169,12 @@ class LatentMoE(nn.Module):
         return torch.sigmoid(nn.functional.linear(cast(x, acc), cast(self.gate.weight, acc)))
 
     def route_weights(self, s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Affinities s [N, E] of the chosen experts ids [N, top_k], renormalised and scaled -> [N, top_k]."""
+        """Affinities s [N, E] of the chosen experts ids [N, top_k], renormalised (only when top_k > 1, as
+        released: a single expert keeps its sigmoid affinity, not a weight of 1) and scaled -> [N, top_k]."""
         chosen = s.gather(1, ids)
-        return chosen / (chosen.sum(-1, keepdim=True) + ROUTER_EPS) * self.routed_scaling_factor
+        if ids.shape[1] > 1:
+            chosen = chosen / (chosen.sum(-1, keepdim=True) + ROUTER_EPS)
+        return chosen * self.routed_scaling_factor
 
     def conversion_plan(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [N, top_k] -> (experts int64 [n], number routed: an int or a device scalar), n = min(N * top_k, E).

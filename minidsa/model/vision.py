@@ -194,7 +194,7 @@ class PositionGrid(nn.Module):
 
     def forward(self, h: int, w: int) -> torch.Tensor:
         """-> [h*w, d] in row-major patch order."""
-        grid = self.weight.permute(2, 0, 1).unsqueeze(0).float()  # [1, d, G, G]
+        grid = self.weight.permute(2, 0, 1).unsqueeze(0)  # [1, d, G, G], resized in the model's dtype (as released)
         grid = F.interpolate(grid, size=(h, w), mode="bilinear", align_corners=False)
         return grid[0].permute(1, 2, 0).reshape(h * w, -1)
 

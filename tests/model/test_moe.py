@@ -173,3 +173,15 @@ def test_backward_through_online_experts():
     loss = model(torch.tensor([[256, 104, 105, 106]])).logsumexp(-1).sum()
     loss.backward()
     assert emb.grad is not None and torch.isfinite(emb.grad).all() and emb.grad.abs().sum() > 0
+
+
+def test_a_single_routed_expert_keeps_its_affinity_as_released():
+    model = minidsa.MiniDSA(with_moe(tiny_config(dtype="float64"), top_k=1, routed_scaling_factor=2.5))
+    moe = model.moe_layers()[0]
+    x = torch.randn(5, model.config.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        ids, w = moe.route(x)
+    s = torch.sigmoid(x @ moe.gate.weight.T)
+    # released: renormalise only when top_k > 1; one expert's weight is its sigmoid score (< 1) times the scale
+    torch.testing.assert_close(w, s.gather(1, ids) * 2.5, atol=1e-12, rtol=0)
+    assert (w < 2.5).all()

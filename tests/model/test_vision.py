@@ -214,3 +214,16 @@ def test_checkpoint_carries_the_vision_tower(tmp_path):
     loaded = minidsa.load(tmp_path)
     kw = dict(images=[rgb(56, 56, 8)], max_new_tokens=4, temperature=0, stop_at_eos=False)
     assert minidsa.generate("x", loaded, **kw) == minidsa.generate("x", model, **kw)
+
+
+def test_the_position_grid_is_resized_in_the_models_dtype():
+    import torch.nn.functional as F
+
+    from minidsa.model.vision import PositionGrid
+    grid = PositionGrid(4, 3).double()
+    with torch.no_grad():
+        grid.weight.copy_(torch.rand(4, 4, 3, dtype=torch.float64))
+    out = grid(3, 5)
+    ref = F.interpolate(grid.weight.permute(2, 0, 1)[None], size=(3, 5), mode="bilinear", align_corners=False)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, ref[0].permute(1, 2, 0).reshape(15, 3), atol=0, rtol=0)   # fp64 throughout
