@@ -23,6 +23,7 @@ SPECIAL_TOKENS = (
 # How one image is written into a prompt (the Kimi-VL chat form); the <|media_pad|> is replaced by the
 # image's tokens. generate(..., images=[...]) inserts one per image before the text when the prompt has none.
 IMAGE_MARKER = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+VIDEO_MARKER = "<|media_begin|>video<|media_content|><|media_pad|><|media_end|>"  # a video item in a prompt
 
 
 class ByteTokenizer:

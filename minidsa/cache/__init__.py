@@ -6,6 +6,6 @@
 """
 
 from .layout import CacheLayout, OutOfKVBlocksError, Plane
-from .paged import CacheContext, PagedKVCache
+from .paged import CacheContext, PagedKVCache, check_cache_layout
 
-__all__ = ["CacheContext", "CacheLayout", "OutOfKVBlocksError", "PagedKVCache", "Plane"]
+__all__ = ["CacheContext", "CacheLayout", "OutOfKVBlocksError", "PagedKVCache", "Plane", "check_cache_layout"]

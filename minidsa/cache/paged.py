@@ -267,10 +267,18 @@ class PagedKVCache:
     # ---------------------------------------------------------------- one forward
     @_locked
     def prepare(self, seq_ids: list[int], num_tokens: int, device: torch.device | str,
-                max_len: int | None = None) -> "CacheContext":
+                max_len: int | None = None, rows: int | None = None) -> "CacheContext":
         """Reserve room for ``num_tokens`` more tokens in each sequence (all-or-nothing; no sequence may
-        exceed ``max_len``) and describe where they go as device tensors. Nothing is committed until
-        ``CacheContext.publish``."""
+        exceed ``max_len``; ``rows``: the batch rows seq_ids must match) and describe where they go as
+        device tensors. Nothing is committed until ``CacheContext.publish``."""
+        if seq_ids is None:
+            raise ValueError(f"pass seq_ids with one cache sequence per batch row ({rows}) along with cache=")
+        if not isinstance(seq_ids, (list, tuple)):
+            raise TypeError(f"seq_ids must be a list of cache sequence ids, one per batch row (e.g. [sid] for one "
+                            f"row), got {type(seq_ids).__name__} {seq_ids!r}")
+        if rows is not None and len(seq_ids) != rows:
+            raise ValueError(f"pass seq_ids with one cache sequence per batch row ({rows}), got {seq_ids!r}")
+        seq_ids = list(seq_ids)
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids must be distinct, got {seq_ids!r}")
         starts = [self.seq_len(s) for s in seq_ids]
@@ -292,6 +300,15 @@ class PagedKVCache:
         pos, slot_mapping, tab, context_lens, state_slots = packed.split(sizes)
         return CacheContext(self, list(seq_ids), starts, pos.view(B, T), slot_mapping, tab.view(table.shape).int(),
                             context_lens.int(), state_slots, tables_before)
+
+def check_cache_layout(cache, layout_for) -> None:
+    """TypeError unless ``cache`` is a PagedKVCache; ValueError unless its layout is
+    ``layout_for(num_blocks)``, the layout the model would make (checked before anything is taken)."""
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache must be a PagedKVCache (model.new_cache()), got {type(cache).__name__}")
+    if cache.layout != layout_for(cache.layout.num_blocks):
+        raise ValueError("this cache was made for a different model layout; use model.new_cache()")
+
 
 @dataclass
 class CacheContext:

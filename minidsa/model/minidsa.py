@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..cache import CacheContext, CacheLayout, PagedKVCache
+from ..cache import CacheContext, CacheLayout, PagedKVCache, check_cache_layout
 from ..config import ModelConfig, load_config
 from ..formats import shards
 from ..formats.dtypes import disk_dtype, memory_dtype
@@ -75,11 +75,14 @@ class MiniDSA(nn.Module):
     # ---------------------------------------------------------------- experts
     def expert_workspace(self) -> ExpertWorkspace:
         """The one FP8 workspace shared by every MoE layer (allocated on first use)."""
-        if self._workspace is None:
-            with _CREATE_LOCK:   # two threads' first forwards must not build two workspaces
-                if self._workspace is None:
-                    self._workspace = ExpertWorkspace(self.config, self.device)
-        return self._workspace
+        return self._create_once("_workspace", lambda: ExpertWorkspace(self.config, self.device))
+
+    def _create_once(self, attr: str, make):
+        """``self.<attr>``, made on first use under a lock: two threads' first calls must not make two."""
+        with _CREATE_LOCK:
+            if getattr(self, attr) is None:
+                setattr(self, attr, make())
+            return getattr(self, attr)
 
     def moe_layers(self) -> list[LatentMoE]:
         return [layer.block_sparse_moe for layer in self.language_model.model.layers if layer.is_moe]
@@ -126,11 +129,7 @@ class MiniDSA(nn.Module):
 
     def default_cache(self) -> PagedKVCache:
         """The cache generate() uses when none is passed; created once, shared by calls."""
-        if self._default_cache is None:
-            with _CREATE_LOCK:
-                if self._default_cache is None:
-                    self._default_cache = self.new_cache()
-        return self._default_cache
+        return self._create_once("_default_cache", self.new_cache)
 
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor | None = None, *, inputs_embeds: torch.Tensor | None = None,
@@ -153,8 +152,7 @@ class MiniDSA(nn.Module):
             with ops.use_backend(self.backend):
                 logits = self.language_model.lm_head(self.language_model.model(h, ctx, trace))
         except BaseException:
-            if ctx is not None:
-                ctx.rollback()  # the blocks this forward reserved go back; nothing was committed
+            ctx is None or ctx.rollback()  # the blocks this forward reserved go back; nothing was committed
             raise
         if ctx is not None:
             ctx.publish()  # success: the staged KDA states and the new lengths become the cache's
@@ -193,22 +191,12 @@ class MiniDSA(nn.Module):
                 raise ValueError(f"input has {T} tokens, more than the model's context max_seq_len = "
                                  f"{self.config.max_seq_len}; shorten it")
             return None
-        if seq_ids is None:
-            raise ValueError(f"pass seq_ids with one cache sequence per batch row ({B}) along with cache=")
-        if not isinstance(seq_ids, (list, tuple)):
-            raise TypeError(f"seq_ids must be a list of cache sequence ids, one per batch row (e.g. [sid] for one "
-                            f"row), got {type(seq_ids).__name__} {seq_ids!r}")
-        if len(seq_ids) != B:
-            raise ValueError(f"pass seq_ids with one cache sequence per batch row ({B}), got {seq_ids!r}")
         self.check_cache(cache)
-        return cache.prepare(list(seq_ids), T, device, max_len=self.config.max_seq_len)
+        return cache.prepare(seq_ids, T, device, max_len=self.config.max_seq_len, rows=B)
 
     def check_cache(self, cache) -> None:
         """TypeError / ValueError unless ``cache`` is a PagedKVCache made for this model's layout."""
-        if not isinstance(cache, PagedKVCache):
-            raise TypeError(f"cache must be a PagedKVCache (model.new_cache()), got {type(cache).__name__}")
-        if cache.layout != self.cache_layout(cache.layout.num_blocks):
-            raise ValueError("this cache was made for a different model layout; use model.new_cache()")
+        check_cache_layout(cache, self.cache_layout)
 
     # ---------------------------------------------------------------- images
     def prepare_images(self, images: list) -> list[PreparedImage]:
@@ -219,7 +207,7 @@ class MiniDSA(nn.Module):
         """Vision tower + projector: one [num_tokens_i, hidden] tensor per image."""
         if not images:
             return []
-        feats = self.vision_tower([PreparedImage(im.patches.to(self.device), im.grid) for im in images])
+        feats = self.vision_tower([PreparedImage(im.patches.to(self.device), im.grid, im.frames) for im in images])
         return [self.mm_projector(f) for f in feats]
 
     def embed(self, input_ids: torch.Tensor, image_features: list[torch.Tensor] = ()) -> torch.Tensor:

@@ -9,6 +9,10 @@
           -> final RMSNorm -> concatenate each 2 x 2 patch neighbourhood (4d)
           -> projector: Linear -> GELU -> Linear to the text width (no biases) -> RMSNorm
 Each image gives (h/2) * (w/2) vectors that replace its ``<|media_pad|>`` placeholder in the text.
+A video item (1 to 4 frames of one size) runs the same path over all its frames' patches at once:
+each frame gets the same grid positions and 2-D RoPE, plus a fixed sin-cos position of its frame
+(none for a single frame), attention is joint over every patch of the item, and the frames are
+mean-pooled before the 2 x 2 merge, so a video item fills as many tokens as one of its frames.
 Module names follow the released checkpoint: ``vision_tower.patch_embed.{proj,pos_emb}``,
 ``vision_tower.encoder.blocks.{i}.{norm0,wqkv,wo,norm1,mlp.fc0,mlp.fc1}``,
 ``vision_tower.encoder.final_layernorm``, ``mm_projector.{proj.0,proj.2,post_norm}``.
@@ -33,12 +37,17 @@ from .norm import RMSNorm
 ROPE_THETA = 10000.0  # base of the 2-D rotary frequencies
 
 
+MAX_VIDEO_FRAMES = 4  # frames per video item: the released temporal table's length (init_pos_emb_time)
+
+
 @dataclass
 class PreparedImage:
-    """One preprocessed image: patches [h*w, 3, P, P] (row-major) on an h x w patch grid."""
+    """One preprocessed image, or one video item of ``frames`` frames: patches [frames*h*w, 3, P, P]
+    (frame-major, row-major inside a frame) on an h x w patch grid per frame."""
 
     patches: torch.Tensor
     grid: tuple[int, int]
+    frames: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +135,32 @@ def preprocess(image, cfg: ModelConfig, name: str = "image") -> PreparedImage:
     return PreparedImage(patches, (h, w))
 
 
+def preprocess_video(frames, cfg: ModelConfig, name: str = "video") -> PreparedImage:
+    """1 to MAX_VIDEO_FRAMES frames (arrays, tensors or paths, all of one size) -> one PreparedImage whose
+    frames share a patch grid; the tower attends over all of them and pools them into one image's tokens."""
+    if isinstance(frames, (str, Path, np.ndarray, torch.Tensor)) or not isinstance(frames, (list, tuple)):
+        raise TypeError(f"{name} must be a list of 1 to {MAX_VIDEO_FRAMES} frames (arrays, tensors or image paths), "
+                        f"got {type(frames).__name__}")
+    if not 1 <= len(frames) <= MAX_VIDEO_FRAMES:
+        raise ValueError(f"{name} has {len(frames)} frames; a video item holds 1 to {MAX_VIDEO_FRAMES} (the "
+                         f"temporal position table's length): split a longer video into items")
+    prepared = [preprocess(f, cfg, name=f"{name}[{i}]") for i, f in enumerate(frames)]
+    sizes = [tuple(load_image(f, f"{name}[{i}]").shape[1:]) for i, f in enumerate(frames)]
+    if len(set(sizes)) > 1:
+        raise ValueError(f"{name} has frames of different sizes {sorted(set(sizes))} (height, width); every frame "
+                         f"of a video must have the same size")
+    return PreparedImage(torch.cat([p.patches for p in prepared]), prepared[0].grid, len(prepared))
+
+
+def temporal_table(frames: int, d: int) -> torch.Tensor:
+    """[frames, d] fixed 1-D sin-cos position of each frame (released: sin half, then cos half, frequencies
+    10000^(-i / (d/2))). Added to every patch of a frame of a video item of more than one frame; a single
+    frame (an image) gets none, so images are unchanged."""
+    omega = 1.0 / 10000 ** (torch.arange(d // 2, dtype=torch.float64) / (d / 2))
+    angle = torch.arange(frames, dtype=torch.float64)[:, None] * omega[None]
+    return torch.cat([angle.sin(), angle.cos()], dim=1)
+
+
 def rope_2d(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """Rotate x [N, H, hd] by each patch's grid position (returned in fp32; fp64 kept).
 
@@ -209,9 +244,13 @@ class PatchEmbed(nn.Module):
         self.pos_emb = PositionGrid(v.position_grid, v.hidden_size)
 
     def forward(self, image: PreparedImage) -> torch.Tensor:
-        """One image's patches [h*w, 3, P, P] -> [h*w, d]."""
+        """One item's patches [t*h*w, 3, P, P] -> [t*h*w, d]: the grid's position on every frame, plus
+        (t > 1) each frame's temporal position."""
         dtype = self.proj.weight.dtype
-        return self.proj(image.patches.to(dtype)).flatten(1) + self.pos_emb(*image.grid).to(dtype)
+        pos = self.pos_emb(*image.grid)  # [h*w, d]
+        if image.frames > 1:
+            pos = (pos[None] + temporal_table(image.frames, pos.shape[-1]).to(pos)[:, None]).reshape(-1, pos.shape[-1])
+        return self.proj(image.patches.to(dtype)).flatten(1) + pos.to(dtype)
 
 
 class VisionEncoder(nn.Module):
@@ -244,18 +283,19 @@ class VisionTower(nn.Module):
             xs.append(self.patch_embed(im))
             r, c = torch.meshgrid(torch.arange(h, device=xs[-1].device), torch.arange(w, device=xs[-1].device),
                                   indexing="ij")
-            rows.append(r.reshape(-1))
-            cols.append(c.reshape(-1))
-            owner.append(torch.full((h * w,), i, device=xs[-1].device))
+            rows.append(r.reshape(-1).repeat(im.frames))  # each frame: the same 2-D RoPE positions
+            cols.append(c.reshape(-1).repeat(im.frames))
+            owner.append(torch.full((im.frames * h * w,), i, device=xs[-1].device))  # joint over the frames
         rows, cols, owner = torch.cat(rows), torch.cat(cols), torch.cat(owner)
         x = self.encoder(torch.cat(xs), rows, cols, owner.unsqueeze(0) == owner.unsqueeze(1))
         out, start = [], 0
         m = self.merge
         for im in images:
             h, w = im.grid
-            feat = x[start: start + h * w].view(h // m, m, w // m, m, -1)
+            n = im.frames * h * w
+            feat = x[start: start + n].view(im.frames, h // m, m, w // m, m, -1).mean(0)  # temporal mean-pool
             out.append(feat.permute(0, 2, 1, 3, 4).reshape((h // m) * (w // m), -1))  # 2x2 neighbours, row-major
-            start += h * w
+            start += n
         return out
 
 

@@ -169,7 +169,7 @@ class _Run:
         return len(seq.out) >= self.req.max_new_tokens or at_eos
 
 
-def generate(prompt, model: MiniDSA | str | None = None, *, images=None, max_new_tokens: int = 64,
+def generate(prompt, model: MiniDSA | str | None = None, *, images=None, videos=None, max_new_tokens: int = 64,
              temperature: float = 0.8, top_p: float = 0.95, seed: int | None = None, stream: bool = False,
              return_trace: bool = False, cache: PagedKVCache | None = None, progress: bool = False,
              stop_at_eos: bool = True):
@@ -182,6 +182,9 @@ def generate(prompt, model: MiniDSA | str | None = None, *, images=None, max_new
             ``minidsa.tokenizer.IMAGE_MARKER`` (any text containing one ``<|media_pad|>`` per image
             works); a prompt with no marker gets the images before its text. Each ``<|media_pad|>``
             expands to its image's (h/2)*(w/2) tokens.
+        videos: like images, each video a list of 1 to 4 frames of one size (arrays, tensors or paths);
+            a prompt's placeholders take its images first, then its videos; a video item fills as many
+            tokens as one of its frames (the frames are pooled after joint attention).
         max_new_tokens: tokens to generate per sequence (>= 1); generation stops early at eos.
         temperature: 0 = greedy argmax; > 0 samples from softmax(logits / temperature).
         top_p: nucleus sampling mass in (0, 1]; 1 disables it.
@@ -206,7 +209,7 @@ def generate(prompt, model: MiniDSA | str | None = None, *, images=None, max_new
     if cache is not None:
         model.check_cache(cache)  # type and layout, before a sequence or a block is taken from it
     req = build_request(model, prompt, images, max_new_tokens, temperature, top_p, seed, return_trace, progress,
-                        stop_at_eos)
+                        stop_at_eos, videos)
     run = GenerationStream(model, req, cache if cache is not None else model.default_cache())
     if stream:
         return run

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ..model.minidsa import MiniDSA
-from ..model.vision import preprocess
-from ..tokenizer import IMAGE_MARKER
+from ..model.vision import preprocess, preprocess_video
+from ..tokenizer import IMAGE_MARKER, VIDEO_MARKER
 
 SEED_END = 2**64  # torch.Generator.manual_seed takes seeds below this (negative ones wrap around)
 
@@ -36,7 +36,7 @@ class Request:
 
 
 def build_request(model: MiniDSA, prompt, images, max_new_tokens, temperature, top_p, seed, return_trace,
-                  progress, stop_at_eos) -> Request:
+                  progress, stop_at_eos, videos=None) -> Request:
     """Check every argument of ``generate`` and encode the prompts; raise ValueError/TypeError naming the value."""
     batched, texts = check_prompt(prompt)
     check_positive_int("max_new_tokens", max_new_tokens)
@@ -49,7 +49,7 @@ def build_request(model: MiniDSA, prompt, images, max_new_tokens, temperature, t
     if seed is not None and not (0 <= seed and seed + len(texts) <= SEED_END):  # row i samples with seed + i
         raise ValueError(f"seed = {seed} is outside [0, 2**64 - {len(texts)}]: torch seeds are unsigned 64-bit "
                          f"and row i of the batch uses seed + i; pass a smaller non-negative seed")
-    ids, features = encode_prompts(model, texts, images, batched)
+    ids, features = encode_prompts(model, texts, images, batched, videos)
     ctx = model.config.max_seq_len
     for i, p in enumerate(ids):
         where = f"prompt[{i}]" if batched else "prompt"
@@ -64,40 +64,51 @@ def build_request(model: MiniDSA, prompt, images, max_new_tokens, temperature, t
                    [base + i for i in range(len(ids))], return_trace, progress, bool(stop_at_eos))
 
 
-def encode_prompts(model: MiniDSA, texts: list[str], images, batched: bool):
-    """Token ids per prompt (bos + bytes, <|media_pad|> expanded) and the image features per prompt."""
+def encode_prompts(model: MiniDSA, texts: list[str], images, batched: bool, videos=None):
+    """Token ids per prompt (bos + bytes, <|media_pad|> expanded) and the media features per prompt. A
+    prompt's placeholders take its images first, then its videos (each a list of 1 to 4 frames)."""
     tok = model.tokenizer
-    if images is None:  # plain text: special-token strings stay literal text
+    if images is None and videos is None:  # plain text: special-token strings stay literal text
         return [tok.encode(t) for t in texts], [[] for _ in texts]
-    per_prompt = images if batched else [images]
-    if not isinstance(images, (list, tuple)) or (batched and (
-            len(images) != len(texts) or not all(isinstance(x, (list, tuple)) for x in images))):
-        want = "one list of images per prompt" if batched else "a list of images"
-        raise TypeError(f"images must be {want}, got {type(images).__name__}"
-                        + (f" of length {len(images)}" if isinstance(images, (list, tuple)) else ""))
+    per_images = _per_prompt("images", images, texts, batched, "images")
+    per_videos = _per_prompt("videos", videos, texts, batched, "videos (each a list of frames)")
     all_ids, all_feats = [], []
-    for i, (text, imgs) in enumerate(zip(texts, per_prompt)):
-        ids, prepared = _place_images(model, text, imgs, f"prompt[{i}]" if batched else "prompt",
-                                      lambda j: f"images[{i}][{j}]" if batched else f"images[{j}]")
+    for i, (text, imgs, vids) in enumerate(zip(texts, per_images, per_videos)):
+        at = f"[{i}]" if batched else ""
+        prepared = [preprocess(im, model.config, name=f"images{at}[{j}]") for j, im in enumerate(imgs)]
+        prepared += [preprocess_video(v, model.config, name=f"videos{at}[{j}]") for j, v in enumerate(vids)]
+        ids = _place_media(model, text, prepared, len(imgs), f"prompt{at}")
         with torch.inference_mode():
             all_feats.append(model.encode_images(prepared))
         all_ids.append(ids)
     return all_ids, all_feats
 
 
-def _place_images(model: MiniDSA, text: str, imgs, where: str, name):
-    """One prompt: ids with each <|media_pad|> expanded to its image's token count, and the prepared images."""
+def _per_prompt(what: str, items, texts: list[str], batched: bool, noun: str) -> list:
+    """``items`` as one list per prompt ([] each when None); TypeError naming the expected form."""
+    if items is None:
+        return [[] for _ in texts]
+    if not isinstance(items, (list, tuple)) or (batched and (
+            len(items) != len(texts) or not all(isinstance(x, (list, tuple)) for x in items))):
+        want = f"one list of {noun} per prompt" if batched else f"a list of {noun}"
+        raise TypeError(f"{what} must be {want}, got {type(items).__name__}"
+                        + (f" of length {len(items)}" if isinstance(items, (list, tuple)) else ""))
+    return list(items) if batched else [items]
+
+
+def _place_media(model: MiniDSA, text: str, prepared: list, num_images: int, where: str) -> list[int]:
+    """One prompt's ids with each <|media_pad|> expanded to its item's token count (images, then videos)."""
     tok = model.tokenizer
     ids = tok.encode(text, allow_special=True)
     n_pad = ids.count(tok.media_pad_id)
-    if n_pad == 0 and imgs:  # default placement: every image before the text
-        marker = tok.encode(IMAGE_MARKER, add_bos=False, allow_special=True)
-        ids = ids[:1] + marker * len(imgs) + ids[1:]
-        n_pad = len(imgs)
-    if n_pad != len(imgs):
-        raise ValueError(f"{where} has {n_pad} <|media_pad|> placeholder(s) but {len(imgs)} image(s) were given; "
-                         f"use one placeholder per image (or none, to put all images before the text)")
-    prepared = [preprocess(im, model.config, name=name(j)) for j, im in enumerate(imgs)]
+    if n_pad == 0 and prepared:  # default placement: every item before the text
+        markers = [IMAGE_MARKER] * num_images + [VIDEO_MARKER] * (len(prepared) - num_images)
+        ids = ids[:1] + [t for m in markers for t in tok.encode(m, add_bos=False, allow_special=True)] + ids[1:]
+        n_pad = len(prepared)
+    if n_pad != len(prepared):
+        raise ValueError(f"{where} has {n_pad} <|media_pad|> placeholder(s) but {num_images} image(s) and "
+                         f"{len(prepared) - num_images} video(s) were given; use one placeholder per item (images "
+                         f"first, then videos) or none, to put them all before the text")
     expanded, k = [], 0
     for t in ids:
         if t == tok.media_pad_id:
@@ -105,7 +116,7 @@ def _place_images(model: MiniDSA, text: str, imgs, where: str, name):
             k += 1
         else:
             expanded.append(t)
-    return expanded, prepared
+    return expanded
 
 
 def check_prompt(prompt) -> tuple[bool, list[str]]:
