@@ -24,7 +24,7 @@ from .checkpoint.validator import check_checkpoint
 from .serving.generation import generate
 from .training import loop as training_loop
 from .training.evaluation import evaluate, format_metrics
-from .training.state import load_state
+from .training.state import run_config
 
 # Measured on the project's 2-core CPU (README, "Threads"): at these sizes one thread decodes about as
 # fast as two on a quiet machine, and two collapse 10-30x as soon as another process wants a core
@@ -212,7 +212,7 @@ def _train(args) -> int:
 
 def _resumed_config(args, given: dict, run: dict) -> "training_loop.TrainConfig":
     """The run's own TrainConfig; only leg options may be given again (any other is fixed at the start)."""
-    saved = load_state(Path(args.out))["train_config"]
+    saved = run_config(Path(args.out))
     fixed = sorted(k for k in given if k not in training_loop.LEG_FIELDS)
     if fixed or args.config is not None and args.config != saved["model"]:
         what = ", ".join("--" + k.replace("_", "-") for k in fixed) or f"--config {args.config}"

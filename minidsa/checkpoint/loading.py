@@ -149,6 +149,7 @@ def _load_shard(path: Path, names: list[str], expected: dict, dtypes: dict, lazy
     lazy = {name: m for name in names if lazy_moe is not None and (m := _EXPERT_TENSOR.match(name))}
     if len(lazy) < len(names):
         verify()
+    seen = shards.file_identity(path) if lazy else None  # once per shard, for the lazy readers' check
     with shards.open_shard(path) as f:
         present = set(f.keys())
         if extra := sorted(present - set(names)):
@@ -164,7 +165,7 @@ def _load_shard(path: Path, names: list[str], expected: dict, dtypes: dict, lazy
                 shards.check_header(name, sl.get_shape(), sl.get_dtype(), target.shape, dtypes[name])
                 prefix, e, w, kind = lazy[name].groups()
                 lazy_moe[prefix].lazy_source[(int(e), w, kind)] = shards.tensor_reader(
-                    path, name, target, dtypes[name], check_values, verify)
+                    path, name, target, dtypes[name], check_values, verify, seen)
             else:
                 shards.store(name, path.name, lambda: f.get_tensor(name), target, dtypes[name], check_values)
             bar.update(1)

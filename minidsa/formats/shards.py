@@ -264,18 +264,17 @@ def store(name: str, fname: str, read: Callable[[], torch.Tensor], target: torch
 
 
 def tensor_reader(path: Path, name: str, target: torch.Tensor, dtype: torch.dtype,
-                  check: Callable[[str, torch.Tensor], None], verify: Callable[[], None]) -> Callable[[], None]:
+                  check: Callable[[str, torch.Tensor], None], verify: Callable[[], None],
+                  seen: tuple | None) -> Callable[[], None]:
     """A zero-argument function that reads ``name`` from the shard at ``path`` into ``target``, checked
-    as at load: ``verify()`` (the shard's checksum) first, then header and values (the MoE layer calls
-    it when an expert is first routed)."""
-    seen = _identity(path)  # the file as verified at load
-
+    as at load: the file must still be ``seen`` (its ``file_identity`` at load), then ``verify()`` (the
+    shard's checksum), then header and values (the MoE layer calls it when an expert is first routed)."""
     def read() -> torch.Tensor:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             return f.get_tensor(name)
 
     def read_checked() -> None:
-        if _identity(path) != seen:
+        if file_identity(path) != seen:
             raise CheckpointChangedError(
                 f"shard {path} changed on disk after the model was loaded with lazy_experts=True (size or "
                 f"modification time differ), so expert tensor {name} is not read from it; load the checkpoint "
@@ -292,7 +291,7 @@ class CheckpointChangedError(OSError):
         super().__init__(errno.ESTALE, message, str(path))
 
 
-def _identity(path: Path) -> tuple[int, int, int] | None:
+def file_identity(path: Path) -> tuple[int, int, int] | None:
     """(size, modification time, inode) of ``path``: a file replaced or rewritten changes at least one."""
     try:
         st = path.stat()

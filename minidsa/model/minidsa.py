@@ -75,7 +75,7 @@ class MiniDSA(nn.Module):
     # ---------------------------------------------------------------- experts
     def expert_workspace(self) -> ExpertWorkspace:
         """The one FP8 workspace shared by every MoE layer (allocated on first use)."""
-        return self._create_once("_workspace", lambda: ExpertWorkspace(self.config, self.device))
+        return self._workspace or self._create_once("_workspace", lambda: ExpertWorkspace(self.config, self.device))
 
     def _create_once(self, attr: str, make):
         """``self.<attr>``, made on first use under a lock: two threads' first calls must not make two."""
@@ -129,7 +129,7 @@ class MiniDSA(nn.Module):
 
     def default_cache(self) -> PagedKVCache:
         """The cache generate() uses when none is passed; created once, shared by calls."""
-        return self._create_once("_default_cache", self.new_cache)
+        return self._default_cache or self._create_once("_default_cache", self.new_cache)
 
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor | None = None, *, inputs_embeds: torch.Tensor | None = None,

@@ -144,11 +144,12 @@ def preprocess_video(frames, cfg: ModelConfig, name: str = "video") -> PreparedI
     if not 1 <= len(frames) <= MAX_VIDEO_FRAMES:
         raise ValueError(f"{name} has {len(frames)} frames; a video item holds 1 to {MAX_VIDEO_FRAMES} (the "
                          f"temporal position table's length): split a longer video into items")
-    prepared = [preprocess(f, cfg, name=f"{name}[{i}]") for i, f in enumerate(frames)]
-    sizes = [tuple(load_image(f, f"{name}[{i}]").shape[1:]) for i, f in enumerate(frames)]
+    loaded = [load_image(f, f"{name}[{i}]") for i, f in enumerate(frames)]  # each file read once
+    sizes = [tuple(x.shape[1:]) for x in loaded]
     if len(set(sizes)) > 1:
         raise ValueError(f"{name} has frames of different sizes {sorted(set(sizes))} (height, width); every frame "
                          f"of a video must have the same size")
+    prepared = [preprocess(x, cfg, name=f"{name}[{i}]") for i, x in enumerate(loaded)]
     return PreparedImage(torch.cat([p.patches for p in prepared]), prepared[0].grid, len(prepared))
 
 

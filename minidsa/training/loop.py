@@ -124,7 +124,7 @@ class TrainConfig:
 # 65 min on 2 CPU cores). "quick" learns retrieval in under 2 min on one CPU thread: pass-key rows only
 # (the image task needs thousands of steps), a smaller next-token weight (the filler competes with the
 # copy for the tiny model's capacity) and a learning rate that decays to a tenth, which keeps the sparse
-# stage from undoing what the dense stage learned (docs/log.md, 2026-12-02).
+# stage from undoing what the dense stage learned (docs/design.md §2).
 RECIPES: dict[str, dict] = {
     "shipped": {},
     "quick": {"dense_steps": 400, "warmup_steps": 60, "sparse_steps": 140, "mm_batch_size": 0,

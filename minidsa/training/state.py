@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 STATE_FILE = "training_state.safetensors"
-LEGACY_STATE_FILE = "training_state.pt"  # minidsa before 2026-12-02 (read only, without unpickling code)
+LEGACY_STATE_FILE = "training_state.pt"  # the earlier torch.save format: read only, without unpickling code
 FORMAT = "minidsa-training-state-1"
 
 
@@ -62,8 +62,24 @@ def load_state(directory: Path) -> dict:
                 "model": {k[len("model."):]: t for k, t in tensors.items() if k.startswith("model.")},
                 "history": log["history"], "evals": log["evals"], "train_config": log["train_config"]}
     except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is damaged or incomplete ({type(e).__name__}: {e}); resume from an earlier "
-                         f"copy or train again without --resume") from None
+        raise _damaged(path, e) from None
+
+
+def run_config(directory: Path) -> dict:
+    """The run's TrainConfig fields, from the state's metadata alone (no tensor is read)."""
+    path = directory / STATE_FILE
+    if not path.is_file():
+        return load_state(directory)["train_config"]  # a legacy state, or the error naming what is missing
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return json.loads((f.metadata() or {})["log"])["train_config"]
+    except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as e:
+        raise _damaged(path, e) from None
+
+
+def _damaged(path: Path, e: Exception) -> ValueError:
+    return ValueError(f"{path} is damaged or incomplete ({type(e).__name__}: {e}); resume from an earlier copy or "
+                      f"train again without --resume")
 
 
 def _load_legacy(path: Path) -> dict:
