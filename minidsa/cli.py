@@ -143,8 +143,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _check_utf8(text: str, name: str) -> None:
+    """Python decodes argv with surrogateescape, so bytes that are not UTF-8 arrive as lone surrogates; name
+    the shell-side fix (the library's own message suggests a Python one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raw = os.fsencode(text[e.start:e.start + 8])
+        raise ValueError(f"the {name} argument is not UTF-8 (it holds the bytes {raw!r}); pass UTF-8 text, e.g. "
+                         f"set a UTF-8 locale (LANG=C.UTF-8) or convert it with iconv -t UTF-8") from None
+
+
 def _generate(args) -> int:
     """Stream the continuation to stdout as it is sampled; the speed line goes to stderr."""
+    _check_utf8(args.prompt, "prompt")
     model = load(args.config, progress=not args.no_progress)
     terminal = sys.stdout.isatty()
     start = time.perf_counter()
@@ -201,7 +213,8 @@ def _train(args) -> int:
     if args.resume:
         cfg = _resumed_config(args, given, run)
     else:
-        cfg = training_loop.TrainConfig.from_recipe(args.recipe, **given, model=args.config or "tiny", **run)
+        model = "tiny" if args.config is None else args.config  # '' is refused by name, not read as tiny
+        cfg = training_loop.TrainConfig.from_recipe(args.recipe, **given, model=model, **run)
     result = training_loop.train(cfg, resume=args.resume, overwrite=args.overwrite)
     state = "finished" if result["done"] else "stopped (resume with --resume)"
     print(f"{state} at step {result['step']}; checkpoint in {result['out_dir']}")

@@ -303,6 +303,9 @@ def load_config(name_or_path: "str | Path | ModelConfig | dict") -> ModelConfig:
         return ModelConfig.from_dict(name_or_path)
     if not isinstance(name_or_path, (str, Path)):
         raise TypeError(f"config must be a preset name, a path or a ModelConfig, got {type(name_or_path).__name__}")
+    if not str(name_or_path).strip():  # Path("") is the working directory: say what was passed instead
+        raise ValueError(f"config name {str(name_or_path)!r} is empty; pass a preset name ({preset_names()}), "
+                         f"a config JSON path or a checkpoint directory")
     path = Path(name_or_path)
     if path.is_dir() and (embedded := _index_config(path)) is not None:
         return _parse(embedded, f"the index of checkpoint {str(path)!r}")

@@ -4,6 +4,7 @@ leftovers, and the CLI's output."""
 
 import io
 import json
+import os
 import re
 import shutil
 import struct
@@ -325,6 +326,14 @@ CLI_PROBES = [  # argv (given the scratch folder), what the one line must say
     (lambda d: ["params", "nope"], "unknown config name 'nope'"),
     (lambda d: ["check-checkpoint", str(d / "nothing")], "nothing"),
     (lambda d: [], "the following arguments are required: command"),
+    # '' is not the working directory; the next ones name what was passed and the fix
+    (lambda d: ["generate", "x", "--config", ""], "config name '' is empty; pass a preset name"),
+    (lambda d: ["params", ""], "config name '' is empty"),
+    (lambda d: ["check-checkpoint", ""], "checkpoint directory '' is empty"),
+    (lambda d: ["train", "--config", "", "--out", str(d / "run")], "config name '' is empty"),
+    (lambda d: ["eval", "--checkpoint", ""], "config name '' is empty"),
+    # bytes that are not UTF-8 arrive from the shell as lone surrogates: the fix is a shell one
+    (lambda d: ["generate", os.fsdecode(b"ab\xff")], r"not UTF-8 \(it holds the bytes b'\\xff'\); .*LANG=C.UTF-8"),
 ]
 
 

@@ -43,7 +43,7 @@ def load(name_or_path="tiny", *, device: torch.device | str = "cpu", progress: b
     token is routed to them. ``"default"`` is the trained checkpoint shipped with the package."""
     if isinstance(name_or_path, str) and name_or_path in PRETRAINED:
         name_or_path = pretrained_dir(name_or_path)
-    if isinstance(name_or_path, (str, os.PathLike)) and Path(name_or_path).is_dir():
+    if isinstance(name_or_path, (str, os.PathLike)) and str(name_or_path).strip() and Path(name_or_path).is_dir():
         return load_pretrained(name_or_path, device=device, progress=progress, lazy_experts=lazy_experts)
     if isinstance(name_or_path, (str, os.PathLike)) and (Path(name_or_path).name == shards.INDEX_NAME
                                                           or Path(name_or_path).suffix == ".safetensors"):
@@ -74,8 +74,8 @@ def load_pretrained(directory: str | os.PathLike, *, device: torch.device | str 
     data is read from disk the first time a token is routed to them (their E8M0 codes are checked
     then), so loading costs I/O only for the dense part.
     """
+    cfg = load_config(directory)  # the config its index embeds, else config.json ('' is refused, not '.')
     directory = Path(directory)
-    cfg = load_config(directory)  # the config its index embeds, else config.json
     weight_map, checksums = shards.read_index(directory)
     model = MiniDSA(cfg, device="meta", init=False).to_empty(device=device)
     expected = model.checkpoint_tensors()  # views into the model's own storage: copying fills the model

@@ -68,6 +68,8 @@ def check_checkpoint(directory: str | os.PathLike, config=None, *, progress: boo
     model's config), a config JSON path or a ModelConfig; None (the default) is the directory's own
     config.json."""
     start = time.perf_counter()
+    if not str(directory).strip():  # Path("") would be the working directory
+        raise ValueError("checkpoint directory '' is empty; pass the directory save_pretrained wrote")
     directory = Path(directory)
     if not directory.is_dir():
         raise ValueError(f"checkpoint directory {str(directory)!r} does not exist")

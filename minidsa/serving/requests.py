@@ -53,9 +53,9 @@ def build_request(model: MiniDSA, prompt, images, max_new_tokens, temperature, t
     ctx = model.config.max_seq_len
     for i, p in enumerate(ids):
         where = f"prompt[{i}]" if batched else "prompt"
-        if len(p) > ctx:
-            raise ValueError(f"{where} is {len(p)} tokens (bos included), longer than the model's context "
-                             f"max_seq_len = {ctx}; shorten it")
+        if len(p) >= ctx:  # at least one new token must fit after the prompt
+            raise ValueError(f"{where} is {len(p)} tokens (bos included) and leaves no room for a new token in "
+                             f"the model's context max_seq_len = {ctx}; shorten it to at most {ctx - 1} tokens")
         if len(p) + max_new_tokens > ctx:
             raise ValueError(f"{where} is {len(p)} tokens and max_new_tokens = {max_new_tokens}: together more than "
                              f"the context max_seq_len = {ctx}; use max_new_tokens <= {ctx - len(p)}")

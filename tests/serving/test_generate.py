@@ -114,7 +114,9 @@ BAD_CALLS = [
     (dict(prompt=42), TypeError, "str or a list of str"),
     (dict(prompt=["ok", 3]), TypeError, r"prompt\[1\]"),
     (dict(prompt=[]), ValueError, "empty list"),
-    (dict(prompt="x" * 300), ValueError, "longer than the model's context"),
+    (dict(prompt="x" * 300), ValueError, "301 tokens .* shorten it to at most 255 tokens"),
+    (dict(prompt="x" * 255), ValueError, "256 tokens .*leaves no room.* at most 255 tokens"),  # exactly max_seq_len
+    (dict(prompt="x" * 254), ValueError, "max_new_tokens <= 1"),
     (dict(prompt="x" * 250, max_new_tokens=20), ValueError, "max_new_tokens <= 5"),
     (dict(max_new_tokens=0), ValueError, "max_new_tokens = 0"),
     (dict(max_new_tokens=-3), ValueError, "max_new_tokens = -3"),
