@@ -24,7 +24,7 @@ from .checkpoint import (
 from .config import ModelConfig, load_config, preset_names
 from .formats import mxfp4
 from .model import ForwardTrace, GenerationTrace, MiniDSA
-from .serving import GenerationStream, generate, sample_next_token
+from .serving import Engine, GenerationStream, RequestOutput, SamplingParams, generate, sample_next_token
 from .tokenizer import ByteTokenizer
 from .training import TrainConfig, evaluate, train
 
@@ -35,4 +35,5 @@ __all__ = [
     "GenerationStream", "GenerationTrace", "CacheContext", "CacheLayout", "OutOfKVBlocksError", "PagedKVCache",
     "Plane", "MiniDSA", "ForwardTrace", "build_model", "count_parameters", "ByteTokenizer", "sample_next_token",
     "checkpoint_manifest", "check_checkpoint", "CheckReport", "Finding", "train", "TrainConfig", "evaluate",
+    "Engine", "SamplingParams", "RequestOutput",
 ]

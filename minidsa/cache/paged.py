@@ -18,6 +18,9 @@ Before each cached forward the host turns its bookkeeping into a ``CacheContext`
 (positions, slot mapping, block table, context lengths, state slots), so the forward itself never
 needs to ask the host anything (docs/design.md §14).
 
+A full block may be listed in several block tables (a shared prompt prefix): ``block_refs`` counts its
+holders, and a prefix cache may hold it after its sequences are gone (``hold``/``release``).
+
 Allocation is explicit and all-or-nothing: a request that needs more blocks than are free raises
 ``OutOfKVBlocksError`` before anything changes, so a failed request never loses state.
 
@@ -64,7 +67,10 @@ class PagedKVCache:
         self.device = torch.device(device)
         with torch.inference_mode(False):  # normal tensors: usable in and out of inference mode
             self._allocate()
-        self.block_owner = [-1] * layout.num_blocks  # sequence id owning each block, -1 = free
+        self.block_owner = [-1] * layout.num_blocks  # sequence id that wrote each block, -1 = free
+        # Holders of each block: the sequences whose table lists it, plus one for a prefix cache's hold. A
+        # full block can be shared (prefix caching); it goes back to the free list when the count is 0.
+        self.block_refs = [0] * layout.num_blocks
         self.block_tokens = [0] * layout.num_blocks  # valid tokens in each block
         self._free = list(range(layout.num_blocks - 1, -1, -1))  # stack: pop() hands out low ids first
         self._tables: dict[int, list[int]] = {}
@@ -154,6 +160,7 @@ class PagedKVCache:
                 b = self._free.pop()
                 self.block_owner[b] = sid
                 self.block_tokens[b] = 0
+                self.block_refs[b] = 1
                 self._tables[sid].append(b)
 
     @_locked
@@ -173,9 +180,7 @@ class PagedKVCache:
         """Give the blocks of ``sid`` back to the pool and forget the sequence."""
         self._check_sid(sid)
         for b in reversed(self._tables.pop(sid)):
-            self.block_owner[b] = -1
-            self.block_tokens[b] = 0
-            self._free.append(b)
+            self._unref(b)
         del self._lengths[sid]
         if sid in self._state_slot:
             self._free_state_slots.append(self._state_slot.pop(sid))
@@ -207,10 +212,59 @@ class PagedKVCache:
         keep = max(keep, -(-self._lengths[sid] // self.block_size))
         table = self._tables[sid]
         while len(table) > keep:
-            b = table.pop()
+            self._unref(table.pop())
+
+    def _unref(self, b: int) -> None:
+        self.block_refs[b] -= 1
+        if self.block_refs[b] == 0:
             self.block_owner[b] = -1
             self.block_tokens[b] = 0
             self._free.append(b)
+
+    # ---------------------------------------------------------------- sharing (prefix caching)
+    @_locked
+    def share_blocks(self, sid: int, blocks: list[int]) -> None:
+        """Start the empty sequence ``sid`` with the full, already written ``blocks`` (another sequence's
+        prefix): its length becomes len(blocks) * block_size. The blocks are shared, never written again:
+        a sequence only writes past its length, and these end where its own blocks begin."""
+        self._check_sid(sid)
+        if self._tables[sid] or self._lengths[sid]:
+            raise ValueError(f"sequence {sid} already holds tokens; share blocks only into a new sequence")
+        for b in blocks:
+            if self.block_refs[b] < 1 or self.block_tokens[b] != self.block_size:
+                raise ValueError(f"block {b} is not a full block in use ({self.block_tokens[b]} tokens); only "
+                                 f"full blocks can be shared")
+        for b in blocks:
+            self.block_refs[b] += 1
+            self._tables[sid].append(b)
+        self._lengths[sid] = len(blocks) * self.block_size
+
+    @_locked
+    def hold(self, block: int) -> None:
+        """Keep ``block`` after every sequence using it is freed (a prefix cache's reference)."""
+        if self.block_refs[block] < 1:
+            raise ValueError(f"block {block} is free; only a block in use can be held")
+        self.block_refs[block] += 1
+
+    @_locked
+    def release(self, block: int) -> None:
+        """Drop a hold taken with ``hold``; the block is free again once no sequence uses it."""
+        self._unref(block)
+
+    # ---------------------------------------------------------------- KDA state copies
+    def snapshot_state(self, sid: int) -> list[dict[str, torch.Tensor]]:
+        """A copy of every KDA layer's state of ``sid`` (per layer, {name: [*shape]})."""
+        self._check_sid(sid)
+        slot = self._state_slot[sid]
+        return [{name: t[slot].clone() for name, t in layer.items()} for layer in self.state]
+
+    def restore_state(self, sid: int, snapshot: list[dict[str, torch.Tensor]]) -> None:
+        """Copy ``snapshot`` (from ``snapshot_state``) into the state slot of ``sid``: never shared in place."""
+        self._check_sid(sid)
+        slot = self._state_slot[sid]
+        for layer, saved in zip(self.state, snapshot):
+            for name, t in layer.items():
+                t[slot].copy_(saved[name])
 
     def _check_sid(self, sid: int) -> None:
         if isinstance(sid, bool) or not isinstance(sid, int):

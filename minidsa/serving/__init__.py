@@ -1,11 +1,19 @@
-"""Turning requests into text (docs/design.md §4).
+"""Turning requests into text (docs/design.md §4, §15).
 
 - ``requests.py``: a ``generate()`` call checked and encoded into a request (prompts, images, limits).
-- ``sampling.py``: the next token from the logits (greedy, temperature, top-p).
+- ``sampling.py``: the next token from the logits (greedy, temperature, top-k, top-p).
 - ``generation.py``: ``generate``: prefill each prompt into the paged cache, then decode the batch.
+- ``params.py``: ``SamplingParams``, ``RequestOutput`` and its ``RequestMetrics`` (vLLM's names).
+- ``prefix_cache.py``: named full KV blocks and KDA checkpoints; hits clamped to a checkpoint.
+- ``scheduler.py``: continuous batching under a token budget, admission, recompute preemption.
+- ``budget.py``: the cache sized from a memory budget that counts every pool and workspace.
+- ``engine.py``: ``Engine``: add_request / step / abort / generate / stats.
 """
 
+from .engine import Engine
 from .generation import GenerationStream, generate
+from .params import RequestMetrics, RequestOutput, SamplingParams
 from .sampling import sample_next_token
 
-__all__ = ["GenerationStream", "generate", "sample_next_token"]
+__all__ = ["Engine", "GenerationStream", "RequestMetrics", "RequestOutput", "SamplingParams", "generate",
+           "sample_next_token"]

@@ -1,0 +1,321 @@
+"""The serving engine: requests in, a scheduled step at a time, outputs out (docs/design.md §15).
+
+    engine = minidsa.Engine(model, max_num_seqs=8, max_num_batched_tokens=512)
+    outs = engine.generate(["a prompt", "another"], minidsa.SamplingParams(temperature=0, max_tokens=32))
+    rid = engine.add_request("hi", params); while engine.has_unfinished_requests(): engine.step()
+
+One step: the scheduler picks requests and token counts under the budget (scheduler.py), the engine
+runs them as cached forwards, samples where a request reached its end, and hands back a RequestOutput
+for every request that moved. The model's forward takes a rectangle of tokens ([B, T]), so a step's
+work runs as a few forwards: the one-token rows (decodes) together, prefill pieces of equal length
+together. Prefill pieces also end where a KDA checkpoint is due (prefix_cache.py), so that the state
+there can be copied.
+
+A request that fails (its forward raises) finishes with finish_reason "error" and gives back what it
+held; the others go on. Every argument is checked in ``add_request`` before anything is queued.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import os
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from ..model.minidsa import MiniDSA
+from .budget import plan_cache
+from .params import RequestMetrics, RequestOutput, SamplingParams
+from .prefix_cache import PrefixCache, block_hashes
+from .requests import check_positive_int, encode_prompts
+from .sampling import sample_next_token
+from .scheduler import EngineRequest, Scheduler
+
+
+class Engine:
+    """Continuous batching over one model and one paged cache, with prefix caching and chunked prefill."""
+
+    def __init__(self, model: MiniDSA, *, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 num_blocks: int | None = None, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True, cuda_graphs: str = "auto", max_checkpoints: int | None = None,
+                 checkpoint_interval: int | None = None, memory_bytes: int | None = None, cache=None) -> None:
+        if not isinstance(model, MiniDSA):
+            raise TypeError(f"model must be a MiniDSA (minidsa.load(...)), got {type(model).__name__}")
+        cfg = model.config
+        self.model = model
+        self.max_num_seqs = cfg.max_sequences if max_num_seqs is None else max_num_seqs
+        self.max_num_batched_tokens = (max(cfg.max_seq_len, 512) if max_num_batched_tokens is None
+                                       else max_num_batched_tokens)
+        check_positive_int("max_num_seqs", self.max_num_seqs)
+        check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        self.align = math.lcm(cfg.kv_block_size, cfg.kda.chunk_size)
+        self.checkpoint_interval = self._interval(checkpoint_interval)
+        self._check_budget(enable_chunked_prefill)
+        if cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs = {cuda_graphs!r}; use 'auto' (on a CUDA device), 'on' or 'off'")
+        self.cuda_graphs = cuda_graphs
+        self.max_checkpoints = 2 * self.max_num_seqs if max_checkpoints is None else max_checkpoints
+        self.budget = plan_cache(model, self.max_num_seqs, self.max_num_batched_tokens,
+                                 self.max_checkpoints if enable_prefix_caching else 0, num_blocks, memory_bytes)
+        if cache is None:
+            cache = model.new_cache(self.budget["num_blocks"])
+        model.check_cache(cache)
+        self.cache = cache
+        self.prefix = PrefixCache(cache, self.max_checkpoints) if enable_prefix_caching else None
+        self.scheduler = Scheduler(cache, self.prefix, min(self.max_num_seqs, cache.layout.num_state_slots),
+                                   self.max_num_batched_tokens, enable_chunked_prefill, self.align)
+        self.requests: dict[str, EngineRequest] = {}
+        self._ids = itertools.count()
+        self.prompt_tokens = self.generation_tokens = 0
+
+    def _interval(self, interval: int | None) -> int:
+        if interval is None:
+            return self.align
+        check_positive_int("checkpoint_interval", interval)
+        if interval % self.align:
+            raise ValueError(f"checkpoint_interval = {interval} must be a multiple of {self.align} (a KV block and "
+                             f"a KDA chunk both end there); e.g. {self.align * max(1, round(interval / self.align))}")
+        return interval
+
+    def _check_budget(self, chunked: bool) -> None:
+        ctx = self.model.config.max_seq_len
+        if not chunked and self.max_num_batched_tokens < ctx:
+            raise ValueError(f"max_num_batched_tokens = {self.max_num_batched_tokens} is below max_seq_len = {ctx}: "
+                             f"without chunked prefill a prompt must fit one step; raise it or enable chunked prefill")
+        if self.max_num_batched_tokens < self.align:
+            raise ValueError(f"max_num_batched_tokens = {self.max_num_batched_tokens} must be >= {self.align} "
+                             f"(one KV block and KDA chunk), so a prefill chunk can make progress")
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt: str, params: SamplingParams | None = None, images=None,
+                    request_id: str | None = None) -> str:
+        """Check and queue one request; returns its id. Raises before anything is queued."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a minidsa.SamplingParams, got {type(params).__name__}")
+        rid = str(next(self._ids)) if request_id is None else request_id
+        if not isinstance(rid, str) or rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use (or not a str); pass a new one or None")
+        ids, feats = encode_prompts(self.model, [prompt], images, False)
+        self._check_fits(len(ids[0]), params.max_tokens)
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(6), "little")
+        media = _media_keys(ids[0], feats[0], self.model.tokenizer.media_pad_id)
+        req = EngineRequest(rid, prompt, ids[0], feats[0], block_hashes(ids[0], media, self.cache.block_size), params,
+                            torch.Generator().manual_seed(seed), self.model.tokenizer.stream_decoder(),
+                            RequestMetrics(time.perf_counter(), num_prompt_tokens=len(ids[0])))
+        self.requests[rid] = req
+        self.scheduler.waiting.append(req)
+        return rid
+
+    def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        ctx, bs = self.model.config.max_seq_len, self.cache.block_size
+        if prompt_len + max_tokens > ctx:
+            raise ValueError(f"the prompt is {prompt_len} tokens and max_tokens = {max_tokens}: together more than "
+                             f"max_seq_len = {ctx}; use max_tokens <= {ctx - prompt_len}" if prompt_len < ctx else
+                             f"the prompt is {prompt_len} tokens, leaving no room in max_seq_len = {ctx}; shorten it")
+        need = -(-(prompt_len + max_tokens) // bs)
+        if need > self.cache.layout.num_blocks:
+            raise ValueError(f"the prompt and max_tokens need {need} KV blocks but the cache has "
+                             f"{self.cache.layout.num_blocks}: it can never fit; lower max_tokens or raise num_blocks")
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and give back everything it holds (ValueError for an unknown id)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"unknown request id {request_id!r}; live requests: {sorted(self.requests)}")
+        self._finish(req, "abort")
+        del self.requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    # ---------------------------------------------------------------- one step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one step; the outputs of every request that moved."""
+        now = time.perf_counter()
+        work = self.scheduler.schedule()
+        for req, _ in work:
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+        moved = {}
+        for group in _forward_groups(work, self._boundaries):
+            group = [g for g in group if not g[0].finished]  # failed in an earlier forward of this step
+            for req in self._run(group) if group else ():
+                moved[req.request_id] = req
+        outs = [self._output(r) for r in moved.values()]
+        for r in moved.values():
+            if r.finished:
+                self.requests.pop(r.request_id, None)
+        return outs
+
+    def _boundaries(self, req: EngineRequest, start: int, end: int) -> list[int]:
+        """Where a piece of ``req``'s range [start, end) must end: KDA checkpoints inside the prompt."""
+        if self.prefix is None or not self.prefix.has_state:
+            return [end]
+        k = self.checkpoint_interval
+        cuts = range((start // k + 1) * k, min(end, len(req.prompt_ids)) + 1, k)
+        return sorted({*(c for c in cuts if c < end), end})
+
+    def _run(self, group: list[tuple[EngineRequest, int, int]]) -> list[EngineRequest]:
+        """One cached forward of rows [start, end) of each request; sample where a row reached its end."""
+        reqs = [g[0] for g in group]
+        try:
+            with torch.inference_mode():
+                logits = self.model(**self._inputs(group), cache=self.cache, seq_ids=[r.sid for r in reqs])
+        except Exception as e:  # noqa: BLE001 -- the request fails, the engine and the others go on
+            for req in reqs:
+                req.error = f"{type(e).__name__}: {e}"
+                self._finish(req, "error")
+            return reqs
+        for row, (req, start, end) in enumerate(group):
+            req.num_computed = end
+            self.prompt_tokens += max(0, min(end, len(req.prompt_ids)) - start)
+            self._remember(req, end)
+            if end == req.num_tokens:
+                self._sample(req, logits[row, -1])
+        return reqs
+
+    def _inputs(self, group) -> dict:
+        """input_ids [B, T], or inputs_embeds when a row covers media tokens."""
+        rows = [req.all_ids[a:b] for req, a, b in group]
+        ids = torch.tensor(rows, device=self.model.device)
+        if not any(req.features and a < len(req.prompt_ids) for req, a, _ in group):
+            return {"input_ids": ids}
+        embeds = self.model.language_model.model.embed_tokens(ids)
+        for row, (req, a, b) in enumerate(group):
+            if req.features and a < len(req.prompt_ids):
+                if req.embeds is None:
+                    prompt = torch.tensor([req.prompt_ids], device=self.model.device)
+                    req.embeds = self.model.embed(prompt, req.features)[0]
+                stop = min(b, len(req.prompt_ids))
+                embeds[row, : stop - a] = req.embeds[a:stop]
+        return {"inputs_embeds": embeds}
+
+    def _remember(self, req: EngineRequest, end: int) -> None:
+        """Name the prompt's newly full blocks; copy the KDA state where a checkpoint is due."""
+        if self.prefix is None:
+            return
+        bs = self.cache.block_size
+        full = min(end, len(req.prompt_ids)) // bs
+        self.prefix.insert_blocks(req.sid, req.hashes, full)
+        if end % self.checkpoint_interval == 0 and end <= len(req.prompt_ids) and end // bs <= len(req.hashes):
+            self.prefix.insert_checkpoint(req.hashes[end // bs - 1], req.sid)
+
+    def _sample(self, req: EngineRequest, logits: torch.Tensor) -> None:
+        p, tok = req.params, self.model.tokenizer
+        logits = logits.float().cpu().clone()
+        logits[tok.vocab_size:] = float("-inf")  # padding ids of the embedding table
+        token = sample_next_token(logits, p.temperature, p.top_p, req.generator, p.top_k)
+        now = time.perf_counter()
+        req.output_ids.append(token)
+        req.metrics.token_times.append(now)
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        self.generation_tokens += 1
+        reason = ("stop" if token == tok.eos_id and not p.ignore_eos else
+                  "length" if len(req.output_ids) >= p.max_tokens else None)
+        req.text += req.decoder.push(token) + (req.decoder.flush() if reason else "")
+        stop_at = min((i for i in (req.text.find(s) for s in p.stop or ()) if i >= 0), default=-1)
+        if stop_at >= 0:  # the stop string ends the text and is not part of it
+            req.text, reason = req.text[:stop_at], "stop"
+        if reason:
+            self._finish(req, reason)
+
+    def _finish(self, req: EngineRequest, reason: str) -> None:
+        if req.finished:
+            return
+        req.finish_reason = reason
+        req.metrics.finished_time = time.perf_counter()
+        self.scheduler.remove(req)
+
+    def _output(self, req: EngineRequest) -> RequestOutput:
+        return RequestOutput(req.request_id, req.prompt, list(req.prompt_ids), req.text, list(req.output_ids),
+                             req.finished, req.finish_reason, req.metrics, req.error)
+
+    # ---------------------------------------------------------------- whole batches
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, images=None,
+                 progress: bool = True) -> list[RequestOutput]:
+        """Run ``prompts`` (a str or a list) to the end; the final outputs in prompt order."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
+        imgs = images if images is not None else [None] * len(prompts)
+        if len(imgs) != len(prompts):
+            raise ValueError(f"images must hold one list per prompt ({len(prompts)}), got {len(imgs)}")
+        rids = []
+        try:
+            for p, sp, im in zip(prompts, plist, imgs):
+                rids.append(self.add_request(p, sp, im))
+        except Exception:
+            for rid in rids:
+                self.abort(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        with tqdm(total=len(rids), unit="req", disable=not progress, leave=False) as bar:
+            while len(final) < len(rids):
+                for out in self.step():
+                    if out.finished and out.request_id in rids:
+                        final[out.request_id] = out
+                        bar.update(1)
+        return [final[r] for r in rids]
+
+    # ---------------------------------------------------------------- metrics
+    def stats(self) -> dict:
+        """Gauges and counters with vLLM's names (KV blocks and KDA state slots apart; hits in tokens)."""
+        cache, lay, pc = self.cache, self.cache.layout, self.prefix
+        evictable = pc.num_evictable() if pc else 0
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage_perc": 1 - (cache.num_free_blocks + evictable) / lay.num_blocks,
+            "kda_state_usage_perc": 1 - cache.num_free_state_slots / lay.num_state_slots,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": pc.queries if pc else 0,
+            "prefix_cache_hits": pc.hits if pc else 0,
+            "prefix_cache_hits_kv": pc.kv_hits if pc else 0,
+            "prefix_cache_hits_kda": pc.kda_hits if pc else 0,
+            "kda_checkpoints": len(pc.checkpoints) if pc else 0,
+            "memory": dict(self.budget),
+        }
+
+
+def _media_keys(ids: list[int], features: list[torch.Tensor], pad: int) -> list[bytes | None]:
+    """Per token: None for text; for a media token its item's digest and index (for block names)."""
+    digests = [hashlib.blake2b(f.detach().float().cpu().numpy().tobytes(), digest_size=16).digest()
+               for f in features]
+    out: list[bytes | None] = []
+    item, k = -1, 0
+    for j, t in enumerate(ids):
+        if t != pad:
+            out.append(None)
+            continue
+        if j == 0 or ids[j - 1] != pad or k == features[item].shape[0]:
+            item, k = item + 1, 0
+        out.append(digests[item] + k.to_bytes(4, "little"))
+        k += 1
+    return out
+
+
+def _forward_groups(work, boundaries) -> list[list[tuple[EngineRequest, int, int]]]:
+    """A step's (request, n) pairs as forwards: each request's range cut at ``boundaries``, the k-th
+    pieces of all requests run in round k, pieces of equal length in one forward."""
+    pieces = []
+    for req, n in work:
+        start, cuts = req.num_computed, boundaries(req, req.num_computed, req.num_computed + n)
+        pieces.append([(req, a, b) for a, b in zip([start] + cuts[:-1], cuts)])
+    groups = []
+    for rnd in range(max((len(p) for p in pieces), default=0)):
+        by_len: dict[int, list] = {}
+        for p in pieces:
+            if rnd < len(p):
+                by_len.setdefault(p[rnd][2] - p[rnd][1], []).append(p[rnd])
+        groups += list(by_len.values())
+    return groups
