@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+
 import torch
 
 from ..cache import PagedKVCache
