@@ -21,6 +21,7 @@ from .cache import OutOfKVBlocksError
 from .checkpoint.loading import load
 from .checkpoint.manifest import DEFAULT_MODEL, count_parameters
 from .checkpoint.validator import check_checkpoint
+from .serving import bench
 from .serving.generation import generate
 from .training import loop as training_loop
 from .training.evaluation import evaluate, format_metrics
@@ -79,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
                                                    "config.json)")
     k.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     _train_parser(sub, common)
+    _bench_parser(sub, common)
     e = sub.add_parser("eval", parents=[common], help="accuracy, random-selection baseline and indexer recall on "
                                                       "held-out seeds of the synthetic tasks (one 'name: value' a line)")
     e.add_argument("--checkpoint", default=DEFAULT_MODEL, help=f"checkpoint directory or preset (default: "
@@ -97,6 +99,25 @@ TRAIN_INT_OPTIONS = ("seed", "dense_steps", "warmup_steps", "sparse_steps", "bat
                      "leg_steps")
 TRAIN_FLOAT_OPTIONS = ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "text_loss_weight", "focus_loss_weight",
                        "easy_key_frac", "max_minutes")
+
+
+def _bench_parser(sub, common) -> None:
+    """``bench``: the offline serving benchmark (serving/bench.py)."""
+    b = sub.add_parser("bench", parents=[common], help="offline serving benchmark: seeded requests through the "
+                                                       "engine, vllm-bench-serve figures, vs a sequential loop")
+    b.add_argument("--config", default="laptop", help="checkpoint or preset (default: laptop, seeded weights)")
+    b.add_argument("--num-requests", type=_positive_int, default=32)
+    b.add_argument("--input-len", type=_positive_int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    b.add_argument("--output-len", type=_positive_int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
+    b.add_argument("--shared-prefix", type=int, default=0, metavar="N", help="tokens every prompt starts with")
+    b.add_argument("--images", type=int, default=0, metavar="K", help="random 32x32 images per prompt")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--max-num-seqs", type=_positive_int, default=None)
+    b.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+    b.add_argument("--no-prefix-caching", action="store_true")
+    b.add_argument("--no-chunked-prefill", action="store_true")
+    b.add_argument("--no-sequential", action="store_true", help="skip the sequential generate() baseline")
+    b.add_argument("--device", default="cpu", help="torch device (default: cpu)")
 
 
 def _train_parser(sub, common) -> None:
@@ -128,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         torch.set_num_threads(args.threads)
         return {"generate": _generate, "params": _params, "check-checkpoint": _check, "train": _train,
-                "eval": _eval}[args.command](args)
+                "eval": _eval, "bench": _bench}[args.command](args)
     except (ValueError, TypeError, OutOfKVBlocksError) as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, whatever the message holds
         return 2
@@ -233,6 +254,17 @@ def _resumed_config(args, given: dict, run: dict) -> "training_loop.TrainConfig"
                          f"{ {k: saved[k] for k in fixed} if fixed else 'config ' + repr(saved['model'])}; drop "
                          f"it, or start a new run with another --out")
     return training_loop.TrainConfig(**{**saved, **given, **run})
+
+
+def _bench(args) -> int:
+    model = load(args.config, progress=False, device=args.device)
+    result = bench.benchmark(model, args.num_requests, tuple(args.input_len), tuple(args.output_len), args.seed,
+                             args.shared_prefix, args.images, not args.no_sequential,
+                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                             enable_prefix_caching=not args.no_prefix_caching,
+                             enable_chunked_prefill=not args.no_chunked_prefill)
+    print(bench.format_report(result))
+    return 0
 
 
 def _eval(args) -> int:

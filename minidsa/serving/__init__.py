@@ -1,4 +1,4 @@
-"""Turning requests into text (docs/design.md §4, §15).
+"""Turning requests into text (docs/design.md §4, §16).
 
 - ``requests.py``: a ``generate()`` call checked and encoded into a request (prompts, images, limits).
 - ``sampling.py``: the next token from the logits (greedy, temperature, top-k, top-p).

@@ -1,4 +1,4 @@
-"""Sizing the engine's cache from a memory budget that counts every pool (docs/design.md §15).
+"""Sizing the engine's cache from a memory budget that counts every pool (docs/design.md §16).
 
 The cache is not the only thing a step needs: besides the weights there are the KDA state slots, the
 prefix cache's KDA checkpoints, the shared FP8 expert workspace and the prefill's transient workspaces

@@ -1,4 +1,4 @@
-"""The serving engine: requests in, a scheduled step at a time, outputs out (docs/design.md §15).
+"""The serving engine: requests in, a scheduled step at a time, outputs out (docs/design.md §16).
 
     engine = minidsa.Engine(model, max_num_seqs=8, max_num_batched_tokens=512)
     outs = engine.generate(["a prompt", "another"], minidsa.SamplingParams(temperature=0, max_tokens=32))

@@ -1,4 +1,4 @@
-"""Prefix caching that is right for a recurrent state (docs/design.md §15).
+"""Prefix caching that is right for a recurrent state (docs/design.md §16).
 
 An MLA layer's KV rows of a prompt prefix depend only on that prefix, so full KV blocks can be shared:
 each full block is named by a hash chained over every token before it (images by their pixels), and a

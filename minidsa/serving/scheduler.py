@@ -1,4 +1,4 @@
-"""Continuous batching: which requests run in the next step, and how many of their tokens (docs/design.md §15).
+"""Continuous batching: which requests run in the next step, and how many of their tokens (docs/design.md §16).
 
 Every step has a token budget (``max_num_batched_tokens``). Running requests go first, oldest first: a
 decoding one takes one token, a prefilling one its next chunk. Waiting requests are then admitted in

@@ -284,3 +284,27 @@ def test_metrics_add_up(model):
         assert 0 <= m.queue_time <= m.ttft <= m.e2e
         assert m.ttft == pytest.approx(m.token_times[0] - m.arrival_time)
     assert s["kv_cache_usage_perc"] == 0 and s["kda_state_usage_perc"] == 0
+
+
+def test_the_memory_budget_counts_every_pool_and_names_its_bound(model):
+    engine = Engine(model)
+    plan = engine.stats()["memory"]
+    fixed = sum(v for k, v in plan.items() if k.endswith("_bytes") and k not in ("kv_block_bytes", "total_bytes", "memory_bytes"))
+    assert plan["indexer_scores_bytes"] > 0 and plan["kda_checkpoint_bytes"] > 0 and plan["expert_workspace_bytes"] > 0
+    sized = Engine(model, memory_bytes=fixed + 20 * plan["kv_block_bytes"] + 1)
+    assert sized.cache.layout.num_blocks == 20 and sized.stats()["memory"]["bound"] == "memory"
+    roomy = Engine(model, max_num_seqs=2, memory_bytes=10**9)
+    assert roomy.cache.layout.num_blocks == 2 * 256 // 8 and roomy.stats()["memory"]["bound"] == "max_num_seqs x max_seq_len"
+    with pytest.raises(ValueError, match="leaves no room for a KV block"):
+        Engine(model, memory_bytes=fixed)
+
+
+def test_bench_prints_the_vllm_fields(capsys):
+    from minidsa.cli import main
+    argv = ["bench", "--config", "default", "--num-requests", "3", "--input-len", "10", "30", "--output-len", "2", "4"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for field in ("Successful requests:                             3", "Output token throughput (tok/s):",
+                  "Median TTFT (ms):", "P99 TPOT (ms):", "Mean ITL (ms):", "Preemptions:",
+                  "Engine / sequential throughput:"):
+        assert field in out, field

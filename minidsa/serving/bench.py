@@ -1,0 +1,135 @@
+"""Offline serving benchmark: N seeded requests through the engine, the figures ``vllm bench serve`` prints,
+and the same requests through a sequential ``generate()`` loop in the same run.
+
+    python -m minidsa bench --config laptop --num-requests 32 --input-len 32 512 --output-len 16 128
+
+The workload is nano-vllm's: input and output lengths drawn uniformly (seeded), prompts of random
+letters, every request running to its output length (eos ignored). ``--shared-prefix N`` starts every
+prompt with the same N tokens, primed by one untimed warm-up request (a system prompt already cached);
+``--images K`` gives every prompt K seeded random images. All requests arrive at once, so TTFT includes
+the time a request waits for a slot.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import numpy as np
+
+from ..model.minidsa import MiniDSA
+from .engine import Engine
+from .generation import generate
+from .params import SamplingParams
+
+
+def workload(num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int = 0,
+             shared_prefix: int = 0, images: int = 0, image_size: int = 32) -> list[dict]:
+    """The requests: {"prompt", "max_tokens", "images"} each; prompt lengths in tokens include bos and the
+    shared prefix (an image's tokens come on top)."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz "
+    prefix = "".join(rng.choice(letters) for _ in range(max(0, shared_prefix - 1)))
+    out = []
+    for _ in range(num_requests):
+        n = rng.randint(*input_len)
+        body = "".join(rng.choice(letters) for _ in range(max(1, n - 1 - len(prefix))))
+        ims = [np.random.default_rng(rng.randrange(2**32)).integers(0, 256, (image_size, image_size, 3),
+                                                                  dtype=np.uint8) for _ in range(images)]
+        out.append({"prompt": prefix + body, "max_tokens": rng.randint(*output_len), "images": ims or None})
+    return out
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
+    return {"mean": statistics.fmean(values), "median": statistics.median(values),
+            "p99": float(np.percentile(values, 99))}
+
+
+def run_engine(model: MiniDSA, requests: list[dict], warmup: dict | None = None, **engine_kw) -> dict:
+    """Every request through one Engine; the vllm-bench-serve fields plus preemptions and hit rates."""
+    engine = Engine(model, **engine_kw)
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in requests]
+    if warmup is not None:
+        engine.generate([warmup["prompt"]], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                        images=[warmup["images"]], progress=False)
+    before = engine.stats()
+    start = time.perf_counter()
+    outs = engine.generate([r["prompt"] for r in requests], params, images=[r["images"] for r in requests],
+                           progress=False)
+    duration = time.perf_counter() - start
+    s = engine.stats()
+    queries = s["prefix_cache_queries"] - before["prefix_cache_queries"]
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    n_out = sum(len(o.token_ids) for o in outs)
+    ms = [o.metrics for o in outs]
+    return {
+        "successful_requests": sum(o.finish_reason == "length" for o in outs),
+        "duration_s": duration, "total_input_tokens": n_in, "total_generated_tokens": n_out,
+        "request_throughput": len(outs) / duration, "output_throughput": n_out / duration,
+        "total_token_throughput": (n_in + n_out) / duration,
+        "ttft_ms": _stats([m.ttft * 1e3 for m in ms]), "tpot_ms": _stats([m.tpot * 1e3 for m in ms if m.tpot]),
+        "itl_ms": _stats([x * 1e3 for m in ms for x in m.itl]), "e2e_ms": _stats([m.e2e * 1e3 for m in ms]),
+        "num_preemptions": s["num_preemptions"] - before["num_preemptions"],
+        "prefix_hit_rate_kv": (s["prefix_cache_hits_kv"] - before["prefix_cache_hits_kv"]) / max(1, queries),
+        "prefix_hit_rate": (s["prefix_cache_hits"] - before["prefix_cache_hits"]) / max(1, queries),
+        "num_blocks": engine.cache.layout.num_blocks, "cache_bound": s["memory"]["bound"],
+    }
+
+
+def run_sequential(model: MiniDSA, requests: list[dict]) -> dict:
+    """The same requests one after another through ``generate()`` (no engine): the baseline."""
+    start = time.perf_counter()
+    n_out = 0
+    for r in requests:
+        generate(r["prompt"], model, images=r["images"], max_new_tokens=r["max_tokens"], temperature=0,
+                 stop_at_eos=False)
+        n_out += r["max_tokens"]
+    duration = time.perf_counter() - start
+    return {"duration_s": duration, "output_throughput": n_out / duration}
+
+
+def format_report(result: dict, title: str = "Serving Benchmark Result") -> str:
+    """The engine's figures laid out as ``vllm bench serve`` prints them."""
+    r = result
+    lines = [f"{' ' + title + ' ':=^50}",
+             f"{'Successful requests:':<40}{r['successful_requests']:>10}",
+             f"{'Benchmark duration (s):':<40}{r['duration_s']:>10.2f}",
+             f"{'Total input tokens:':<40}{r['total_input_tokens']:>10}",
+             f"{'Total generated tokens:':<40}{r['total_generated_tokens']:>10}",
+             f"{'Request throughput (req/s):':<40}{r['request_throughput']:>10.2f}",
+             f"{'Output token throughput (tok/s):':<40}{r['output_throughput']:>10.2f}",
+             f"{'Total Token throughput (tok/s):':<40}{r['total_token_throughput']:>10.2f}"]
+    for key, name in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
+                      ("itl_ms", "Inter-token Latency"), ("e2e_ms", "End-to-end Latency")):
+        short = key.split("_")[0].upper()
+        lines.append(f"{name:-^50}")
+        lines += [f"{f'{label} {short} (ms):':<40}{r[key][k]:>10.2f}"
+                  for label, k in (("Mean", "mean"), ("Median", "median"), ("P99", "p99"))]
+    lines += [f"{'':-^50}",
+              f"{'Preemptions:':<40}{r['num_preemptions']:>10}",
+              f"{'Prefix cache hit rate, KV blocks:':<40}{r['prefix_hit_rate_kv']:>10.1%}",
+              f"{'Prefix cache hit rate, used (KDA):':<40}{r['prefix_hit_rate']:>10.1%}",
+              f"{'KV blocks (bound):':<40}{str(r['num_blocks']) + ' (' + r['cache_bound'] + ')':>10}"]
+    if "sequential" in r:
+        seq = r["sequential"]
+        lines += [f"{'Sequential generate() duration (s):':<40}{seq['duration_s']:>10.2f}",
+                  f"{'Sequential output throughput (tok/s):':<40}{seq['output_throughput']:>10.2f}",
+                  f"{'Engine / sequential throughput:':<40}{r['output_throughput'] / seq['output_throughput']:>9.2f}x"]
+    return "\n".join(lines + ["=" * 50])
+
+
+def benchmark(model: MiniDSA, num_requests: int = 32, input_len: tuple[int, int] = (32, 512),
+              output_len: tuple[int, int] = (16, 128), seed: int = 0, shared_prefix: int = 0, images: int = 0,
+              sequential: bool = True, **engine_kw) -> dict:
+    """``run_engine`` on the seeded workload, plus the sequential loop on the same requests."""
+    requests = workload(num_requests, input_len, output_len, seed, shared_prefix, images)
+    warmup = None
+    if shared_prefix:
+        warmup = {"prompt": requests[0]["prompt"][: shared_prefix - 1] + " ", "images": None}
+    result = run_engine(model, requests, warmup, **engine_kw)
+    if sequential:
+        result["sequential"] = run_sequential(model, requests)
+    return result
