@@ -32,6 +32,7 @@ sequences write different blocks and state slots, so the forwards themselves nee
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from dataclasses import dataclass, field
@@ -357,10 +358,12 @@ class PagedKVCache:
 
 def check_cache_layout(cache, layout_for) -> None:
     """TypeError unless ``cache`` is a PagedKVCache; ValueError unless its layout is
-    ``layout_for(num_blocks)``, the layout the model would make (checked before anything is taken)."""
+    ``layout_for(num_blocks)``, the layout the model would make (checked before anything is taken). The
+    block and state slot counts are capacities, not layout: any count fits the model."""
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be a PagedKVCache (model.new_cache()), got {type(cache).__name__}")
-    if cache.layout != layout_for(cache.layout.num_blocks):
+    expected = layout_for(cache.layout.num_blocks)
+    if dataclasses.replace(cache.layout, num_state_slots=expected.num_state_slots) != expected:
         raise ValueError("this cache was made for a different model layout; use model.new_cache()")
 
 

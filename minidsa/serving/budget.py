@@ -26,7 +26,7 @@ def plan_cache(model: MiniDSA, max_num_seqs: int, max_num_batched_tokens: int, m
     tokens, ctx, bs = max_num_batched_tokens, cfg.max_seq_len, cfg.kv_block_size
     plan = {
         "kv_block_bytes": layout.bytes_per_token() * bs,
-        "kda_state_pool_bytes": layout.num_state_slots * state,
+        "kda_state_pool_bytes": max_num_seqs * state,  # one slot per sequence the engine may run
         "kda_checkpoint_bytes": max_checkpoints * state,
         "expert_workspace_bytes": ExpertWorkspace(cfg, "meta").nbytes,
         # Per MLA layer call, one at a time: fp32 scores per indexer head and their sum, [tokens, ctx].

@@ -17,6 +17,7 @@ held; the others go on. Every argument is checked in ``add_request`` before anyt
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import math
@@ -26,8 +27,11 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from ..cache import PagedKVCache
 from ..model.minidsa import MiniDSA
+from ..model.trace import ForwardTrace
 from .budget import plan_cache
+from .cuda_graphs import DecodeGraphs
 from .params import RequestMetrics, RequestOutput, SamplingParams
 from .prefix_cache import PrefixCache, block_hashes
 from .requests import check_positive_int, encode_prompts
@@ -56,18 +60,26 @@ class Engine:
         self._check_budget(enable_chunked_prefill)
         if cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graphs = {cuda_graphs!r}; use 'auto' (on a CUDA device), 'on' or 'off'")
-        self.cuda_graphs = cuda_graphs
+        if cuda_graphs == "on" and model.device.type != "cuda":
+            raise ValueError(f"cuda_graphs='on' needs a model on a CUDA device, this one is on {model.device}; "
+                             f"use 'auto' or 'off'")
         self.max_checkpoints = 2 * self.max_num_seqs if max_checkpoints is None else max_checkpoints
         self.budget = plan_cache(model, self.max_num_seqs, self.max_num_batched_tokens,
                                  self.max_checkpoints if enable_prefix_caching else 0, num_blocks, memory_bytes)
-        if cache is None:
-            cache = model.new_cache(self.budget["num_blocks"])
+        if cache is None:  # one KDA state slot per sequence the engine may run
+            layout = model.cache_layout(self.budget["num_blocks"])
+            cache = PagedKVCache(dataclasses.replace(layout, num_state_slots=self.max_num_seqs), model.device)
         model.check_cache(cache)
         self.cache = cache
         self.prefix = PrefixCache(cache, self.max_checkpoints) if enable_prefix_caching else None
         self.scheduler = Scheduler(cache, self.prefix, min(self.max_num_seqs, cache.layout.num_state_slots),
                                    self.max_num_batched_tokens, enable_chunked_prefill, self.align)
+        self.graphs = None
+        if cuda_graphs != "off" and model.device.type == "cuda":
+            self.graphs = DecodeGraphs(model, cache, self.scheduler.max_num_seqs)
+            self.graphs.capture()
         self.requests: dict[str, EngineRequest] = {}
+        self.raise_errors = False  # generate() sets it: a failed forward is the caller's exception
         self._ids = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0
 
@@ -98,19 +110,27 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a minidsa.SamplingParams, got {type(params).__name__}")
-        rid = str(next(self._ids)) if request_id is None else request_id
-        if not isinstance(rid, str) or rid in self.requests:
-            raise ValueError(f"request_id {rid!r} is already in use (or not a str); pass a new one or None")
+        if request_id is not None and (not isinstance(request_id, str) or request_id in self.requests):
+            raise ValueError(f"request_id {request_id!r} is already in use (or not a str); pass a new one or None")
         ids, feats = encode_prompts(self.model, [prompt], images, False)
         self._check_fits(len(ids[0]), params.max_tokens)
+        return self.enqueue(prompt, ids[0], feats[0], params, request_id).request_id
+
+    def enqueue(self, prompt: str | None, ids: list[int], features: list, params: SamplingParams,
+                request_id: str | None = None, trace=None) -> EngineRequest:
+        """Queue an encoded, checked request (``add_request`` is the checked entry; ``generate()`` comes
+        here with its own checks). ``trace``: a GenerationTrace to fill with the request's selections."""
+        rid = str(next(self._ids)) if request_id is None else request_id
+        while rid in self.requests:
+            rid = str(next(self._ids))
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(6), "little")
-        media = _media_keys(ids[0], feats[0], self.model.tokenizer.media_pad_id)
-        req = EngineRequest(rid, prompt, ids[0], feats[0], block_hashes(ids[0], media, self.cache.block_size), params,
-                            torch.Generator().manual_seed(seed), self.model.tokenizer.stream_decoder(),
-                            RequestMetrics(time.perf_counter(), num_prompt_tokens=len(ids[0])))
+        media = _media_keys(ids, features, self.model.tokenizer.media_pad_id)
+        req = EngineRequest(rid, prompt, list(ids), features, block_hashes(ids, media, self.cache.block_size),
+                            params, torch.Generator().manual_seed(seed), self.model.tokenizer.stream_decoder(),
+                            RequestMetrics(time.perf_counter(), num_prompt_tokens=len(ids)), trace=trace)
         self.requests[rid] = req
         self.scheduler.waiting.append(req)
-        return rid
+        return req
 
     def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
         ctx, bs = self.model.config.max_seq_len, self.cache.block_size
@@ -164,21 +184,40 @@ class Engine:
     def _run(self, group: list[tuple[EngineRequest, int, int]]) -> list[EngineRequest]:
         """One cached forward of rows [start, end) of each request; sample where a row reached its end."""
         reqs = [g[0] for g in group]
+        tr = ForwardTrace() if any(r.trace is not None for r in reqs) else None
         try:
             with torch.inference_mode():
-                logits = self.model(**self._inputs(group), cache=self.cache, seq_ids=[r.sid for r in reqs])
+                if self._graphed(group) and tr is None:
+                    logits = self.graphs.run([r.sid for r in reqs], [r.all_ids[a] for r, a, _ in group])
+                else:
+                    logits = self.model(**self._inputs(group), cache=self.cache, seq_ids=[r.sid for r in reqs],
+                                        trace=tr)
         except Exception as e:  # noqa: BLE001 -- the request fails, the engine and the others go on
             for req in reqs:
                 req.error = f"{type(e).__name__}: {e}"
                 self._finish(req, "error")
+            if self.raise_errors:
+                raise
             return reqs
         for row, (req, start, end) in enumerate(group):
             req.num_computed = end
             self.prompt_tokens += max(0, min(end, len(req.prompt_ids)) - start)
             self._remember(req, end)
-            if end == req.num_tokens:
-                self._sample(req, logits[row, -1])
+            if req.trace is not None:
+                req.trace.append(tr, row)
+        ends = [row for row, (req, _, end) in enumerate(group) if end == req.num_tokens and not req.pending_finish]
+        last = logits[ends, -1].float().cpu() if ends else None  # one device-to-host copy per forward
+        for req in reqs:
+            if req.pending_finish:  # its last token was fed only to record that token's selections
+                self._finish(req, req.pending_finish)
+        for k, row in enumerate(ends):
+            self._sample(group[row][0], last[k])
         return reqs
+
+    def _graphed(self, group) -> bool:
+        """A decode step (one text token per row) that a captured graph covers."""
+        return (self.graphs is not None and self.graphs.fits(len(group))
+                and all(b - a == 1 and not (r.features and a < len(r.prompt_ids)) for r, a, b in group))
 
     def _inputs(self, group) -> dict:
         """input_ids [B, T], or inputs_embeds when a row covers media tokens."""
@@ -208,7 +247,7 @@ class Engine:
 
     def _sample(self, req: EngineRequest, logits: torch.Tensor) -> None:
         p, tok = req.params, self.model.tokenizer
-        logits = logits.float().cpu().clone()
+        logits = logits.clone()
         logits[tok.vocab_size:] = float("-inf")  # padding ids of the embedding table
         token = sample_next_token(logits, p.temperature, p.top_p, req.generator, p.top_k)
         now = time.perf_counter()
@@ -223,7 +262,9 @@ class Engine:
         stop_at = min((i for i in (req.text.find(s) for s in p.stop or ()) if i >= 0), default=-1)
         if stop_at >= 0:  # the stop string ends the text and is not part of it
             req.text, reason = req.text[:stop_at], "stop"
-        if reason:
+        if reason and req.trace is not None:
+            req.pending_finish = reason  # one more step feeds the last token, for its selections
+        elif reason:
             self._finish(req, reason)
 
     def _finish(self, req: EngineRequest, reason: str) -> None:

@@ -1,4 +1,5 @@
-"""Text generation on the paged KV cache: prefill each prompt, then decode the batch token by token.
+"""Text generation on the paged KV cache, run on the serving engine (engine.py): prefill the prompts,
+then decode the batch token by token.
 
     text = minidsa.generate("hello", max_new_tokens=32, temperature=0)            # greedy
     texts = minidsa.generate(["a", "bb"], max_new_tokens=8, seed=1)             # a batch
@@ -12,32 +13,17 @@ leaves the model and its cache as they were.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Iterator
 
-import torch
 from tqdm.auto import tqdm
 
 from ..cache import PagedKVCache
 from ..checkpoint.loading import default_model, load
 from ..model.minidsa import MiniDSA
-from ..model.trace import ForwardTrace, GenerationTrace
+from ..model.trace import GenerationTrace
+from .engine import Engine
+from .params import SamplingParams
 from .requests import Request, build_request, check_prompt
-from .sampling import sample_next_token
-
-
-@dataclass
-class _Sequence:
-    """One prompt's progress: its cache sequence, sampler, text decoder, trace and generated ids."""
-
-    index: int  # row in the request
-    sid: int
-    generator: torch.Generator
-    decoder: object  # the tokenizer's incremental UTF-8 decoder
-    trace: GenerationTrace
-    out: list[int] = field(default_factory=list)
-    pending: int | None = None  # sampled, not yet fed to the model
-    text: str = ""
 
 
 class GenerationStream:
@@ -91,7 +77,9 @@ class GenerationStream:
 
 
 class _Run:
-    """The state and steps of one request; ``run()`` is the generator a GenerationStream wraps."""
+    """The state of one request on its own Engine over the given cache; ``run()`` is the generator a
+    GenerationStream wraps. The batch is admitted at once with its whole length reserved (all or
+    nothing), then stepped: prompts of equal length prefill together, then the rows decode together."""
 
     def __init__(self, model: MiniDSA, req: Request, cache: PagedKVCache) -> None:
         self.model, self.req, self.cache = model, req, cache
@@ -100,73 +88,44 @@ class _Run:
         self.traces: list[GenerationTrace] | None = None
 
     def run(self) -> Iterator:
-        sids: list[int] = []
-        try:
-            for _ in self.req.prompts:
-                sids.append(self.cache.add_sequence())  # one by one, so a failure frees the earlier ones
-            self.cache.reserve({sid: len(p) + self.req.max_new_tokens for sid, p in zip(sids, self.req.prompts)})
-            yield from self._loop(sids)
-        finally:
-            for sid in sids:
-                self.cache.free(sid)
-
-    def _loop(self, sids: list[int]) -> Iterator:
-        """Prefill every prompt (one at a time: lengths differ), then decode the live rows together."""
         req, pad = self.req, self.model.tokenizer.media_pad_id
-        seqs = [_Sequence(i, sid, torch.Generator().manual_seed(seed), self.model.tokenizer.stream_decoder(),
-                          GenerationTrace(list(p), len(p), image_positions=[j for j, t in enumerate(p) if t == pad]))
-                for i, (sid, seed, p) in enumerate(zip(sids, req.seeds, req.prompts))]
-        with tqdm(total=len(seqs) * req.max_new_tokens, unit="tok", leave=False, disable=not req.progress) as bar:
-            for i, seq in enumerate(seqs):
-                logits = self._forward([seq], [req.prompts[i]], req.image_features[i])
-                yield from self._sample(seq, logits[0, -1], bar)
-            # A finished row is fed its last token once more only to record that token's selections.
-            while live := [s for s in seqs if s.pending is not None and (not self._done(s) or req.return_trace)]:
-                logits = self._forward(live, [[s.pending] for s in live])
-                for seq, row in zip(live, logits[:, -1]):
-                    seq.pending = None
-                    if not self._done(seq):
-                        yield from self._sample(seq, row, bar)
-        for seq in seqs:
-            seq.trace.text = seq.text
-        if req.return_trace:
-            self.traces = [s.trace for s in seqs]
+        budget = max(self.model.config.max_seq_len, sum(len(p) for p in req.prompts))
+        engine = Engine(self.model, cache=self.cache, max_num_seqs=len(req.prompts), max_num_batched_tokens=budget,
+                        enable_prefix_caching=False, enable_chunked_prefill=False, cuda_graphs="off")
+        engine.raise_errors = True
+        traces = [GenerationTrace(list(p), len(p), image_positions=[j for j, t in enumerate(p) if t == pad])
+                  if req.return_trace else None for p in req.prompts]
+        rows = [engine.enqueue(None, p, feats, SamplingParams(req.temperature, req.top_p, 0, req.max_new_tokens, seed,
+                                                              ignore_eos=not req.stop_at_eos), trace=tr)
+                for p, feats, seed, tr in zip(req.prompts, req.image_features, req.seeds, traces)]
+        try:
+            engine.scheduler.admit_all(rows, [len(p) + req.max_new_tokens for p in req.prompts])
+            yield from self._steps(engine, rows)
+        finally:
+            for r in rows:
+                if not r.finished:
+                    engine.abort(r.request_id)
+        for r, tr in zip(rows, traces):
+            if tr is not None:
+                tr.token_ids += r.output_ids
+                tr.text = r.text
+        self.traces = traces if req.return_trace else None
 
-    def _forward(self, seqs: list[_Sequence], ids: list[list[int]], images: list[torch.Tensor] = ()) -> torch.Tensor:
-        """One cached forward of ``ids`` (one row per sequence) -> logits [B, T, vocab]; records the traces."""
-        tr = ForwardTrace() if self.req.return_trace else None
-        with torch.inference_mode():
-            x = torch.tensor(ids, device=self.model.device)
-            sids = [s.sid for s in seqs]
-            if images:  # image tokens enter the cache through the same prefill as text
-                logits = self.model(inputs_embeds=self.model.embed(x, images), cache=self.cache, seq_ids=sids, trace=tr)
-            else:
-                logits = self.model(x, cache=self.cache, seq_ids=sids, trace=tr)
-        for row, seq in enumerate(seqs):
-            seq.trace.append(tr, row)
-        return logits
-
-    def _sample(self, seq: _Sequence, logits: torch.Tensor, bar) -> Iterator:
-        """Draw the sequence's next token (only ids the tokenizer knows) and yield its text piece, if any."""
-        logits = logits.float().cpu().clone()
-        logits[self.model.tokenizer.vocab_size:] = float("-inf")  # padding ids of the embedding table
-        token = sample_next_token(logits, self.req.temperature, self.req.top_p, seq.generator)
-        seq.pending = token
-        seq.out.append(token)
-        seq.trace.token_ids.append(token)
-        self.num_generated += 1
-        bar.update(1)
-        piece = seq.decoder.push(token)  # special tokens (eos too) add no text
-        if self._done(seq):
-            piece += seq.decoder.flush()
-        seq.text += piece
-        self.texts[seq.index] = seq.text
-        if piece:
-            yield (seq.index, piece) if self.req.batched else piece
-
-    def _done(self, seq: _Sequence) -> bool:
-        at_eos = self.req.stop_at_eos and bool(seq.out) and seq.out[-1] == self.model.tokenizer.eos_id
-        return len(seq.out) >= self.req.max_new_tokens or at_eos
+    def _steps(self, engine: Engine, rows: list) -> Iterator:
+        """Step the engine to the end, yielding each row's new text as it is decoded."""
+        index = {r.request_id: i for i, r in enumerate(rows)}
+        counts = [0] * len(rows)
+        with tqdm(total=len(rows) * self.req.max_new_tokens, unit="tok", leave=False,
+                  disable=not self.req.progress) as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    i = index[out.request_id]
+                    new, counts[i] = len(out.token_ids) - counts[i], len(out.token_ids)
+                    self.num_generated += new
+                    bar.update(new)
+                    piece, self.texts[i] = out.text[len(self.texts[i]):], out.text
+                    if piece:
+                        yield (i, piece) if self.req.batched else piece
 
 
 def generate(prompt, model: MiniDSA | str | None = None, *, images=None, videos=None, max_new_tokens: int = 64,

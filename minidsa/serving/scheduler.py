@@ -49,6 +49,8 @@ class EngineRequest:
     finish_reason: str | None = None
     error: str | None = None
     embeds: torch.Tensor | None = None  # prompt embeddings [T, d] with media filled (made on first use)
+    trace: object = None  # a GenerationTrace to fill (generate(return_trace=True))
+    pending_finish: str | None = None  # finished, its last token still to be fed for the trace
 
     @property
     def all_ids(self) -> list[int]:
@@ -153,6 +155,23 @@ class Scheduler:
         self.waiting.popleft()
         self.running.append(req)
         return req, n
+
+    def admit_all(self, reqs: list[EngineRequest], lengths: list[int]) -> None:
+        """Start every waiting request in ``reqs`` now, with room for ``lengths`` tokens each reserved:
+        all or nothing (OutOfKVBlocksError naming the shortage, nothing kept). ``generate()``'s batch."""
+        sids: list[int] = []
+        try:
+            for _ in reqs:
+                sids.append(self.cache.add_sequence())
+            self.cache.reserve(dict(zip(sids, lengths)))
+        except BaseException:
+            for sid in sids:
+                self.cache.free(sid)
+            raise
+        for req, sid in zip(reqs, sids):
+            req.sid, req.num_computed = sid, 0
+            self.waiting.remove(req)
+            self.running.append(req)
 
     def preempt(self, req: EngineRequest) -> None:
         """Give back what ``req`` holds; it waits first in line to compute its prompt and output again."""

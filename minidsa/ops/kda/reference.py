@@ -95,18 +95,17 @@ def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=6
     beta = beta.view(B, n, C, H).permute(0, 3, 1, 2)
     G = g.cumsum(dim=3)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    strict = causal.tril(-1)
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
-
-    def pair_decay(mask):  # exp(G_i - G_j) [..., C(i), C(j), K], zero where mask is False
-        diff = G.unsqueeze(-2) - G.unsqueeze(-3)
-        return torch.where(mask.unsqueeze(-1), diff, torch.full_like(diff, float("-inf"))).exp()
-
-    A_kk = beta.unsqueeze(-1) * torch.einsum("bhnid,bhnjd,bhnijd->bhnij", k, k, pair_decay(strict))
+    # exp(G_i - G_j) [..., C(i), C(j), K] for j <= i, zero above the diagonal (-inf there before exp, so an
+    # exponent > 0 is never taken); built once, in place: it is the largest tensor of the chunk form.
+    decay = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill_(~causal.unsqueeze(-1), float("-inf")).exp_()
+    kd = decay.mul_(k.unsqueeze(-3))  # k_jd exp(G_id - G_jd), then A[i, j] = sum_d x_id kd[i, j, d]
+    A_qk = (kd @ q.unsqueeze(-1)).squeeze(-1)
+    A_kk = beta.unsqueeze(-1) * (kd @ k.unsqueeze(-1)).squeeze(-1)
+    A_kk.diagonal(dim1=-2, dim2=-1).zero_()  # j < i only
     M = torch.linalg.solve_triangular(eye + A_kk, eye.expand_as(A_kk), upper=False, unitriangular=True)
     W = M @ (beta.unsqueeze(-1) * G.exp() * k)
     U = M @ (beta.unsqueeze(-1) * v)
-    A_qk = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", q, k, pair_decay(causal))
     o = torch.empty(B, H, n, C, V, dtype=q.dtype, device=q.device)
     for c in range(n):
         v_new = U[:, :, c] - W[:, :, c] @ S

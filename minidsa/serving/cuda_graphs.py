@@ -1,0 +1,126 @@
+"""Decode steps captured in CUDA graphs, one per batch-size bucket, and replayed (docs/design.md §14, §16).
+
+A decode step of B sequences runs in the graph of the smallest bucket >= B; the rows past B are padding
+that must read and write nothing:
+    position -1      -> the indexer has no causal candidate, so every selected index is -1 and the
+                        attention of the row is zero (the sparse ops' contract for an all -1 row);
+    slot -1          -> store_kv skips the row, so no KV plane changes;
+    block table -1, context length 0 (int32, never 0 - 1 read as an unsigned 4e9);
+    state slot 0     -> read only: new KDA states are written back for the real rows alone.
+Every buffer the graph reads is static: the step's values are copied into it before each replay. The
+same padded context runs eagerly on any device (``padded_decode_context``), which is how the CPU tests
+check that padding changes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from ..cache import CacheContext, PagedKVCache
+from ..model.minidsa import MiniDSA
+
+
+def buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes with a graph: 1, 2, 4, 8, then every multiple of 8 up to max_num_seqs (and it)."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs, 8)) + [max_num_seqs]
+    return sorted(set(sizes))
+
+
+def padded_decode_context(cache: PagedKVCache, seq_ids: list[int], rows: int, max_blocks: int,
+                          device, into: CacheContext | None = None) -> CacheContext:
+    """A one-token context for ``seq_ids`` (their blocks reserved) padded to ``rows`` rows, written into the
+    tensors of ``into`` when given (a graph's static context)."""
+    B = len(seq_ids)
+    starts = [cache.seq_len(s) for s in seq_ids]
+    table = torch.full((rows, max_blocks), -1, dtype=torch.int32)
+    if B:
+        own = cache.block_table_tensor(seq_ids, device="cpu")
+        table[:B, : own.shape[1]] = own
+    positions = torch.full((rows, 1), -1, dtype=torch.long)
+    positions[:B, 0] = torch.tensor(starts, dtype=torch.long)
+    slots = torch.full((rows,), -1, dtype=torch.long)
+    slots[:B] = ops.paged_slots(table[:B], positions[:B], cache.block_size).reshape(-1)
+    lens = torch.zeros(rows, dtype=torch.int32)
+    lens[:B] = torch.tensor([s + 1 for s in starts], dtype=torch.int32)
+    state = torch.zeros(rows, dtype=torch.long)
+    state[:B] = cache.state_slots(seq_ids)
+    if into is None:
+        return CacheContext(cache, list(seq_ids), starts, positions.to(device), slots.to(device), table.to(device),
+                            lens.to(device), state.to(device))
+    for static, value in ((into.positions, positions), (into.slot_mapping, slots), (into.block_table, table),
+                          (into.context_lens, lens), (into.state_slots, state)):
+        static.copy_(value, non_blocking=True)
+    into.seq_ids, into.starts = list(seq_ids), starts
+    return into
+
+
+def run_padded(model: MiniDSA, ids: torch.Tensor, ctx: CacheContext) -> torch.Tensor:
+    """The decode forward on a prepared context: embeddings -> decoder -> lm_head (what a graph captures)."""
+    lm = model.language_model
+    if model._workspace is not None:
+        model._workspace.routed[1].zero_()
+    with ops.use_backend(model.backend):
+        return lm.lm_head(lm.model(lm.model.embed_tokens(ids), ctx, None))
+
+
+def publish_rows(ctx: CacheContext, num_rows: int) -> None:
+    """Write the staged KDA states of the first ``num_rows`` rows and commit their new lengths."""
+    cache = ctx.cache
+    slots = ctx.state_slots[:num_rows]
+    for (layer, name), value in ctx.staged.items():
+        cache.write_state(layer, name, slots, value[:num_rows])
+    for sid, start in zip(ctx.seq_ids, ctx.starts):
+        cache.commit(sid, start + 1)
+
+
+class DecodeGraphs:
+    """One captured decode step per bucket, sharing one memory pool; ``run`` replays the right one."""
+
+    def __init__(self, model: MiniDSA, cache: PagedKVCache, max_num_seqs: int) -> None:
+        self.model, self.cache = model, cache
+        self.max_blocks = -(-model.config.max_seq_len // cache.block_size)
+        self.buckets = buckets(max_num_seqs)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, CacheContext, torch.Tensor]] = {}
+        self.pool = None
+        self.replays = 0
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first (its memory is then reused by the smaller ones)."""
+        for rows in sorted(self.buckets, reverse=True):
+            self._capture(rows)
+
+    def _capture(self, rows: int) -> None:
+        dev = self.model.device
+        ids = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        ctx = padded_decode_context(self.cache, [], rows, self.max_blocks, dev)  # every row padding
+        with torch.inference_mode():
+            stream = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: autotuning, workspace allocation, lazy inits
+                    run_padded(self.model, ids, ctx)
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            self.pool = self.pool or torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = run_padded(self.model, ids, ctx)
+        self.graphs[rows] = (graph, ids, ctx, logits)
+
+    def fits(self, batch: int) -> bool:
+        return batch <= self.buckets[-1]
+
+    def run(self, seq_ids: list[int], tokens: list[int]) -> torch.Tensor:
+        """Replay the decode step of ``seq_ids`` (each fed its token; blocks reserved) -> logits [B, 1, V]."""
+        rows = next(b for b in self.buckets if b >= len(seq_ids))
+        if rows not in self.graphs:
+            self._capture(rows)
+        graph, ids, ctx, logits = self.graphs[rows]
+        padded = torch.zeros(rows, 1, dtype=torch.long)
+        padded[: len(tokens), 0] = torch.tensor(tokens, dtype=torch.long)
+        ids.copy_(padded, non_blocking=True)
+        padded_decode_context(self.cache, seq_ids, rows, self.max_blocks, ids.device, into=ctx)
+        graph.replay()
+        self.replays += 1
+        publish_rows(ctx, len(seq_ids))
+        return logits[: len(seq_ids)].float()
