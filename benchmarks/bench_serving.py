@@ -103,14 +103,19 @@ def main() -> None:
         if args.shared_prefix else None
     kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     result = bench.run_engine(model, requests, warmup, **kw)
-    subset = requests[: args.sequential_requests] if args.sequential_requests else requests
-    result["sequential"] = bench.run_sequential(model, subset)
-    result["sequential"]["requests"] = len(subset)
-    print(bench.format_report(result))
+    print(bench.format_report(result), flush=True)
+    if args.sequential_requests != 0:
+        subset = requests[: args.sequential_requests] if args.sequential_requests else requests
+        result["sequential"] = bench.run_sequential(model, subset)
+        result["sequential"]["requests"] = len(subset)
+        seq = result["sequential"]
+        print(f"sequential generate(), first {len(subset)} requests: {seq['duration_s']:.2f} s, "
+              f"{seq['output_throughput']:.2f} output tok/s; engine / sequential "
+              f"{result['output_throughput'] / seq['output_throughput']:.2f}x", flush=True)
     out["engine"] = result
     if args.memory_steps:
         out["memory"] = memory_run(model, args.memory_steps, **kw)
-        print("memory:", out["memory"])
+        print("memory:", out["memory"], flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

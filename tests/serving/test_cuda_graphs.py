@@ -4,6 +4,7 @@ Capture and replay themselves need a GPU (benchmarks/bench_serving.py checks gra
 
 import pytest
 import torch
+from conftest import kernel_device
 
 import minidsa
 from minidsa.serving.cuda_graphs import buckets, padded_decode_context, publish_rows, run_padded
@@ -22,7 +23,7 @@ def prefilled(model, lengths):
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for sid, n in zip(sids, lengths):
-            model(torch.randint(0, 256, (1, n), generator=gen), cache=cache, seq_ids=[sid])
+            model(torch.randint(0, 256, (1, n), generator=gen).to(model.device), cache=cache, seq_ids=[sid])
     return cache, sids
 
 
@@ -30,9 +31,11 @@ def prefilled(model, lengths):
 def test_padding_rows_read_and_write_nothing(tiny_model64, backend):
     if backend == "triton":
         pytest.importorskip("triton")
-    model = tiny_model64
+    # Kernels run where kernel tests run: compiled on a GPU, else in Triton's interpreter on the CPU.
+    on_gpu = backend == "triton" and kernel_device() != "cpu"
+    model = minidsa.MiniDSA(tiny_model64.config, device=kernel_device()) if on_gpu else tiny_model64
     lengths = [5, 8, 21]  # shorter than top-k (8), equal to it, longer
-    ids = torch.tensor([[11], [12], [13]])
+    ids = torch.tensor([[11], [12], [13]], device=model.device)
     eager_cache, sids = prefilled(model, lengths)
     padded_cache, psids = prefilled(model, lengths)
     model.set_backend(backend)
@@ -41,8 +44,8 @@ def test_padding_rows_read_and_write_nothing(tiny_model64, backend):
             want = model(ids, cache=eager_cache, seq_ids=sids)
             padded_cache.reserve({s: n + 1 for s, n in zip(psids, lengths)})
             max_blocks = -(-model.config.max_seq_len // padded_cache.block_size)
-            ctx = padded_decode_context(padded_cache, psids, 8, max_blocks, "cpu")
-            got = run_padded(model, torch.cat([ids, torch.zeros(5, 1, dtype=torch.long)]), ctx)
+            ctx = padded_decode_context(padded_cache, psids, 8, max_blocks, model.device)
+            got = run_padded(model, torch.cat([ids, ids.new_zeros(5, 1)]), ctx)
             publish_rows(ctx, len(psids))
     finally:
         model.set_backend(None)

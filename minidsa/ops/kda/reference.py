@@ -97,9 +97,9 @@ def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=6
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     # exp(G_i - G_j) [..., C(i), C(j), K] for j <= i, zero above the diagonal (-inf there before exp, so an
-    # exponent > 0 is never taken); built once, in place: it is the largest tensor of the chunk form.
+    # exponent > 0 is never taken); built once: it is the largest tensor of the chunk form.
     decay = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill_(~causal.unsqueeze(-1), float("-inf")).exp_()
-    kd = decay.mul_(k.unsqueeze(-3))  # k_jd exp(G_id - G_jd), then A[i, j] = sum_d x_id kd[i, j, d]
+    kd = decay * k.unsqueeze(-3)  # k_jd exp(G_id - G_jd), then A[i, j] = sum_d x_id kd[i, j, d]
     A_qk = (kd @ q.unsqueeze(-1)).squeeze(-1)
     A_kk = beta.unsqueeze(-1) * (kd @ k.unsqueeze(-1)).squeeze(-1)
     A_kk.diagonal(dim1=-2, dim2=-1).zero_()  # j < i only

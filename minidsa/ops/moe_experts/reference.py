@@ -132,9 +132,27 @@ def _expert_mlp_core(z: torch.Tensor, values: torch.Tensor, gates: torch.Tensor,
     I = values.shape[-1] // L
     w13 = values[:, :2].reshape(values.shape[0], 2 * I, L)  # w1 rows, then w3 rows: one matmul for both
     w2 = values[:, 2].unflatten(-1, (L, I))
+    if on_host(z, gates) and z.shape[0] > 1 and 2 * int((gates != 0).sum()) < gates.numel():
+        return _routed_rows(z, w13, w2, gates, beta_gate, beta_up)
     gu = z @ w13.mT  # [m, N, 2I]
     h = situ_glu_values(gu[..., :I], gu[..., I:], beta_gate, beta_up)  # [m, N, I]
     return ((h * gates.unsqueeze(-1)) @ w2.mT).sum(0)  # [m, N, L] summed over slots in one reduction
+
+
+def _routed_rows(z, w13, w2, gates, beta_gate: float, beta_up: float) -> torch.Tensor:
+    """The same sum over the slots, each slot's MLP run on the tokens routed to it only. On the host and
+    for several tokens (a prefill) most of the dense form's rows have gate 0; there the dense form
+    (fixed shapes, for graphs) would spend most of its time on them. A token's routed terms are added
+    in slot order, as the dense form's reduction adds them (its other terms are exact zeros)."""
+    I = w2.shape[-1]
+    out = z.new_zeros(z.shape)
+    for j in range(gates.shape[0]):
+        rows = gates[j].nonzero().squeeze(1)
+        if rows.numel():
+            gu = z[rows] @ w13[j].mT
+            h = situ_glu_values(gu[:, :I], gu[:, I:], beta_gate, beta_up) * gates[j, rows].unsqueeze(-1)
+            out.index_add_(0, rows, h @ w2[j].mT)
+    return out
 
 
 def _check_mlp_inputs(z, gates, per_element: int, width: int) -> tuple[int, int, int, int]:
