@@ -24,3 +24,14 @@ def test_readme_shipped_model_example_prints_what_its_comments_say(capsys):
     assert len(want) == 2, want
     exec(compile(example, "README.md", "exec"), {})
     assert capsys.readouterr().out.strip().splitlines() == want
+
+
+def test_readme_engine_example_runs(capsys):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    example = next(b for b in blocks if "minidsa.Engine(" in b)
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    outs = namespace["outs"]
+    assert [o.finished for o in outs] == [True, True] and all(o.token_ids for o in outs)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2].split()[2] == "True" and lines[-1] == "0 0"  # the last step finishes it; no preemption, no hit

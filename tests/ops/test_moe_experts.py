@@ -137,3 +137,22 @@ def test_bad_inputs_raise_naming_the_tensor():
     for fn, args, err, word in bad:
         with pytest.raises(err, match=word):
             fn(*args)
+
+
+def test_routed_rows_equal_the_dense_form():
+    """At prefill on the host the MLP runs each slot on its routed tokens only; it must equal the dense sum
+    over every slot (fp64, so only the order of the additions may differ: 1e-12 is far above it)."""
+    gen = torch.Generator().manual_seed(3)
+    m, N, L, I = 6, ref.ROUTED_ROWS_MIN_TOKENS + 17, 20, 12
+    z = torch.randn(N, L, generator=gen, dtype=torch.float64)
+    values = torch.randn(m, 3, I * L, generator=gen, dtype=torch.float64) / 4
+    gates = torch.rand(m, N, generator=gen, dtype=torch.float64)
+    gates[torch.rand(m, N, generator=gen) < 0.8] = 0  # most slots get no token of a row, as top-k routing gives
+    gates[2] = 0  # a slot no token is routed to
+    w13 = values[:, :2].reshape(m, 2 * I, L)
+    w2 = values[:, 2].unflatten(-1, (L, I))
+    gu = z @ w13.mT
+    dense = ((situ_glu_values(gu[..., :I], gu[..., I:], 3.0, 5.0) * gates.unsqueeze(-1)) @ w2.mT).sum(0)
+    got = ref._expert_mlp_core(z, values, gates, 3.0, 5.0)
+    torch.testing.assert_close(got, dense, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ref._routed_rows(z, w13, w2, gates, 3.0, 5.0), dense, rtol=0, atol=1e-12)

@@ -132,11 +132,14 @@ def _expert_mlp_core(z: torch.Tensor, values: torch.Tensor, gates: torch.Tensor,
     I = values.shape[-1] // L
     w13 = values[:, :2].reshape(values.shape[0], 2 * I, L)  # w1 rows, then w3 rows: one matmul for both
     w2 = values[:, 2].unflatten(-1, (L, I))
-    if on_host(z, gates) and z.shape[0] > 1 and 2 * int((gates != 0).sum()) < gates.numel():
+    if on_host(z, gates) and z.shape[0] >= ROUTED_ROWS_MIN_TOKENS and 2 * int((gates != 0).sum()) < gates.numel():
         return _routed_rows(z, w13, w2, gates, beta_gate, beta_up)
     gu = z @ w13.mT  # [m, N, 2I]
     h = situ_glu_values(gu[..., :I], gu[..., I:], beta_gate, beta_up)  # [m, N, I]
     return ((h * gates.unsqueeze(-1)) @ w2.mT).sum(0)  # [m, N, L] summed over slots in one reduction
+
+
+ROUTED_ROWS_MIN_TOKENS = 64  # below this (decode batches) one dense matmul per weight beats a loop over slots
 
 
 def _routed_rows(z, w13, w2, gates, beta_gate: float, beta_up: float) -> torch.Tensor:
