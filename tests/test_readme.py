@@ -34,4 +34,5 @@ def test_readme_engine_example_runs(capsys):
     outs = namespace["outs"]
     assert [o.finished for o in outs] == [True, True] and all(o.token_ids for o in outs)
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-2].split()[2] == "True" and lines[-1] == "0 0"  # the last step finishes it; no preemption, no hit
+    assert lines[-2].split()[1] == "True" and lines[-1] == "0 0"  # the last step finishes it; no preemption, no hit
+    assert all(line.split()[1] == "False" for line in lines[:-2])
