@@ -91,8 +91,7 @@ def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=6
         beta = torch.nn.functional.pad(beta, (0, 0, 0, pad))
     n, V = (T + pad) // C, v.shape[-1]
     # [B, H, n, C, ...]: heads first so each chunk is a batch of small matrices
-    # Contiguous copies: the pair tensors below inherit their inputs' strides, and permuted strides make
-    # every elementwise op over [C, C, K] several times slower on the CPU.
+    # Contiguous: the [C, C, K] pair tensors inherit these strides (permuted ones slow each op on the CPU).
     q, k, v, g = (x.view(B, n, C, H, -1).permute(0, 3, 1, 2, 4).contiguous() for x in (q, k, v, g))
     beta = beta.view(B, n, C, H).permute(0, 3, 1, 2)
     G = g.cumsum(dim=3)
