@@ -65,6 +65,35 @@ def kda_recurrent_ref(q, k, v, g, beta, scale=None, initial_state=None):
     return cast(o, out_dtype), S
 
 
+SUB_CHUNK = 16  # pairs within a sub-chunk use the pairwise decay tensor; pairs across sub-chunks a matmul
+
+
+def _intra_chunk_products(q, k, G, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_qk[i, j] = sum_d q_id k_jd exp(G_id - G_jd) for j <= i and A_kk the same with k_i for j < i (zero
+    elsewhere), over chunks [..., C, K] cut into sub-chunks of c.
+
+    Within a sub-chunk the decay is the pairwise tensor exp(G_i - G_j) [c, c, K]. Across sub-chunks, with r
+    the first step of i's sub-chunk and j < r <= i, exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j): both
+    exponents are <= 0 (G only falls), so nothing overflows, and the pair is a plain matrix product. The
+    pairwise tensor shrinks from [C, C, K] to [C, c, K]."""
+    *pre, C, K = q.shape
+    S = C // c
+    Gs, qs, ks = (x.view(*pre, S, c, K) for x in (G, q, k))
+    tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    decay = (Gs.unsqueeze(-2) - Gs.unsqueeze(-3)).masked_fill_(~tri.unsqueeze(-1), float("-inf")).exp_()
+    kd = decay * ks.unsqueeze(-3)  # [..., S, c(i), c(j), K]
+    diag_qk, diag_kk = ((kd @ x.unsqueeze(-1)).squeeze(-1) for x in (qs, ks))  # [..., S, c, c]
+    Gr = Gs[..., :1, :]  # [..., S, 1, K]: G at the first step of each sub-chunk
+    before = torch.arange(C, device=q.device).view(1, C) < torch.arange(0, C, c, device=q.device).view(S, 1)
+    right = (Gr - G.unsqueeze(-3)).masked_fill_(~before.unsqueeze(-1), float("-inf")).exp_() * k.unsqueeze(-3)
+    left = (Gs - Gr).exp()  # [..., S, c, K]
+    A_qk, A_kk = (((left * x) @ right.mT).reshape(*pre, C, C) for x in (qs, ks))  # across sub-chunks
+    for A, diag in ((A_qk, diag_qk), (A_kk, diag_kk)):
+        A.view(*pre, S, c, S, c).diagonal(dim1=-4, dim2=-2).add_(diag.movedim(-3, -1))
+    A_kk.diagonal(dim1=-2, dim2=-1).zero_()  # j < i only
+    return A_qk, A_kk
+
+
 def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64):
     """Chunked KDA, equal to ``kda_recurrent_ref`` (same signature plus ``chunk_size``).
 
@@ -95,15 +124,9 @@ def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=6
     q, k, v, g = (x.view(B, n, C, H, -1).permute(0, 3, 1, 2, 4).contiguous() for x in (q, k, v, g))
     beta = beta.view(B, n, C, H).permute(0, 3, 1, 2)
     G = g.cumsum(dim=3)
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    # exp(G_i - G_j) [..., C(i), C(j), K] for j <= i, zero above the diagonal (-inf there before exp, so an
-    # exponent > 0 is never taken); built once: it is the largest tensor of the chunk form.
-    decay = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill_(~causal.unsqueeze(-1), float("-inf")).exp_()
-    kd = decay * k.unsqueeze(-3)  # k_jd exp(G_id - G_jd), then A[i, j] = sum_d x_id kd[i, j, d]
-    A_qk = (kd @ q.unsqueeze(-1)).squeeze(-1)
-    A_kk = beta.unsqueeze(-1) * (kd @ k.unsqueeze(-1)).squeeze(-1)
-    A_kk.diagonal(dim1=-2, dim2=-1).zero_()  # j < i only
+    A_qk, A_kk = _intra_chunk_products(q, k, G, SUB_CHUNK if C % SUB_CHUNK == 0 else C)
+    A_kk = beta.unsqueeze(-1) * A_kk
     M = torch.linalg.solve_triangular(eye + A_kk, eye.expand_as(A_kk), upper=False, unitriangular=True)
     W = M @ (beta.unsqueeze(-1) * G.exp() * k)
     U = M @ (beta.unsqueeze(-1) * v)
