@@ -1,7 +1,7 @@
 """The serving engine on a workload: throughput and latency against a sequential ``generate()`` loop, the
 decode step replayed from CUDA graphs against the eager step, and allocated memory over a steady run.
 
-    PYTHONPATH=. python benchmarks/bench_serving.py --config laptop                       # CPU floors
+    PYTHONPATH=. python benchmarks/bench_serving.py --config laptop                       # the CPU figures
     PYTHONPATH=. python benchmarks/bench_serving.py --config small --device cuda \\
         --num-requests 256 --input-len 100 1024 --output-len 100 512 --sequential-requests 8
 
