@@ -9,6 +9,7 @@ decode step replayed from CUDA graphs against the eager step, and allocated memo
 loop would take longer than the engine run by the ratio being measured) and compares output tokens/s.
 ``--graph-check`` replays one padded decode step from its graph and compares it with the eager step.
 ``--memory-steps N`` runs N engine steps of a steady workload and prints the allocated bytes sampled.
+``--dry-run`` runs it all on tiny shapes (the test suite does).
 """
 
 from __future__ import annotations
@@ -76,6 +77,18 @@ def memory_run(model, steps: int, **engine_kw) -> dict:
     return {"steps": steps, "requests": k, "samples": samples, "unit": "bytes" if cuda else "live requests"}
 
 
+def dry_run() -> None:
+    """The whole script on tiny shapes: engine figures, the sequential loop, a steady-workload run."""
+    model = minidsa.load("default", progress=False)
+    requests = bench.workload(4, (24, 48), (2, 6), 0, shared_prefix=20)  # one 16-token KDA checkpoint to hit
+    result = bench.run_engine(model, requests, {"prompt": requests[0]["prompt"][:19] + " ", "images": None})
+    result["sequential"] = bench.run_sequential(model, requests[:1])
+    print(bench.format_report(result))
+    mem = memory_run(model, 20)
+    ok = result["successful_requests"] == 4 and result["prefix_hit_rate"] > 0 and len(mem["samples"]) == 10
+    print("PASS" if ok else "FAIL", "dry run: 4 requests, prefix hits, 20 steady steps")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="laptop")
@@ -91,7 +104,11 @@ def main() -> None:
     ap.add_argument("--graph-check", action="store_true")
     ap.add_argument("--memory-steps", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the figures to this file")
+    ap.add_argument("--dry-run", action="store_true", help="the shipped tiny model, 4 short requests, on the CPU")
     args = ap.parse_args()
+    if args.dry_run:
+        dry_run()
+        return
     model = minidsa.load(args.config, device=args.device, progress=False).set_backend(args.backend)
     out = {"config": args.config, "device": args.device, "backend": args.backend}
     if args.graph_check:
