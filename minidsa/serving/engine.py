@@ -13,6 +13,8 @@ there can be copied.
 
 A request that fails (its forward raises) finishes with finish_reason "error" and gives back what it
 held; the others go on. Every argument is checked in ``add_request`` before anything is queued.
+One thread drives an engine (``add_request``, ``step`` and ``abort`` are not meant to race); several
+engines may share one model and, through generate(), one cache, whose books are locked.
 """
 
 from __future__ import annotations
