@@ -81,7 +81,7 @@ def dry_run() -> None:
     """The whole script on tiny shapes: engine figures, the sequential loop, a steady-workload run."""
     model = minidsa.load("default", progress=False)
     requests = bench.workload(4, (24, 48), (2, 6), 0, shared_prefix=20)  # one 16-token KDA checkpoint to hit
-    result = bench.run_engine(model, requests, {"prompt": requests[0]["prompt"][:19] + " ", "images": None})
+    result = bench.run_engine(model, requests, bench.warmup_request(requests, 20))
     result["sequential"] = bench.run_sequential(model, requests[:1])
     print(bench.format_report(result))
     mem = memory_run(model, 20)
@@ -116,8 +116,7 @@ def main() -> None:
         print("graph check:", out["graph_check"])
     requests = bench.workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), 0,
                               args.shared_prefix)
-    warmup = {"prompt": requests[0]["prompt"][: args.shared_prefix - 1] + " ", "images": None} \
-        if args.shared_prefix else None
+    warmup = bench.warmup_request(requests, args.shared_prefix)
     kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     result = bench.run_engine(model, requests, warmup, **kw)
     print(bench.format_report(result), flush=True)

@@ -41,6 +41,13 @@ def workload(num_requests: int, input_len: tuple[int, int], output_len: tuple[in
     return out
 
 
+def warmup_request(requests: list[dict], shared_prefix: int) -> dict | None:
+    """The untimed request that primes the cache with the shared prefix (None without one)."""
+    if not shared_prefix:
+        return None
+    return {"prompt": requests[0]["prompt"][: shared_prefix - 1] + " ", "images": None}
+
+
 def _stats(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
@@ -126,10 +133,7 @@ def benchmark(model: MiniDSA, num_requests: int = 32, input_len: tuple[int, int]
               sequential: bool = True, **engine_kw) -> dict:
     """``run_engine`` on the seeded workload, plus the sequential loop on the same requests."""
     requests = workload(num_requests, input_len, output_len, seed, shared_prefix, images)
-    warmup = None
-    if shared_prefix:
-        warmup = {"prompt": requests[0]["prompt"][: shared_prefix - 1] + " ", "images": None}
-    result = run_engine(model, requests, warmup, **engine_kw)
+    result = run_engine(model, requests, warmup_request(requests, shared_prefix), **engine_kw)
     if sequential:
         result["sequential"] = run_sequential(model, requests)
     return result

@@ -36,7 +36,7 @@ from .budget import plan_cache
 from .cuda_graphs import DecodeGraphs
 from .params import RequestMetrics, RequestOutput, SamplingParams
 from .prefix_cache import PrefixCache, block_hashes
-from .requests import check_positive_int, encode_prompts
+from .requests import check_context, check_positive_int, encode_prompts
 from .sampling import sample_next_token
 from .scheduler import EngineRequest, Scheduler
 
@@ -126,21 +126,18 @@ class Engine:
         while rid in self.requests:
             rid = str(next(self._ids))
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(6), "little")
-        media = _media_keys(ids, features, self.model.tokenizer.media_pad_id)
-        req = EngineRequest(rid, prompt, list(ids), features, block_hashes(ids, media, self.cache.block_size),
-                            params, torch.Generator().manual_seed(seed), self.model.tokenizer.stream_decoder(),
+        hashes = [] if self.prefix is None else block_hashes(  # names are for the prefix cache only
+            ids, _media_keys(ids, features, self.model.tokenizer.media_pad_id), self.cache.block_size)
+        req = EngineRequest(rid, prompt, list(ids), features, hashes, params, torch.Generator().manual_seed(seed),
+                            self.model.tokenizer.stream_decoder(),
                             RequestMetrics(time.perf_counter(), num_prompt_tokens=len(ids)), trace=trace)
         self.requests[rid] = req
         self.scheduler.waiting.append(req)
         return req
 
     def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
-        ctx, bs = self.model.config.max_seq_len, self.cache.block_size
-        if prompt_len + max_tokens > ctx:
-            raise ValueError(f"the prompt is {prompt_len} tokens and max_tokens = {max_tokens}: together more than "
-                             f"max_seq_len = {ctx}; use max_tokens <= {ctx - prompt_len}" if prompt_len < ctx else
-                             f"the prompt is {prompt_len} tokens, leaving no room in max_seq_len = {ctx}; shorten it")
-        need = -(-(prompt_len + max_tokens) // bs)
+        check_context("the prompt", prompt_len, "max_tokens", max_tokens, self.model.config.max_seq_len)
+        need = -(-(prompt_len + max_tokens) // self.cache.block_size)
         if need > self.cache.layout.num_blocks:
             raise ValueError(f"the prompt and max_tokens need {need} KV blocks but the cache has "
                              f"{self.cache.layout.num_blocks}: it can never fit; lower max_tokens or raise num_blocks")
@@ -190,7 +187,7 @@ class Engine:
         try:
             with torch.inference_mode():
                 if self._graphed(group) and tr is None:
-                    logits = self.graphs.run([r.sid for r in reqs], [r.all_ids[a] for r, a, _ in group])
+                    logits = self.graphs.run([r.sid for r in reqs], [r.tokens(a, b)[0] for r, a, b in group])
                 else:
                     logits = self.model(**self._inputs(group), cache=self.cache, seq_ids=[r.sid for r in reqs],
                                         trace=tr)
@@ -219,17 +216,16 @@ class Engine:
     def _graphed(self, group) -> bool:
         """A decode step (one text token per row) that a captured graph covers."""
         return (self.graphs is not None and self.graphs.fits(len(group))
-                and all(b - a == 1 and not (r.features and a < len(r.prompt_ids)) for r, a, b in group))
+                and all(b - a == 1 and not r.has_media_from(a) for r, a, b in group))
 
     def _inputs(self, group) -> dict:
         """input_ids [B, T], or inputs_embeds when a row covers media tokens."""
-        rows = [req.all_ids[a:b] for req, a, b in group]
-        ids = torch.tensor(rows, device=self.model.device)
-        if not any(req.features and a < len(req.prompt_ids) for req, a, _ in group):
+        ids = torch.tensor([req.tokens(a, b) for req, a, b in group], device=self.model.device)
+        if not any(req.has_media_from(a) for req, a, _ in group):
             return {"input_ids": ids}
         embeds = self.model.language_model.model.embed_tokens(ids)
         for row, (req, a, b) in enumerate(group):
-            if req.features and a < len(req.prompt_ids):
+            if req.has_media_from(a):
                 if req.embeds is None:
                     prompt = torch.tensor([req.prompt_ids], device=self.model.device)
                     req.embeds = self.model.embed(prompt, req.features)[0]
@@ -244,7 +240,7 @@ class Engine:
         bs = self.cache.block_size
         full = min(end, len(req.prompt_ids)) // bs
         self.prefix.insert_blocks(req.sid, req.hashes, full)
-        if end % self.checkpoint_interval == 0 and end <= len(req.prompt_ids) and end // bs <= len(req.hashes):
+        if end % self.checkpoint_interval == 0 and end <= len(req.prompt_ids):  # so block end // bs is named
             self.prefix.insert_checkpoint(req.hashes[end // bs - 1], req.sid)
 
     def _sample(self, req: EngineRequest, logits: torch.Tensor) -> None:
@@ -326,6 +322,7 @@ class Engine:
             "prefix_cache_hits_kv": pc.kv_hits if pc else 0,
             "prefix_cache_hits_kda": pc.kda_hits if pc else 0,
             "kda_checkpoints": len(pc.checkpoints) if pc else 0,
+            "cuda_graph_replays": self.graphs.replays if self.graphs else 0,
             "memory": dict(self.budget),
         }
 

@@ -124,13 +124,3 @@ class PrefixCache:
             self.checkpoints.pop(h, None)  # a checkpoint is useless without the block it ends
             freed += 1
         return freed
-
-    def clear(self) -> None:
-        """Drop every name and checkpoint and give the held blocks back."""
-        for b in self.blocks.values():
-            self.cache.release(b)
-        self.blocks.clear()
-        self.checkpoints.clear()
-
-    def checkpoint_bytes(self) -> int:
-        return self.max_checkpoints * self.cache.layout.state_bytes_per_sequence()

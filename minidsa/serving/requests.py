@@ -50,15 +50,9 @@ def build_request(model: MiniDSA, prompt, images, max_new_tokens, temperature, t
         raise ValueError(f"seed = {seed} is outside [0, 2**64 - {len(texts)}]: torch seeds are unsigned 64-bit "
                          f"and row i of the batch uses seed + i; pass a smaller non-negative seed")
     ids, features = encode_prompts(model, texts, images, batched, videos)
-    ctx = model.config.max_seq_len
     for i, p in enumerate(ids):
-        where = f"prompt[{i}]" if batched else "prompt"
-        if len(p) >= ctx:  # at least one new token must fit after the prompt
-            raise ValueError(f"{where} is {len(p)} tokens (bos included) and leaves no room for a new token in "
-                             f"the model's context max_seq_len = {ctx}; shorten it to at most {ctx - 1} tokens")
-        if len(p) + max_new_tokens > ctx:
-            raise ValueError(f"{where} is {len(p)} tokens and max_new_tokens = {max_new_tokens}: together more than "
-                             f"the context max_seq_len = {ctx}; use max_new_tokens <= {ctx - len(p)}")
+        check_context(f"prompt[{i}]" if batched else "prompt", len(p), "max_new_tokens", max_new_tokens,
+                      model.config.max_seq_len)
     base = seed if seed is not None else int.from_bytes(os.urandom(6), "little")
     return Request(ids, features, batched, max_new_tokens, float(temperature), float(top_p),
                    [base + i for i in range(len(ids))], return_trace, progress, bool(stop_at_eos))
@@ -117,6 +111,17 @@ def _place_media(model: MiniDSA, text: str, prepared: list, num_images: int, whe
         else:
             expanded.append(t)
     return expanded
+
+
+def check_context(where: str, prompt_len: int, name: str, max_new: int, ctx: int) -> None:
+    """ValueError unless a prompt of ``prompt_len`` ids and ``max_new`` new tokens (the argument ``name``)
+    fit the context ``ctx``; at least one new token must fit after the prompt."""
+    if prompt_len >= ctx:
+        raise ValueError(f"{where} is {prompt_len} tokens (bos included) and leaves no room for a new token in "
+                         f"the model's context max_seq_len = {ctx}; shorten it to at most {ctx - 1} tokens")
+    if prompt_len + max_new > ctx:
+        raise ValueError(f"{where} is {prompt_len} tokens and {name} = {max_new}: together more than "
+                         f"the context max_seq_len = {ctx}; use {name} <= {ctx - prompt_len}")
 
 
 def check_prompt(prompt) -> tuple[bool, list[str]]:

@@ -52,9 +52,16 @@ class EngineRequest:
     trace: object = None  # a GenerationTrace to fill (generate(return_trace=True))
     pending_finish: str | None = None  # finished, its last token still to be fed for the trace
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Ids [start, end) of prompt + output, without building the whole list (a decode step reads one)."""
+        P = len(self.prompt_ids)
+        if start >= P:
+            return self.output_ids[start - P: end - P]
+        return self.prompt_ids[start:end] + self.output_ids[: max(0, end - P)]
+
+    def has_media_from(self, start: int) -> bool:
+        """Whether ids from ``start`` on include prompt positions of a request with images."""
+        return bool(self.features) and start < len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:
