@@ -35,6 +35,7 @@ from .. import ops
 from ..config import ModelConfig
 from ..formats import mxfp4
 from ..ops import acc_dtype, cast
+from ..ops._checks import on_host
 from .ffn import SituGluMLP
 from .norm import RMSNorm
 
@@ -219,6 +220,8 @@ class LatentMoE(nn.Module):
         if self.lazy_source:  # experts still on disk: the host must decide which to read (not graph-capturable)
             self.materialize(torch.unique(ids))
         experts, num_routed = self.conversion_plan(ids)
+        if on_host(ids) and not torch.compiler.is_compiling():
+            experts = experts[: int(num_routed)]  # a sync costs nothing here: skip converting the placeholders
         if self.offline is None:
             self._workspace().routed += num_routed  # the placeholders are not counted
         step = experts.numel() if self.offline is not None else self._workspace().capacity

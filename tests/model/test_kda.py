@@ -8,7 +8,7 @@ from conftest import tiny_config
 import minidsa
 from minidsa import ops
 from minidsa.model.kda import causal_conv
-from minidsa.ops.kda.reference import kda_chunk_ref, kda_recurrent_ref
+from minidsa.ops.kda.reference import FACTOR_SPAN, kda_chunk_ref, kda_recurrent_ref
 
 
 def naive_kda(q, k, v, g, beta, scale, s0):
@@ -84,6 +84,22 @@ def test_chunk_sizes_odd_shapes_fp32(chunk_size):
     for o, s in [(o_c, s_c), (o_r, s_r)]:
         torch.testing.assert_close(o.double(), o_ref, atol=1e-4, rtol=0)
         torch.testing.assert_close(s.double(), s_ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("decay", [-5.0, -20.0])
+def test_sub_chunk_factor_and_pairwise_forms_fp32(decay):
+    """Decays at the model's floor (-5 a step: a 16-step sub-chunk spans up to 75, the factored matmul
+    form) and far below it (-20: spans of 300 would overflow the factors, so the pairwise form runs):
+    both track the fp64 definition in fp32."""
+    q, k, v, g, beta = inputs(1, 64, 2, 8, 8, gate="lower_bound", dtype=torch.float32)
+    g = g * (decay / -5.0)
+    span = float((g[:, :16].sum(1) - g[:, :1].sum(1)).abs().max())
+    assert (span > FACTOR_SPAN[torch.float32]) == (decay < -5.0), span  # each case takes the path it names
+    o_ref, s_ref = naive_kda(q, k, v, g, beta, 8 ** -0.5, None)
+    o_c, s_c = ops.kda_chunk(q, k, v, g, beta, chunk_size=64)
+    # As test_chunk_sizes_odd_shapes_fp32: fp32 rounding ~1e-6 relative on values of size ~1-10.
+    torch.testing.assert_close(o_c.double(), o_ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(s_c.double(), s_ref, atol=1e-4, rtol=0)
 
 
 def test_grouped_value_heads():

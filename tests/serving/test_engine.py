@@ -117,10 +117,11 @@ def test_prefill_equals_shorter_prefill_plus_decode_steps(model):
 
 # ------------------------------------------------------------------ prefix caching
 SHARED = text_of_len(40, 3)  # 40 tokens: two 16-token KDA checkpoints, five full 8-token blocks
+EVERY_CHUNK = dict(checkpoint_interval=16)  # a checkpoint at every KDA chunk (the default is 256 tokens)
 
 
 def test_a_prefix_hit_equals_recomputing(model):
-    engine = Engine(model)
+    engine = Engine(model, **EVERY_CHUNK)
     prompts = [SHARED + " first question", SHARED + " second one"]
     engine.generate(prompts[:1], GREEDY, progress=False)
     out = engine.generate(prompts[1:], GREEDY, progress=False)[0]
@@ -156,7 +157,7 @@ def prompt_end_logits(engine, prompt: str, monkeypatch) -> torch.Tensor:
 def test_a_hit_resumes_from_its_checkpoint_not_from_zero(model, monkeypatch, state):
     """At the logits: the hit's first token comes from the recomputed logits to fp64 rounding; with the
     restore skipped (a hit resuming the recurrence from the zero state) the same check fails by far."""
-    engine = Engine(model)
+    engine = Engine(model, **EVERY_CHUNK)
     engine.generate([SHARED + " first question"], GREEDY, progress=False)
     if state != "restored":
         monkeypatch.setattr(engine.cache, "restore_state", lambda sid, snapshot: None)
@@ -172,7 +173,7 @@ def test_a_hit_resumes_from_its_checkpoint_not_from_zero(model, monkeypatch, sta
 def test_images_are_part_of_a_prefix(model):
     rng = torch.Generator().manual_seed(0)
     im1, im2 = (torch.randint(0, 256, (32, 32, 3), generator=rng, dtype=torch.uint8).numpy() for _ in range(2))
-    engine = Engine(model)
+    engine = Engine(model, **EVERY_CHUNK)
     marker = minidsa.tokenizer.IMAGE_MARKER
     engine.generate([marker + SHARED + " one"], GREEDY, images=[[im1]], progress=False)
     out = engine.generate([marker + SHARED + " two"], GREEDY, images=[[im1]], progress=False)[0]

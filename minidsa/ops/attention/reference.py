@@ -28,6 +28,19 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
+def masked_softmax(s: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of scores ``s`` where ``valid`` (broadcastable bool) is True, 0 elsewhere.
+
+    A row with no valid entry gets zeros (not NaN); a NaN score at a valid entry still propagates.
+    """
+    s = s.masked_fill(~valid, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all-masked rows: avoid -inf - -inf
+    p = torch.exp(s - m)
+    denom = p.sum(dim=-1, keepdim=True)
+    return p / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention of each query over its own K gathered keys.
 
@@ -36,12 +49,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tenso
     """
     H = q.shape[2]
     s = torch.einsum("bthd,btkhd->bthk", q, k.expand(-1, -1, -1, H, -1)) * float(scale)
-    s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
-    m = s.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all-padded rows: avoid -inf - -inf
-    p = torch.exp(s - m)
-    denom = p.sum(dim=-1, keepdim=True)
-    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+    p = masked_softmax(s, valid.unsqueeze(2))
     return torch.einsum("bthk,btkhd->bthd", p, v.expand(-1, -1, -1, H, -1))
 
 
@@ -104,7 +112,4 @@ def masked_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     kf = k.to(acc).expand(-1, -1, H, -1)
     vf = v.to(acc).expand(-1, -1, H, -1)
     s = torch.einsum("bthd,bshd->bths", q.to(acc), kf) * float(scale)
-    s = s.masked_fill(~mask.unsqueeze(2), float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    p = torch.nan_to_num(p, nan=0.0)  # rows with no key at all
-    return torch.einsum("bths,bshd->bthd", p, vf)
+    return torch.einsum("bths,bshd->bthd", masked_softmax(s, mask.unsqueeze(2)), vf)

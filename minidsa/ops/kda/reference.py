@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import acc_dtype, cast, check_tensor
+from .._checks import acc_dtype, cast, check_tensor, on_host
 
 
 def _check(q, k, v, g, beta, initial_state):
@@ -65,28 +65,40 @@ def kda_recurrent_ref(q, k, v, g, beta, scale=None, initial_state=None):
     return cast(o, out_dtype), S
 
 
-SUB_CHUNK = 16  # pairs within a sub-chunk use the pairwise decay tensor; pairs across sub-chunks a matmul
+SUB_CHUNK = 16  # pairs within a sub-chunk: one small matmul (or the pairwise decay tensor); across: a matmul
+# Largest decay span G_r - G_j (r the first step of a sub-chunk, j in it) for which the factor exp(G_r - G_j)
+# and its partner exp(G_i - G_r) stay inside the normal range (fp32: e^+-87). With the model's decay floor
+# of -5, a 16-step sub-chunk spans at most 75.
+FACTOR_SPAN = {torch.float32: 80.0, torch.float64: 700.0}
 
 
 def _intra_chunk_products(q, k, G, c: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A_qk[i, j] = sum_d q_id k_jd exp(G_id - G_jd) for j <= i and A_kk the same with k_i for j < i (zero
     elsewhere), over chunks [..., C, K] cut into sub-chunks of c.
 
-    Within a sub-chunk the decay is the pairwise tensor exp(G_i - G_j) [c, c, K]. Across sub-chunks, with r
-    the first step of i's sub-chunk and j < r <= i, exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j): both
-    exponents are <= 0 (G only falls), so nothing overflows, and the pair is a plain matrix product. The
-    pairwise tensor shrinks from [C, C, K] to [C, c, K]."""
+    With r the first step of i's sub-chunk, exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j). Across
+    sub-chunks (j < r <= i) both exponents are <= 0 (G only falls), so nothing overflows and the pair is
+    a plain matrix product. Within a sub-chunk (r <= j <= i) the second exponent is >= 0 but at most the
+    sub-chunk's span: where the span stays below FACTOR_SPAN (always, on the host, for the model's decay
+    floor) the pairs are one c x c matrix product too; otherwise, and off the host (where checking the
+    span would cost a device sync), they use the pairwise decay tensor exp(G_i - G_j) [c, c, K]."""
     *pre, C, K = q.shape
     S = C // c
     Gs, qs, ks = (x.view(*pre, S, c, K) for x in (G, q, k))
-    tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    decay = (Gs.unsqueeze(-2) - Gs.unsqueeze(-3)).masked_fill_(~tri.unsqueeze(-1), float("-inf")).exp_()
-    kd = decay * ks.unsqueeze(-3)  # [..., S, c(i), c(j), K]
-    diag_qk, diag_kk = ((kd @ x.unsqueeze(-1)).squeeze(-1) for x in (qs, ks))  # [..., S, c, c]
     Gr = Gs[..., :1, :]  # [..., S, 1, K]: G at the first step of each sub-chunk
+    left = (Gs - Gr).exp()  # [..., S, c, K], each <= 1
+    tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    span = FACTOR_SPAN.get(q.dtype, 0.0)
+    if on_host(G) and G.numel() and float((Gr - Gs[..., -1:, :]).amax()) <= span:
+        k_up = (Gr - Gs).exp() * ks  # each factor in [1, e^span]
+        # Entries above the diagonal (j > i) may be huge or inf: selected away, never multiplied by zero.
+        diag_qk, diag_kk = (((left * x) @ k_up.mT).masked_fill_(~tri, 0.0) for x in (qs, ks))  # [..., S, c, c]
+    else:
+        decay = (Gs.unsqueeze(-2) - Gs.unsqueeze(-3)).masked_fill_(~tri.unsqueeze(-1), float("-inf")).exp_()
+        kd = decay * ks.unsqueeze(-3)  # [..., S, c(i), c(j), K]
+        diag_qk, diag_kk = ((kd @ x.unsqueeze(-1)).squeeze(-1) for x in (qs, ks))  # [..., S, c, c]
     before = torch.arange(C, device=q.device).view(1, C) < torch.arange(0, C, c, device=q.device).view(S, 1)
     right = (Gr - G.unsqueeze(-3)).masked_fill_(~before.unsqueeze(-1), float("-inf")).exp_() * k.unsqueeze(-3)
-    left = (Gs - Gr).exp()  # [..., S, c, K]
     A_qk, A_kk = (((left * x) @ right.mT).reshape(*pre, C, C) for x in (qs, ks))  # across sub-chunks
     for A, diag in ((A_qk, diag_qk), (A_kk, diag_kk)):
         A.view(*pre, S, c, S, c).diagonal(dim1=-4, dim2=-2).add_(diag.movedim(-3, -1))
@@ -103,7 +115,8 @@ def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=6
       W = M Diag(beta) (exp(G) * K),   U = M Diag(beta) V,   V_new = U - W S0
       O = (exp(G) * Q) S0 + A_qk V_new,  A_qk[i,j] = sum_d q_id k_jd exp(G_id - G_jd), j <= i
       S = Diag(exp(G_C)) S0 + (exp(G_C - G) * K)^T V_new
-    Every exponent is a difference G_i - G_j with j <= i, or G itself, so it is <= 0: no overflow.
+    Every exponent is a difference G_i - G_j with j <= i, or G itself, so it is <= 0: no overflow (within
+    16-step sub-chunks a bounded positive factor may stand in, see ``_intra_chunk_products``).
     Any T: the tail is padded with g = beta = k = v = 0 (steps that leave the state unchanged); T < chunk_size is one chunk.
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:

@@ -8,7 +8,8 @@ on the dense, decompressed tensors; they differ in how much they read (docs/desi
 * decode, absorbed / MQA form: gather exactly the K selected latent rows and attend with the
   latent as both key and value (the caller folds W_UK into q before and applies W_UV after);
 * prefill, block-aggregated / MHA form: per tile of 64 queries, gather the union of KV blocks the
-  tile selected once, decompress them with W_kvb and attend with indices remapped into that union.
+  tile selected once, decompress them with W_kvb and attend over that union with every key a query
+  did not select masked out.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import acc_dtype, check_tensor
-from ..attention.reference import attend, sparse_attention_ref
+from ..attention.reference import attend, indices_to_mask, masked_dense_attention
 from ..paging import gather_slots, paged_slots
 
 PREFILL_TILE = 64  # queries whose selected blocks are gathered together in prefill
@@ -102,8 +103,8 @@ def sparse_mla_prefill_ref(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_
     Returns:
         [B, T, H, dv] float32 (float64 kept).
     Per sequence and tile of PREFILL_TILE queries, the KV blocks any query of the tile selected are
-    gathered once (sorted by logical block), decompressed, and attended with indices remapped into
-    them. The loops and ``unique`` are fine here: prefill may synchronise, decode never does.
+    gathered once (sorted by logical block), decompressed, and attended densely with each query's
+    unselected keys masked out. The loops and ``unique`` are fine here: prefill may synchronise, decode never does.
     """
     B, T, H, dn, dv = check_prefill_args(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight)
     out = torch.empty(B, T, H, dv, dtype=acc_dtype(q), device=q.device)
@@ -127,10 +128,15 @@ def _prefill_tile(q, kv_latent_plane, k_pe_plane, table, tile, kv_b_weight, scal
     slots = paged_slots(table, positions, bs)  # one address computation, two planes
     latent = gather_slots(kv_latent_plane, slots)
     k_pe = gather_slots(k_pe_plane, slots)
-    k, v = decompress_kv(latent, k_pe, kv_b_weight, H, q.shape[-1] - dr)
+    k, v = decompress_kv(latent, k_pe, kv_b_weight, H, q.shape[-1] - dr)  # [1, U, H, *] over the union
     rank = torch.full((int(blocks.max()) + 1,), -1, dtype=torch.long, device=q.device)
     rank[blocks] = torch.arange(blocks.numel(), device=q.device)
     safe = tile.clamp_min(0)
     local = torch.where(tile >= 0, rank[safe // bs] * bs + safe % bs, torch.full_like(tile, -1))
     has_block = (slots[0] >= 0)[local.clamp_min(0)]  # a position whose block is -1 is padding too
-    return sparse_attention_ref(q, k, v, torch.where(has_block, local, torch.full_like(local, -1)), scale)
+    mask = indices_to_mask(torch.where(has_block, local, torch.full_like(local, -1)), k.shape[1])  # [1, t, U]
+    # Scores against the whole union, the unselected masked out: a dense product, not a gather per query.
+    # A union row no query selected (past the written length of a block) may hold anything, even NaN:
+    # selected away, never multiplied by a zero probability (docs/design.md §10, trap 4).
+    v = torch.where(mask.any(dim=1).view(1, -1, 1, 1), v, torch.zeros((), dtype=v.dtype, device=v.device))
+    return masked_dense_attention(q, k, v, mask, scale)
