@@ -80,8 +80,9 @@ def memory_run(model, steps: int, **engine_kw) -> dict:
 def dry_run() -> None:
     """The whole script on tiny shapes: engine figures, the sequential loop, a steady-workload run."""
     model = minidsa.load("default", progress=False)
-    requests = bench.workload(4, (24, 48), (2, 6), 0, shared_prefix=20)  # one 16-token KDA checkpoint to hit
-    result = bench.run_engine(model, requests, bench.warmup_request(requests, 20))
+    requests = bench.workload(4, (24, 48), (2, 6), 0, shared_prefix=20)
+    # checkpoints every 16 tokens (the default interval is longer than these prompts): one to hit
+    result = bench.run_engine(model, requests, bench.warmup_request(requests, 20), checkpoint_interval=16)
     result["sequential"] = bench.run_sequential(model, requests[:1])
     print(bench.format_report(result))
     mem = memory_run(model, 20)

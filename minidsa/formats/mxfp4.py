@@ -129,6 +129,16 @@ def _byte_to_fp8_pair(device=None) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
+def _byte_pair_to_fp8_quad(device=None) -> torch.Tensor:
+    """int32 [65536]: for every two packed bytes (read as uint16), their four e4m3 bytes in memory order.
+    One gather then writes four elements: on a CPU, where a gather costs the same at any width up to
+    16 bytes, that halves the conversion's time."""
+    with torch.inference_mode(False):
+        byte_pairs = torch.arange(65536, dtype=torch.int32).to(torch.uint16).view(torch.uint8).view(-1, 2)
+        return _byte_to_fp8_pair()[byte_pairs.long()].contiguous().view(torch.int32).view(-1).to(device)
+
+
+@functools.lru_cache(maxsize=None)
 def _fp8_values(device=None) -> torch.Tensor:
     """fp32 [256]: the value of every e4m3 bit pattern (a lookup is faster than a cast on the CPU)."""
     with torch.inference_mode(False):

@@ -89,7 +89,7 @@ def _intra_chunk_products(q, k, G, c: int) -> tuple[torch.Tensor, torch.Tensor]:
     left = (Gs - Gr).exp()  # [..., S, c, K], each <= 1
     tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     span = FACTOR_SPAN.get(q.dtype, 0.0)
-    if on_host(G) and G.numel() and float((Gr - Gs[..., -1:, :]).amax()) <= span:
+    if on_host(G) and G.numel() and float((Gr - Gs[..., -1:, :]).detach().amax()) <= span:
         k_up = (Gr - Gs).exp() * ks  # each factor in [1, e^span]
         # Entries above the diagonal (j > i) may be huge or inf: selected away, never multiplied by zero.
         diag_qk, diag_kk = (((left * x) @ k_up.mT).masked_fill_(~tri, 0.0) for x in (qs, ks))  # [..., S, c, c]

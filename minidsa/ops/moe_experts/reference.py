@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from ...formats.mxfp4 import GROUP, _byte_to_fp8_pair, _lookup, e2m1_table, e8m0_to_float
+from ...formats.mxfp4 import GROUP, _byte_pair_to_fp8_quad, _lookup, e2m1_table, e8m0_to_float
 from ...formats.mxfp4 import _fp8_values as _e4m3_values
 from .._checks import acc_dtype, cast, check_tensor, on_host
 from ..activation.reference import situ_glu_values
@@ -106,14 +106,15 @@ def mxfp4_to_fp8_ref(packed: torch.Tensor, scales: torch.Tensor, experts: torch.
     """
     n, M, P = check_conversion(packed, scales, experts, out_elements, out_scales)
     experts = experts.long()
-    codes = packed.index_select(0, experts).view(-1).int()  # [n * M * P]
-    # one lookup per packed byte writes both of its elements (an int16 = two e4m3 bytes, low nibble first),
-    # straight into the slots when they are one contiguous run
-    pairs, dest = _byte_to_fp8_pair(packed.device), out_elements[:n]
-    if dest.is_contiguous() and dest.storage_offset() % 2 == 0:
-        torch.index_select(pairs, 0, codes, out=dest.view(torch.int16).view(-1))
+    codes = packed.index_select(0, experts)  # [n, M, P]
+    # one lookup per two packed bytes writes their four elements (an int32 = four e4m3 bytes in memory
+    # order), straight into the slots when they are one contiguous run; P is a multiple of 16
+    quads, dest = _byte_pair_to_fp8_quad(packed.device), out_elements[:n]
+    index = codes.view(torch.uint16).view(-1).int()
+    if dest.is_contiguous() and dest.storage_offset() % 4 == 0:
+        torch.index_select(quads, 0, index, out=dest.view(torch.int32).view(-1))
     else:
-        dest.view(torch.uint8).copy_(pairs.index_select(0, codes).view(torch.uint8).view(dest.shape))
+        dest.view(torch.uint8).copy_(quads.index_select(0, index).view(torch.uint8).view(dest.shape))
     torch.index_select(scales, 0, experts, out=out_scales[:n])
 
 
@@ -139,23 +140,25 @@ def _expert_mlp_core(z: torch.Tensor, values: torch.Tensor, gates: torch.Tensor,
     return ((h * gates.unsqueeze(-1)) @ w2.mT).sum(0)  # [m, N, L] summed over slots in one reduction
 
 
-ROUTED_ROWS_MIN_TOKENS = 64  # below this (decode batches) one dense matmul per weight beats a loop over slots
+ROUTED_ROWS_MIN_TOKENS = 8  # below this (small decode batches) one dense matmul per weight beats the grouped form
 
 
 def _routed_rows(z, w13, w2, gates, beta_gate: float, beta_up: float) -> torch.Tensor:
     """The same sum over the slots, each slot's MLP run on the tokens routed to it only. On the host and
     for several tokens (a prefill) most of the dense form's rows have gate 0; there the dense form
-    (fixed shapes, for graphs) would spend most of its time on them. A token's routed terms are added
-    in slot order, as the dense form's reduction adds them (its other terms are exact zeros)."""
+    (fixed shapes, for graphs) would spend most of its time on them. The routed (slot, token) pairs are
+    gathered once, grouped by slot: two matrix products per slot, the activation and the gates once over
+    all pairs, and one scatter-add that adds a token's terms in slot order, as the dense form's reduction
+    adds them (its other terms are exact zeros)."""
     I = w2.shape[-1]
-    out = z.new_zeros(z.shape)
-    for j in range(gates.shape[0]):
-        rows = gates[j].nonzero().squeeze(1)
-        if rows.numel():
-            gu = z[rows] @ w13[j].mT
-            h = situ_glu_values(gu[:, :I], gu[:, I:], beta_gate, beta_up) * gates[j, rows].unsqueeze(-1)
-            out.index_add_(0, rows, h @ w2[j].mT)
-    return out
+    slot, rows = gates.nonzero(as_tuple=True)  # row-major over [m, N]: grouped by slot, tokens ascending
+    counts = torch.bincount(slot, minlength=gates.shape[0]).tolist()
+    used = [j for j, c in enumerate(counts) if c]
+    zs = z.index_select(0, rows).split([counts[j] for j in used])
+    gu = torch.cat([part @ w13[j].mT for j, part in zip(used, zs)])  # [pairs, 2I]
+    h = situ_glu_values(gu[:, :I], gu[:, I:], beta_gate, beta_up) * gates[slot, rows].unsqueeze(-1)
+    y = torch.cat([part @ w2[j].mT for j, part in zip(used, h.split([counts[j] for j in used]))])
+    return z.new_zeros(z.shape).index_add_(0, rows, y)
 
 
 def _check_mlp_inputs(z, gates, per_element: int, width: int) -> tuple[int, int, int, int]:
