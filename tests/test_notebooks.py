@@ -12,6 +12,9 @@ import pytest
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 MAX_SECONDS = 180  # "well under 3 minutes" on 2 cores with one thread (notebooks aim for under 60 s)
+# 08 trains a model: 600 optimizer steps at 2-4 steps/s on one thread of a 2-core machine, plus its evaluations
+# (it promises "two to five minutes"; a slow shared CI machine has taken 285 s)
+TRAINING_MAX_SECONDS = {"08_train_it_yourself.ipynb": 360}
 
 
 @pytest.mark.slow  # every cell of every notebook, plots included: a tour of the whole package per notebook
@@ -32,7 +35,8 @@ def test_notebook_runs(path):
         exec(compile(src, f"{path.name}[cell {i}]", "exec"), namespace)
         plt.close("all")  # a figure per cell, not all of them at once
     elapsed = time.perf_counter() - start
-    assert elapsed < MAX_SECONDS, f"{path.name} took {elapsed:.0f} s; notebooks must finish in under {MAX_SECONDS} s"
+    limit = TRAINING_MAX_SECONDS.get(path.name, MAX_SECONDS)
+    assert elapsed < limit, f"{path.name} took {elapsed:.0f} s; it must finish in under {limit} s"
     assert "model" in namespace
     assert set(os.listdir(tempfile.gettempdir())) <= before
 

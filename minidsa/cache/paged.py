@@ -253,11 +253,17 @@ class PagedKVCache:
         self._unref(block)
 
     # ---------------------------------------------------------------- KDA state copies
-    def snapshot_state(self, sid: int) -> list[dict[str, torch.Tensor]]:
-        """A copy of every KDA layer's state of ``sid`` (per layer, {name: [*shape]})."""
+    def snapshot_state(self, sid: int, out: list[dict[str, torch.Tensor]] | None = None) -> list[dict[str, torch.Tensor]]:
+        """A copy of every KDA layer's state of ``sid`` (per layer, {name: [*shape]}); into ``out`` (the
+        same structure, e.g. a preallocated pool's views) when given, so taking it allocates nothing."""
         self._check_sid(sid)
         slot = self._state_slot[sid]
-        return [{name: t[slot].clone() for name, t in layer.items()} for layer in self.state]
+        if out is None:
+            return [{name: t[slot].clone() for name, t in layer.items()} for layer in self.state]
+        for layer, saved in zip(self.state, out):
+            for name, t in layer.items():
+                saved[name].copy_(t[slot])
+        return out
 
     def restore_state(self, sid: int, snapshot: list[dict[str, torch.Tensor]]) -> None:
         """Copy ``snapshot`` (from ``snapshot_state``) into the state slot of ``sid``: never shared in place."""

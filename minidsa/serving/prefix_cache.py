@@ -48,8 +48,16 @@ class PrefixCache:
         self.cache = cache
         self.max_checkpoints = max_checkpoints
         self.blocks: OrderedDict[bytes, int] = OrderedDict()  # name -> physical block, oldest use first
-        self.checkpoints: OrderedDict[bytes, list] = OrderedDict()  # name of the block a checkpoint ends
+        self.checkpoints: OrderedDict[bytes, int] = OrderedDict()  # name of the block it ends -> pool entry
         self.has_state = cache.layout.num_state_layers > 0
+        # The checkpoints live in one pool allocated here (the memory budget counts it), so a steady
+        # workload's memory does not grow as checkpoints are taken: entry i is a snapshot's worth of views.
+        n = max_checkpoints if self.has_state else 0
+        with torch.inference_mode(False):
+            pool = [{name: torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device) for name, t in layer.items()}
+                    for layer in cache.state] if n else []
+        self._entries = [[{name: t[i] for name, t in layer.items()} for layer in pool] for i in range(n)]
+        self._free = list(range(n))
         self.queries = self.hits = self.kv_hits = self.kda_hits = 0  # tokens
 
     # ---------------------------------------------------------------- lookup
@@ -70,7 +78,7 @@ class PrefixCache:
         checkpoint = None
         if self.has_state and depth:
             self.checkpoints.move_to_end(hashes[depth - 1])
-            checkpoint = self.checkpoints[hashes[depth - 1]]
+            checkpoint = self._entries[self.checkpoints[hashes[depth - 1]]]
         return [self.blocks[h] for h in hashes[:depth]], checkpoint, kv * bs
 
     def record(self, prompt_len: int, kv_tokens: int, hit_tokens: int) -> None:
@@ -103,9 +111,11 @@ class PrefixCache:
         if name in self.checkpoints:
             self.checkpoints.move_to_end(name)
             return
-        self.checkpoints[name] = self.cache.snapshot_state(sid)
-        while len(self.checkpoints) > self.max_checkpoints:
-            self.checkpoints.popitem(last=False)
+        if not self._free:  # the least recently used checkpoint makes room
+            self._free.append(self.checkpoints.popitem(last=False)[1])
+        entry = self._free.pop()
+        self.cache.snapshot_state(sid, out=self._entries[entry])
+        self.checkpoints[name] = entry
 
     # ---------------------------------------------------------------- eviction
     def num_evictable(self) -> int:
@@ -121,6 +131,8 @@ class PrefixCache:
             if freed >= num_blocks:
                 break
             self.cache.release(self.blocks.pop(h))
-            self.checkpoints.pop(h, None)  # a checkpoint is useless without the block it ends
+            entry = self.checkpoints.pop(h, None)  # a checkpoint is useless without the block it ends
+            if entry is not None:
+                self._free.append(entry)
             freed += 1
         return freed
