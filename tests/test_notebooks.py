@@ -13,8 +13,8 @@ import pytest
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 MAX_SECONDS = 180  # "well under 3 minutes" on 2 cores with one thread (notebooks aim for under 60 s)
 # 08 trains a model: 600 optimizer steps at 2-4 steps/s on one thread of a 2-core machine, plus its evaluations
-# (it promises "two to five minutes"; a slow shared CI machine has taken 285 s)
-TRAINING_MAX_SECONDS = {"08_train_it_yourself.ipynb": 360}
+# (it promises "two to six minutes"; slow shared 2-core machines have taken 285-315 s)
+TRAINING_MAX_SECONDS = {"08_train_it_yourself.ipynb": 480}
 
 
 @pytest.mark.slow  # every cell of every notebook, plots included: a tour of the whole package per notebook
