@@ -13,6 +13,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import ops
 from ..ops import acc_dtype, cast
+from .fused import FusedLinears
 
 
 class _SituGluFn(torch.autograd.Function):
@@ -53,6 +54,11 @@ class SituGluMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.beta_gate, self.beta_up = beta_gate, beta_up
+        self.input_proj = FusedLinears(self.gate_proj, self.up_proj)  # one product for both
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x), self.beta_gate, self.beta_up))
+        return self.finish(*self.input_proj(x))
+
+    def finish(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """From the two projections (gate_proj(x), up_proj(x)) [..., I] on: down(SiTU-GLU(gate, up)) [..., d]."""
+        return self.down_proj(situ_glu(gate, up, self.beta_gate, self.beta_up))

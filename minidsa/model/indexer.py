@@ -53,7 +53,10 @@ class LightningIndexer(nn.Module):
     def keys(self, x_hat: torch.Tensor) -> dict[str, torch.Tensor]:
         """x_hat [B, T, d] -> the cache planes of k_I: {"index_key": [B, T, D_I]} plus
         {"index_key_scale": [B, T, 1]} with fp8 numerics."""
-        k = self.wk(x_hat)
+        return self.key_planes(self.wk(x_hat))
+
+    def key_planes(self, k: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The projected key W_kI x [B, T, D_I] -> its cache planes (``keys`` after the projection)."""
         acc = acc_dtype(k)
         # LayerNorm in fp32 with its fp32 weight and bias, whatever the model dtype
         k = nn.functional.layer_norm(k.to(acc), (self.head_dim,), self.k_norm.weight.to(acc),
@@ -72,14 +75,19 @@ class LightningIndexer(nn.Module):
 
     def queries(self, c_q: torch.Tensor, x_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """c_q [B, T, q_lora], x_hat [B, T, d] -> (q_I [B, T, H_I, D_I], w [B, T, H_I])."""
-        B, T, _ = c_q.shape
-        q = self.wq_b(c_q).view(B, T, self.num_heads, self.head_dim)
-        q, scale = self._numerics(q)
-        if scale is not None:
-            q = dequantize_fp8(q, scale)
         acc = acc_dtype(x_hat)
-        w = nn.functional.linear(x_hat.to(acc), self.weights_proj.weight.to(acc)) * self.num_heads ** -0.5
-        return q, w
+        w = nn.functional.linear(x_hat.to(acc), self.weights_proj.weight.to(acc))
+        return self.head_queries(self.wq_b(c_q)), self.head_weights(w)
+
+    def head_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """W_qI c_q [B, T, H_I * D_I] -> q_I [B, T, H_I, D_I] in the deployment numerics."""
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        q, scale = self._numerics(q)
+        return q if scale is None else dequantize_fp8(q, scale)
+
+    def head_weights(self, w: torch.Tensor) -> torch.Tensor:
+        """W_w x [B, T, H_I] (fp32) -> the head weights w, scaled by H_I^-0.5."""
+        return w * self.num_heads ** -0.5
 
     def select(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
         """q [B,T,H_I,D_I], w [B,T,H_I], k [B,S,D_I] (positions 0..S-1), q_pos [B,T] -> int32 [B,T,topk]."""

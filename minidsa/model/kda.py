@@ -22,6 +22,7 @@ from .. import ops
 from ..cache import CacheContext
 from ..config import ModelConfig
 from ..ops import acc_dtype, cast
+from .fused import FusedLinears, RowStack
 from .norm import RMSNorm
 
 L2_EPS = 1e-6  # q, k <- x / sqrt(sum x^2 + eps)
@@ -67,6 +68,10 @@ class KimiDeltaAttention(nn.Module):
         self.g_proj = nn.Linear(d, HK, bias=False)
         self.o_norm = RMSNorm(kc.head_dim, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(HK, d, bias=False)
+        # every projection of the layer input as one product: q, k, v side by side feed the one conv call
+        self.input_proj = FusedLinears((self.q_proj, self.k_proj, self.v_proj), self.f_a_proj, self.b_proj,
+                                       self.g_proj)
+        self.conv_weight = RowStack(self.q_conv1d, self.k_conv1d, self.v_conv1d)  # [3HK, 1, W], one conv call
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per-sequence state tensors (all fp32) for the cache's state slots: the recurrent state and the last
@@ -84,7 +89,7 @@ class KimiDeltaAttention(nn.Module):
             state = {n: torch.zeros((B,) + s, dtype=acc, device=x.device) for n, s in self.state_shapes().items()}
         else:
             state = {n: ctx.cache.read_state(self.cache_layer, n, ctx.state_slots) for n in self.STATE_NAMES}
-        (q, k, v, g, beta), new_state = self.recurrence_inputs(x, state)
+        (q, k, v, g, beta), new_state, gate = self._inputs(x, state)
         if T == 1:  # decode: the recurrence, one step (chosen at run time from the query count)
             o, new_state["recurrent"] = ops.kda_recurrent(q, k, v, g, beta, None, state["recurrent"])
         else:
@@ -92,29 +97,33 @@ class KimiDeltaAttention(nn.Module):
         if ctx is not None:
             for n, value in new_state.items():
                 ctx.stage_state(self.cache_layer, n, value)
-        return self.output(o, x)
+        return self.output(o, x, gate)
 
     def recurrence_inputs(self, x: torch.Tensor, state: dict[str, torch.Tensor]):
         """x [B, T, d] and the conv state -> ((q, k [B, T, H, K], v [B, T, H, K], g [B, T, H, K], beta [B, T, H]),
         {"conv": the new conv state}). The training path reuses it (training/forward.py)."""
+        return self._inputs(x, state)[:2]
+
+    def _inputs(self, x: torch.Tensor, state: dict[str, torch.Tensor]):
+        """``recurrence_inputs`` plus the output gate's pre-activation W_g x [B, T, H*K] (same product)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         acc = acc_dtype(x)
-        projected = torch.cat([cast(p(x), acc) for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
-        weight = torch.cat([c.weight for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])  # [3HK, 1, W]
-        y, conv_state = causal_conv(projected, weight, state["conv"])
+        projected, f_a, b, gate = self.input_proj(x)
+        y, conv_state = causal_conv(cast(projected, acc), self.conv_weight.tensor(), state["conv"])
         qkv = F.silu(y).view(B, T, 3, H, K)
         qk = qkv[:, :, :2]  # q and k are L2-normalised per head, in one pass
         q, k = (qk * torch.rsqrt(qk.pow(2).sum(-1, keepdim=True) + L2_EPS)).unbind(2)
-        z = cast(self.f_b_proj(self.f_a_proj(x)), acc) + cast(self.dt_bias, acc)
+        z = cast(self.f_b_proj(f_a), acc) + cast(self.dt_bias, acc)
         a = cast(self.A_log[:H], acc).exp().unsqueeze(-1)  # [H, 1]: one rate per head, over its K channels
         g = self.lower_bound * torch.sigmoid(a * z.view(B, T, H, K))
-        beta = torch.sigmoid(cast(self.b_proj(x), acc))
-        return (q, k, qkv[:, :, 2], g, beta), {"conv": conv_state}
+        beta = torch.sigmoid(cast(b, acc))
+        return (q, k, qkv[:, :, 2], g, beta), {"conv": conv_state}, gate
 
-    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """o [B, T, H, K] from the recurrence, x [B, T, d] the layer input -> W_o[RMSNorm_head(o) * sigmoid(W_g x)]."""
+    def output(self, o: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """o [B, T, H, K] from the recurrence, x [B, T, d] the layer input -> W_o[RMSNorm_head(o) * sigmoid(W_g x)]
+        (``gate``: W_g x when already computed)."""
         B, T, _ = x.shape
-        gate = torch.sigmoid(cast(self.g_proj(x), acc_dtype(x)))
+        gate = torch.sigmoid(cast(self.g_proj(x) if gate is None else gate, acc_dtype(x)))
         o = self.o_norm(o).reshape(B, T, self.num_heads * self.head_dim) * gate
         return self.o_proj(cast(o, self.o_proj.weight.dtype))

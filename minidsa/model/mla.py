@@ -28,6 +28,7 @@ from .. import ops
 from ..cache import CacheContext, Plane
 from ..config import ModelConfig
 from ..ops import acc_dtype, cast
+from .fused import FusedLinears
 from .indexer import LightningIndexer
 from .norm import RMSNorm
 from .trace import ForwardTrace
@@ -55,6 +56,10 @@ class GatedMLA(nn.Module):
         self.o_proj = nn.Linear(m.num_heads * self.dv, cfg.hidden_size, bias=False)
         self.indexer = LightningIndexer(cfg)
         self.softmax_scale = (self.dn + self.dr) ** -0.5
+        # the five projections of the layer input, then the two of the compressed query, each one product
+        self.input_proj = FusedLinears(self.q_a_proj, self.kv_a_proj_with_mqa, self.indexer.wk, self.g_proj,
+                                       self.indexer.weights_proj)
+        self.query_proj = FusedLinears(self.q_b_proj, self.indexer.wq_b)
 
     @staticmethod
     def cache_planes(cfg: ModelConfig, dtype: torch.dtype) -> tuple[Plane, ...]:
@@ -66,18 +71,15 @@ class GatedMLA(nn.Module):
     def _project(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """x [B, T, d] -> queries, latent KV rows, gate and indexer inputs of every token."""
         B, T, _ = x.shape
-        c_q = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(c_q).view(B, T, self.num_heads, self.dn + self.dr)
-        kv = self.kv_a_proj_with_mqa(x)
-        q_idx, w_idx = self.indexer.queries(c_q, x)
-        acc = acc_dtype(x)
+        q_a, kv, k_idx, g, w_idx = self.input_proj(x)
+        q, q_idx = self.query_proj(self.q_a_layernorm(q_a))
         return dict(
-            q=q,
+            q=q.view(B, T, self.num_heads, self.dn + self.dr),
             kv_latent=self.kv_a_layernorm(kv[..., : self.r]),  # [B, T, r]
             k_pe=kv[..., self.r:],  # [B, T, dr]
-            gate=torch.sigmoid(cast(self.g_proj(x), acc)),  # [B, T, H*dv], elementwise output gate
-            q_idx=q_idx, w_idx=w_idx,
-            **self.indexer.keys(x),
+            gate=torch.sigmoid(cast(g, acc_dtype(x))),  # [B, T, H*dv], elementwise output gate
+            q_idx=self.indexer.head_queries(q_idx), w_idx=self.indexer.head_weights(w_idx),
+            **self.indexer.key_planes(k_idx),
         )
 
     def decompress(self, kv_latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,7 @@ from ..formats import mxfp4
 from ..ops import acc_dtype, cast
 from ..ops._checks import on_host
 from .ffn import SituGluMLP
+from .fused import FusedLinears
 from .norm import RMSNorm
 
 ROUTER_EPS = 1e-20  # guards the renormalisation when every chosen score underflows to 0
@@ -99,6 +100,9 @@ class LatentMoE(nn.Module):
         self.routed_expert_up_proj = nn.Linear(m.latent_size, d, bias=False)
         self.shared_experts = SituGluMLP(d, m.shared_intermediate_size, cfg.activation_beta_gate,
                                          cfg.activation_beta_up)
+        # the router, the latent down projection and the shared expert's two projections read the same x
+        self.input_proj = FusedLinears(self.gate, self.routed_expert_down_proj, self.shared_experts.gate_proj,
+                                       self.shared_experts.up_proj)
         self.shapes = expert_shapes(cfg)
         n = m.latent_size * m.expert_intermediate_size  # elements per expert matrix
         self.register_buffer("experts_packed", torch.zeros(m.num_experts, 3, n // 2, dtype=torch.uint8))
@@ -158,7 +162,10 @@ class LatentMoE(nn.Module):
     # ---------------------------------------------------------------- forward
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, d] -> (expert ids int64 [N, top_k], weights fp32 [N, top_k])."""
-        s = self.router_scores(x)
+        return self.choose(self.router_scores(x))
+
+    def choose(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sigmoid affinities s [N, E] -> (expert ids int64 [N, top_k], weights fp32 [N, top_k])."""
         biased = s + cast(self.gate.e_score_correction_bias, s.dtype)
         ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.top_k]  # ties -> lower id
         return ids, self.route_weights(s, ids)
@@ -202,12 +209,12 @@ class LatentMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         acc = acc_dtype(x)
-        ids, weights = self.route(x)
-        z = cast(self.routed_expert_down_proj(x), acc)  # [N, latent]
+        logits, z, gate, up = self.input_proj(x)  # the router's product in fp32 (its weight is), as router_scores
+        ids, weights = self.choose(torch.sigmoid(cast(logits, acc)))
         with self._exclusive():
-            y_lat = self._routed(z, ids, weights, acc)
+            y_lat = self._routed(cast(z, acc), ids, weights, acc)  # z [N, latent]
         y = self.routed_expert_up_proj(self.routed_expert_norm(cast(y_lat, x.dtype)))
-        return (y + self.shared_experts(x)).reshape(shape)
+        return (y + self.shared_experts.finish(gate, up)).reshape(shape)
 
     def _exclusive(self):
         """The shared workspace's lock (online mode; a no-op while torch.compile traces, which has no threads)."""
@@ -219,6 +226,13 @@ class LatentMoE(nn.Module):
         """[N, latent]: the routed experts' outputs in the latent space, summed with their gates."""
         if self.lazy_source:  # experts still on disk: the host must decide which to read (not graph-capturable)
             self.materialize(torch.unique(ids))
+        if ids.shape[0] == 1 and self.offline is None:
+            # One token reads each of its experts' weights once: decoding them where the matrix-vector
+            # product uses them reads half the bytes of converting into the workspace and reading that back
+            # (docs/design.md §17). Slots in ascending id order, as the workspace plan has them.
+            experts, order = ids[0].sort()
+            return ops.expert_mlp_mxfp4(z, self.experts_packed, self.experts_scale, experts,
+                                        cast(weights[0, order].unsqueeze(1), acc), self.beta_gate, self.beta_up)
         experts, num_routed = self.conversion_plan(ids)
         if on_host(ids) and not torch.compiler.is_compiling():
             experts = experts[: int(num_routed)]  # a sync costs nothing here: skip converting the placeholders

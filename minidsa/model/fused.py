@@ -1,0 +1,98 @@
+"""Several projections of one input as one matrix product (docs/design.md §17).
+
+A decode step is a few hundred small matrix products, most of them reading the same activations:
+an MLA layer's input feeds q_a, kv_a, the indexer key, the indexer weights and the output gate; a KDA
+layer's feeds q, k, v, the decay, beta and the output gate; an MoE layer's feeds the router, the latent
+down projection and the shared expert. ``FusedLinears`` computes such a group as one product over the
+rows of all its weights stacked, and splits the result.
+
+The checkpoint does not change: each ``nn.Linear`` keeps its parameter and its name, and fusing only
+moves the parameter's data into a row slice of the stacked matrix (``param.data = stacked[a:b]``), so
+loading, saving, ``state_dict`` and optimisers see the same tensors as before and a copy into a
+parameter writes the stacked matrix. Anything that gives a parameter new storage (``model.to``, a new
+``nn.Parameter``, ``copy.deepcopy``) is noticed on the next call, which stacks the rows again.
+
+Weights of different dtypes (a bf16 model keeps its router and the indexer weights in fp32) form one
+product per dtype, each reading the input cast to that dtype, which is what the separate layers do.
+Under autograd (a weight needs a gradient and grad mode is on) the parts run as separate layers, so
+gradients reach each parameter as before.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RowStack:
+    """The ``weight`` parameters of ``modules`` (one dtype and device, same trailing shape) stacked along
+    dim 0 into one tensor, each parameter's data moved into its row slice. ``tensor()`` returns the stack;
+    under autograd it returns ``torch.cat`` of the parameters instead, so gradients reach them."""
+
+    def __init__(self, *modules: nn.Module) -> None:
+        self.modules = modules
+        self._stack: torch.Tensor | None = None
+        self._ptrs: list[int] = []
+
+    def tensor(self) -> torch.Tensor:
+        weights = [m.weight for m in self.modules]
+        if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+            return torch.cat(weights)
+        if self._stack is not None and (torch.compiler.is_compiling() or [w.data_ptr() for w in weights] == self._ptrs):
+            return self._stack
+        with torch.no_grad(), torch.inference_mode(False):  # a normal tensor, kept across forwards
+            stack = torch.cat([w.detach() for w in weights])
+            start = 0
+            for w in weights:
+                w.data = stack[start: start + w.shape[0]]
+                start += w.shape[0]
+        self._stack, self._ptrs = stack, [w.data_ptr() for w in weights]
+        return stack
+
+
+class FusedLinears:
+    """``FusedLinears(a, b, (c, d))(x) -> [a(x), b(x), cat(c(x), d(x))]`` for bias-free ``nn.Linear`` layers
+    of one input width, computed as one product per weight dtype (a tuple: layers of one dtype whose
+    outputs are wanted side by side). x [..., d] -> outputs [..., out_i] (views of the product). Not an
+    ``nn.Module``: it owns no parameters, it only arranges the layers' own."""
+
+    def __init__(self, *parts: nn.Linear | tuple[nn.Linear, ...]) -> None:
+        self.parts = [p if isinstance(p, tuple) else (p,) for p in parts]
+        self.linears = [l for p in self.parts for l in p]
+        widths = {l.in_features for l in self.linears}
+        if len(widths) != 1 or any(l.bias is not None for l in self.linears):
+            raise ValueError(f"FusedLinears needs bias-free layers of one input width, got widths {sorted(widths)}")
+        self._groups: list[tuple[RowStack, list[int], list[int]]] | None = None  # (stack, part ids, widths)
+        self._dtypes: list = []
+
+    def _stacks(self) -> list[tuple[RowStack, list[int], list[int]]]:
+        """One RowStack per weight dtype and device, regrouped when the layers' dtypes change."""
+        dtypes = [(p[0].weight.dtype, p[0].weight.device) for p in self.parts]
+        if self._groups is not None and (torch.compiler.is_compiling() or dtypes == self._dtypes):
+            return self._groups
+        if any(len({(l.weight.dtype, l.weight.device) for l in p}) > 1 for p in self.parts):
+            raise ValueError("the layers of a tuple part must share one dtype and device (their outputs are one slice)")
+        by_dtype: dict[tuple, list[int]] = {}
+        for i, key in enumerate(dtypes):
+            by_dtype.setdefault(key, []).append(i)
+        self._groups = [(RowStack(*[l for i in ids for l in self.parts[i]]), ids,
+                         [sum(l.out_features for l in self.parts[i]) for i in ids]) for ids in by_dtype.values()]
+        self._dtypes = dtypes
+        return self._groups
+
+    def fuse(self) -> None:
+        """Stack the rows now (before ``torch.compile`` traces a forward, say); calls do it when needed."""
+        for stack, _, _ in self._stacks():
+            stack.tensor()
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if torch.is_grad_enabled() and any(l.weight.requires_grad for l in self.linears):
+            outs = [[F.linear(x.to(l.weight.dtype), l.weight) for l in p] for p in self.parts]
+            return [o[0] if len(o) == 1 else torch.cat(o, dim=-1) for o in outs]
+        out: list[torch.Tensor | None] = [None] * len(self.parts)
+        for stack, ids, widths in self._stacks():
+            weight = stack.tensor()
+            for i, y in zip(ids, F.linear(x.to(weight.dtype), weight).split(widths, dim=-1)):
+                out[i] = y
+        return out
