@@ -92,7 +92,7 @@ def graph_step_s(model, cache, sids, device: str, reps: int = 20) -> float:
 def held_choices(log: list, replay: bool):
     """Record (replay=False) or replay every DSA selection and every routed-expert choice, in call order.
     A replayed route keeps its own affinities: only which experts is fixed, not their weights."""
-    select, select_paged, route = LightningIndexer.select, LightningIndexer.select_paged, LatentMoE.route
+    select, select_paged, choose = LightningIndexer.select, LightningIndexer.select_paged, LatentMoE.choose
 
     def recorded(fn):
         def call(self, *args):
@@ -102,20 +102,20 @@ def held_choices(log: list, replay: bool):
             return log[-1]
         return call
 
-    def route_held(self, x):
+    def choose_held(self, s):
         if replay:
             ids = log.pop(0)
-            return ids, self.route_weights(self.router_scores(x), ids)
-        ids, weights = route(self, x)
+            return ids, self.route_weights(s, ids)
+        ids, weights = choose(self, s)
         log.append(ids)
         return ids, weights
 
     LightningIndexer.select, LightningIndexer.select_paged = recorded(select), recorded(select_paged)
-    LatentMoE.route = route_held
+    LatentMoE.choose = choose_held
     try:
         yield
     finally:
-        LightningIndexer.select, LightningIndexer.select_paged, LatentMoE.route = select, select_paged, route
+        LightningIndexer.select, LightningIndexer.select_paged, LatentMoE.choose = select, select_paged, choose
 
 
 def held_choice_gap(model, batch_prompts, device: str) -> tuple[float, float]:

@@ -14,8 +14,9 @@ parameter writes the stacked matrix. Anything that gives a parameter new storage
 
 Weights of different dtypes (a bf16 model keeps its router and the indexer weights in fp32) form one
 product per dtype, each reading the input cast to that dtype, which is what the separate layers do.
-Under autograd (a weight needs a gradient and grad mode is on) the parts run as separate layers, so
-gradients reach each parameter as before.
+Under autograd (a weight needs a gradient and grad mode is on) the stack is ``torch.cat`` of the live
+parameters instead, so gradients reach each one; the product is the same, so a forward gives the same
+bits with and without grad mode (which is per thread: a thread without ``no_grad`` must agree too).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch import nn
 class RowStack:
     """The ``weight`` parameters of ``modules`` (one dtype and device, same trailing shape) stacked along
     dim 0 into one tensor, each parameter's data moved into its row slice. ``tensor()`` returns the stack;
-    under autograd it returns ``torch.cat`` of the parameters instead, so gradients reach them."""
+    under autograd ``torch.cat`` of the parameters instead (the same values), so gradients reach them."""
 
     def __init__(self, *modules: nn.Module) -> None:
         self.modules = modules
@@ -87,9 +88,6 @@ class FusedLinears:
             stack.tensor()
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if torch.is_grad_enabled() and any(l.weight.requires_grad for l in self.linears):
-            outs = [[F.linear(x.to(l.weight.dtype), l.weight) for l in p] for p in self.parts]
-            return [o[0] if len(o) == 1 else torch.cat(o, dim=-1) for o in outs]
         out: list[torch.Tensor | None] = [None] * len(self.parts)
         for stack, ids, widths in self._stacks():
             weight = stack.tensor()

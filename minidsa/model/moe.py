@@ -173,8 +173,9 @@ class LatentMoE(nn.Module):
     def router_scores(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, d] -> sigmoid affinities s [N, E] in the accumulation dtype. The selection bias is added
         only to pick the experts; the weights use s itself (DeepSeek-V3's aux-loss-free balancing)."""
-        acc = acc_dtype(x)
-        return torch.sigmoid(nn.functional.linear(cast(x, acc), cast(self.gate.weight, acc)))
+        # The router's row of the layer's one input product, so routing here is the forward's to the bit
+        # (in fp32: the gate weight is fp32 in every model but a float64 one).
+        return torch.sigmoid(cast(self.input_proj(x)[0], acc_dtype(x)))
 
     def route_weights(self, s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Affinities s [N, E] of the chosen experts ids [N, top_k], renormalised (only when top_k > 1, as
@@ -209,8 +210,8 @@ class LatentMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         acc = acc_dtype(x)
-        logits, z, gate, up = self.input_proj(x)  # the router's product in fp32 (its weight is), as router_scores
-        ids, weights = self.choose(torch.sigmoid(cast(logits, acc)))
+        logits, z, gate, up = self.input_proj(x)
+        ids, weights = self.choose(torch.sigmoid(cast(logits, acc)))  # = self.route(x), from the same product
         with self._exclusive():
             y_lat = self._routed(cast(z, acc), ids, weights, acc)  # z [N, latent]
         y = self.routed_expert_up_proj(self.routed_expert_norm(cast(y_lat, x.dtype)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import acc_dtype, cast
-from ._dispatch import BACKENDS, TRITON_KERNELS, current_backend, pick, set_backend, use_backend
+from ._dispatch import BACKENDS, TRITON_KERNELS, current_backend, pick, register_custom_ops, set_backend, use_backend
 from .activation.reference import situ_glu_backward_ref, situ_glu_ref
 from .attention.reference import gather_rows, indices_to_mask, masked_dense_attention, sparse_attention_ref
 from .attn_res.reference import attn_res_block_scores, attn_res_merge, attn_res_mix_ref
@@ -24,6 +24,7 @@ from .moe_experts.reference import expert_mlp_fp8_ref, expert_mlp_mxfp4_ref, mxf
 from .paging import gather_positions, paged_slots
 
 __all__ = ["BACKENDS", "TRITON_KERNELS", "REFERENCES", "acc_dtype", "cast", "current_backend", "set_backend",
+           "register_custom_ops",
            "use_backend", "index_scores", "paged_index_scores", "topk_indices", "sparse_attention",
            "masked_dense_attention", "indices_to_mask", "gather_rows", "store_kv", "sparse_mla_decode",
            "sparse_mla_prefill", "decompress_kv", "paged_slots", "gather_positions", "PREFILL_TILE",

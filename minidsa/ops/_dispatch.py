@@ -22,6 +22,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from ._library import custom_op
+
 BACKENDS = ("torch", "triton", "auto")
 
 # op name -> (module, function) of the Triton kernel that implements it, with the reference's signature.
@@ -58,6 +60,7 @@ def set_backend(backend: str) -> None:
     _default = check_backend(backend)
 
 
+@torch.compiler.assume_constant_result  # torch.compile reads it once per trace: the backend is baked in
 def current_backend() -> str:
     """The backend an op uses when it is not given one: the innermost ``use_backend``, else the default."""
     return _current.get() or _default
@@ -76,14 +79,40 @@ def use_backend(backend: str | None) -> Iterator[None]:
         _current.reset(token)
 
 
+_TRITON: list[bool] = []  # whether triton is importable, looked up once (torch.compile cannot trace importlib)
+
+
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    if not _TRITON:
+        _TRITON.append(importlib.util.find_spec("triton") is not None)
+    return _TRITON[0]
+
+
+# op -> its kernel as the custom op torch.ops.minidsa.<op> (ops/_library.py): what a torch.compile trace calls
+_CUSTOM_OPS: dict[str, Callable] = {}
 
 
 def load_kernel(op: str) -> Callable:
-    """Import the Triton kernel registered for ``op`` (raises KeyError when none is)."""
+    """Import the Triton kernel registered for ``op`` (raises KeyError when none is). While ``torch.compile``
+    traces, the kernel as the custom op ``torch.ops.minidsa.<op>`` instead (ops/_library.py); eager calls
+    register it, ``register_custom_ops`` registers all."""
+    if torch.compiler.is_compiling():
+        if op not in _CUSTOM_OPS:
+            raise RuntimeError(f"the Triton kernel of {op} is not registered as a custom op yet; call "
+                               f"minidsa.ops.register_custom_ops() before torch.compile")
+        return _CUSTOM_OPS[op]
     module, name = TRITON_KERNELS[op]
-    return getattr(importlib.import_module(module), name)
+    kernel = getattr(importlib.import_module(module), name)
+    if op not in _CUSTOM_OPS:
+        _CUSTOM_OPS[op] = custom_op(op, kernel)
+    return kernel
+
+
+def register_custom_ops() -> None:
+    """Register every Triton kernel as a ``torch.library`` custom op with its fake implementation, so that
+    ``torch.compile(fullgraph=True)`` traces through any op (needs triton)."""
+    for op in TRITON_KERNELS:
+        load_kernel(op)
 
 
 def pick(op: str, backend: str | None, reference: Callable, *tensors) -> Callable:
