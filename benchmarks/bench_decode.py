@@ -178,7 +178,6 @@ def active_params_per_layer(model) -> float:
     """Parameters one token reads per layer: everything but the routed experts, plus top_k of them."""
     cfg = model.config
     dense = sum(p.numel() for n, p in model.language_model.model.layers.named_parameters())
-    moe = model.moe_layers()[0]
     per_expert = 3 * cfg.moe.latent_size * cfg.moe.expert_intermediate_size
     return (dense + len(model.moe_layers()) * cfg.moe.top_k * per_expert) / cfg.num_layers
 

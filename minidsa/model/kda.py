@@ -71,6 +71,7 @@ class KimiDeltaAttention(nn.Module):
         # every projection of the layer input as one product: q, k, v side by side feed the one conv call
         self.input_proj = FusedLinears((self.q_proj, self.k_proj, self.v_proj), self.f_a_proj, self.b_proj,
                                        self.g_proj)
+        self.decay_up = FusedLinears(self.f_b_proj)  # a single layer too: the CPU layout (model/fused.py)
         self.conv_weight = RowStack(self.q_conv1d, self.k_conv1d, self.v_conv1d)  # [3HK, 1, W], one conv call
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -114,7 +115,7 @@ class KimiDeltaAttention(nn.Module):
         qkv = F.silu(y).view(B, T, 3, H, K)
         qk = qkv[:, :, :2]  # q and k are L2-normalised per head, in one pass
         q, k = (qk * torch.rsqrt(qk.pow(2).sum(-1, keepdim=True) + L2_EPS)).unbind(2)
-        z = cast(self.f_b_proj(f_a), acc) + cast(self.dt_bias, acc)
+        z = cast(self.decay_up(f_a)[0], acc) + cast(self.dt_bias, acc)
         a = cast(self.A_log[:H], acc).exp().unsqueeze(-1)  # [H, 1]: one rate per head, over its K channels
         g = self.lower_bound * torch.sigmoid(a * z.view(B, T, H, K))
         beta = torch.sigmoid(cast(b, acc))

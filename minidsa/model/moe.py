@@ -40,6 +40,9 @@ from .ffn import SituGluMLP
 from .fused import FusedLinears
 from .norm import RMSNorm
 
+# Up to this many tokens per layer call (decode batches) the routed experts are read straight from MXFP4;
+# prefill-sized calls convert them into the shared FP8 workspace, once for all their tokens.
+DIRECT_MAX_TOKENS = 64
 ROUTER_EPS = 1e-20  # guards the renormalisation when every chosen score underflows to 0
 EXPERT_WEIGHTS = ("w1", "w3", "w2")  # gate, up (latent -> I) and down (I -> latent)
 
@@ -103,6 +106,7 @@ class LatentMoE(nn.Module):
         # the router, the latent down projection and the shared expert's two projections read the same x
         self.input_proj = FusedLinears(self.gate, self.routed_expert_down_proj, self.shared_experts.gate_proj,
                                        self.shared_experts.up_proj)
+        self.up = FusedLinears(self.routed_expert_up_proj)  # a single layer too: the CPU layout (model/fused.py)
         self.shapes = expert_shapes(cfg)
         n = m.latent_size * m.expert_intermediate_size  # elements per expert matrix
         self.register_buffer("experts_packed", torch.zeros(m.num_experts, 3, n // 2, dtype=torch.uint8))
@@ -214,7 +218,7 @@ class LatentMoE(nn.Module):
         ids, weights = self.choose(torch.sigmoid(cast(logits, acc)))  # = self.route(x), from the same product
         with self._exclusive():
             y_lat = self._routed(cast(z, acc), ids, weights, acc)  # z [N, latent]
-        y = self.routed_expert_up_proj(self.routed_expert_norm(cast(y_lat, x.dtype)))
+        y = self.up(self.routed_expert_norm(cast(y_lat, x.dtype)))[0]
         return (y + self.shared_experts.finish(gate, up)).reshape(shape)
 
     def _exclusive(self):
@@ -227,16 +231,21 @@ class LatentMoE(nn.Module):
         """[N, latent]: the routed experts' outputs in the latent space, summed with their gates."""
         if self.lazy_source:  # experts still on disk: the host must decide which to read (not graph-capturable)
             self.materialize(torch.unique(ids))
-        if ids.shape[0] == 1 and self.offline is None:
-            # One token reads each of its experts' weights once: decoding them where the matrix-vector
-            # product uses them reads half the bytes of converting into the workspace and reading that back
-            # (docs/design.md §17). Slots in ascending id order, as the workspace plan has them.
+        if ids.shape[0] == 1 and self.offline is None:  # one token: its top_k experts, ascending, are the plan
             experts, order = ids[0].sort()
             return ops.expert_mlp_mxfp4(z, self.experts_packed, self.experts_scale, experts,
                                         cast(weights[0, order].unsqueeze(1), acc), self.beta_gate, self.beta_up)
         experts, num_routed = self.conversion_plan(ids)
         if on_host(ids) and not torch.compiler.is_compiling():
             experts = experts[: int(num_routed)]  # a sync costs nothing here: skip converting the placeholders
+        if self.offline is None and ids.shape[0] <= DIRECT_MAX_TOKENS:
+            # A decode-sized batch reads each routed expert's weights about once: decoding them where the
+            # product uses them (matrix-vector for one token, tensor-core tiles shared by an expert's tokens
+            # above) reads a fifth of the bytes of converting into the workspace and reading that back
+            # (docs/design.md §17).
+            gates = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * weights).sum(-1)  # [m, N], 0 = not routed
+            return ops.expert_mlp_mxfp4(z, self.experts_packed, self.experts_scale, experts, cast(gates, acc),
+                                        self.beta_gate, self.beta_up)
         if self.offline is None:
             self._workspace().routed += num_routed  # the placeholders are not counted
         step = experts.numel() if self.offline is not None else self._workspace().capacity

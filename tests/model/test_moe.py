@@ -10,6 +10,7 @@ from conftest import tiny_config
 import minidsa
 from minidsa.formats import mxfp4
 from minidsa.model.ffn import situ_glu
+from minidsa.model.moe import DIRECT_MAX_TOKENS
 
 
 def with_moe(cfg, **changes):
@@ -144,29 +145,34 @@ def test_only_routed_experts_are_converted():
             return ids, w
         moe.choose = spy
     n_moe = cfg.num_layers - cfg.moe.first_dense_layers
+    T = DIRECT_MAX_TOKENS + 1  # a prefill-sized call: its routed experts go through the workspace
     model.reset_expert_stats()
     with torch.no_grad():
-        model(torch.randint(0, 256, (1, 3)))
-    assert 0 < model.expert_stats()["conversions"] == sum(routed) <= n_moe * 3 * cfg.moe.top_k
-    assert cfg.moe.top_k < cfg.moe.num_experts
-    # one token reads its experts straight from MXFP4: nothing goes through the workspace
-    routed.clear()
-    model.reset_expert_stats()
-    with torch.no_grad():
-        model(torch.randint(0, 256, (1, 1)))
-    assert len(routed) == n_moe and model.expert_stats()["conversions_last_forward"] == 0
+        model(torch.randint(0, 256, (1, T)))
+    assert 0 < model.expert_stats()["conversions"] == sum(routed) <= n_moe * cfg.moe.num_experts
+    assert model.expert_stats()["conversions_last_forward"] == sum(routed)
+    # decode-sized calls read their experts straight from MXFP4: nothing goes through the workspace
+    for tokens in (1, 3):
+        routed.clear()
+        model.reset_expert_stats()
+        with torch.no_grad():
+            model(torch.randint(0, 256, (1, tokens)))
+        assert len(routed) == n_moe and model.expert_stats()["conversions_last_forward"] == 0
 
 
-def test_one_token_path_equals_the_workspace_path():
-    """A one-token MoE step (MXFP4 read in place) gives the row the workspace path gives (fp64: exact values
-    in both, only the matrix products' summation order may differ)."""
+def test_direct_paths_equal_the_workspace_path():
+    """One token and a decode batch (MXFP4 read in place) give the rows the workspace path gives (fp64: exact
+    values in both, only the matrix products' summation order may differ)."""
     model = minidsa.load("tiny").double()
     moe = model.moe_layers()[0]
     x = torch.randn(1, 1, model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    rest = torch.randn(1, DIRECT_MAX_TOKENS, x.shape[-1], dtype=torch.float64)
     with torch.no_grad():
         one = moe(x)
-        both = moe(torch.cat([x, torch.randn_like(x)], dim=1))  # two tokens: converted into the workspace
-    torch.testing.assert_close(one[0, 0], both[0, 0], rtol=0, atol=1e-12)
+        few = moe(torch.cat([x, rest[:, :4]], dim=1))
+        many = moe(torch.cat([x, rest], dim=1))  # a prefill-sized call: converted into the workspace
+    torch.testing.assert_close(one[0, 0], many[0, 0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(few[0], many[0, :5], rtol=0, atol=1e-12)
 
 
 def test_expert_storage_is_mxfp4():

@@ -13,6 +13,7 @@ import torch  # noqa: E402
 from figures import legend_texts, render  # noqa: E402
 
 import minidsa  # noqa: E402
+from minidsa.model.moe import DIRECT_MAX_TOKENS  # noqa: E402
 from minidsa.viz import kda as vkda  # noqa: E402
 from minidsa.viz import moe as vmoe  # noqa: E402
 from minidsa.viz.tokens import find_span, token_labels  # noqa: E402
@@ -134,7 +135,12 @@ def test_expert_load_counts_every_routed_token(model, ids):
     m = model.config.moe
     assert load.shape == (len(model.moe_layers()), m.num_experts)
     assert (load.sum(1) == len(ids) * m.top_k).all()
-    # the model's own counter: routed experts converted into the workspace in that forward
+    # the model's own counter: routed experts converted into the workspace in that forward (a prefill-sized
+    # one: decode-sized calls read MXFP4 in place and convert nothing)
+    assert model.expert_stats()["conversions_last_forward"] == 0
+    long = ids * 2
+    assert len(long) > DIRECT_MAX_TOKENS
+    load = vmoe.expert_load(model, long)
     assert int((load > 0).sum()) == model.expert_stats()["conversions_last_forward"]
 
 
@@ -175,7 +181,7 @@ def test_plot_routed_experts_marks_each_tokens_experts(model, ids):
 
 
 def test_plot_workspace_bars_are_the_expert_stats(model, ids):
-    fig = vmoe.plot_workspace(model, token_ids=ids)
+    fig = vmoe.plot_workspace(model, token_ids=ids * 2)  # prefill-sized: decode-sized calls convert nothing
     stats = model.expert_stats()
     ax = fig.axes[0]
     widths = [p.get_width() for p in ax.patches]

@@ -16,7 +16,7 @@ Three launches, grouped over all slots, no Python loop over experts and no atomi
    fixed order (a masked [BLOCK_S, BLOCK_L] gather per step, then a tree sum). The split of the
    expert sum into per-pair rows and a separate ordered reduction is what makes the result bitwise
    reproducible without atomics.
-At decode (the dense layout: FP8 for one token, MXFP4 at every decode size) the up and down programs run
+For one token (the dense layout; MXFP4 up to ``MXFP4_GEMV_MAX_TOKENS``) the up and down programs run
 matrix-vector products on the FMA units instead of tensor-core tiles (``matvec_triton.py``).
 
 *Skipping unrouted pairs.* A token lane is live only where ``gates[slot, token] != 0``: dead lanes
@@ -68,6 +68,10 @@ from .reference import check_fp8_mlp, check_mxfp4_mlp, expert_mlp_fp8_ref, exper
 # decode batch of the scaled configs, and K3's up to 16 tokens (256 slots: 109 MB). Larger calls compact.
 DENSE_MAX_TOKENS = 64
 DENSE_PAIR_BYTES = 256 * 2**20
+# Up to this many tokens the MXFP4 MLP runs matrix-vector products per routed pair (each token decodes the
+# slot's weights again, mostly from L2); above, tensor-core tiles decode each weight tile once per token
+# tile and share it among the slot's tokens (docs/design.md §17).
+MXFP4_GEMV_MAX_TOKENS = 1
 
 
 @triton.jit
@@ -272,8 +276,8 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
                 BLOCK_T=cfg["BLOCK_T"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
     if on_gpu:
         meta["num_stages"] = cfg["num_stages"]
-    # matrix-vector products: the FP8 MLP for one token, the MXFP4 one per routed pair at every decode size
-    meta["GEMV"] = dense and (N == 1 or w.dtype == torch.uint8)
+    # matrix-vector products for one token (and the MXFP4 MLP up to MXFP4_GEMV_MAX_TOKENS), tiles above
+    meta["GEMV"] = dense and (N == 1 or (w.dtype == torch.uint8 and N <= MXFP4_GEMV_MAX_TOKENS))
     meta["PTX"] = on_gpu and triton.runtime.driver.active.get_current_target().backend == "cuda"
     if meta["GEMV"] and meta["MXFP4"]:  # activations as 8 planes z[n, j::8] (see matvec_triton._x_part)
         z = z.view(N, L // 8, 8).transpose(1, 2).contiguous()
