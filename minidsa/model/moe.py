@@ -40,9 +40,9 @@ from .ffn import SituGluMLP
 from .fused import FusedLinears
 from .norm import RMSNorm
 
-# Up to this many tokens per layer call (decode batches) the routed experts are read straight from MXFP4;
-# prefill-sized calls convert them into the shared FP8 workspace, once for all their tokens.
-DIRECT_MAX_TOKENS = 64
+# Up to this many tokens per layer call (a decode batch of up to 32 sequences) the routed experts are read
+# straight from MXFP4; prefill-sized calls convert them into the shared FP8 workspace, once for all tokens.
+DIRECT_MAX_TOKENS = 32
 ROUTER_EPS = 1e-20  # guards the renormalisation when every chosen score underflows to 0
 EXPERT_WEIGHTS = ("w1", "w3", "w2")  # gate, up (latent -> I) and down (I -> latent)
 

@@ -68,9 +68,12 @@ from .reference import check_fp8_mlp, check_mxfp4_mlp, expert_mlp_fp8_ref, exper
 # decode batch of the scaled configs, and K3's up to 16 tokens (256 slots: 109 MB). Larger calls compact.
 DENSE_MAX_TOKENS = 64
 DENSE_PAIR_BYTES = 256 * 2**20
-# Up to this many tokens the MXFP4 MLP runs matrix-vector products per routed pair (each token decodes the
-# slot's weights again, mostly from L2); above, tensor-core tiles decode each weight tile once per token
-# tile and share it among the slot's tokens (docs/design.md §17).
+# The MXFP4 MLP for one token runs matrix-vector products; for several it runs tensor-core tiles that decode
+# each weight tile once per token tile and share it among the slot's tokens (docs/design.md §17). Measured
+# on the H200 (small config, 64 experts of 512 x 512, top 8), one call: tiles 104 / 161 / 263 us at 2 / 8 /
+# 16 tokens against 269 / 244 / 334 us for matrix-vector products per pair, which were faster alone at 32
+# tokens (196 against 241 us); but in the compiled batch-32 decode step the tiles gave 5.10 ms a step and
+# matrix-vector products 5.89 ms, so the tiles are used at every decode size.
 MXFP4_GEMV_MAX_TOKENS = 1
 
 
@@ -276,7 +279,7 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
                 BLOCK_T=cfg["BLOCK_T"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
     if on_gpu:
         meta["num_stages"] = cfg["num_stages"]
-    # matrix-vector products for one token (and the MXFP4 MLP up to MXFP4_GEMV_MAX_TOKENS), tiles above
+    # matrix-vector products for one token (MXFP4: up to MXFP4_GEMV_MAX_TOKENS), tensor-core tiles above
     meta["GEMV"] = dense and (N == 1 or (w.dtype == torch.uint8 and N <= MXFP4_GEMV_MAX_TOKENS))
     meta["PTX"] = on_gpu and triton.runtime.driver.active.get_current_target().backend == "cuda"
     if meta["GEMV"] and meta["MXFP4"]:  # activations as 8 planes z[n, j::8] (see matvec_triton._x_part)
