@@ -30,8 +30,11 @@ class RowStack:
     """The ``weight`` parameters of ``modules`` (one dtype and device, same trailing shape) stacked along
     dim 0 into one tensor, each parameter's data moved into its row slice. ``tensor()`` returns the stack;
     under autograd ``torch.cat`` of the parameters instead (the same values, the same layout), so gradients
-    reach them. ``k_major`` (2-d weights): the stack [sum(out), in] is stored transposed, [in, sum(out)]
-    contiguous, the layout a CPU matrix-vector product streams twice as fast (docs/design.md §17)."""
+    reach them. ``k_major`` (2-d weights): the stack [sum(out), in] is a copy stored transposed, [in, sum(out)]
+    contiguous, the layout a CPU matrix-vector product streams twice as fast (docs/design.md §17). The
+    parameters then keep their own storage (a non-contiguous parameter would make an optimiser's CPU
+    update take another loop, with other rounding), and the copy is rebuilt whenever one of them has
+    changed (its version counter moves on every in-place write)."""
 
     def __init__(self, *modules: nn.Module, k_major: bool = False) -> None:
         self.modules, self.k_major = modules, k_major
@@ -45,16 +48,20 @@ class RowStack:
         weights = [m.weight for m in self.modules]
         if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
             return self._cat(weights)
-        if self._stack is not None and (torch.compiler.is_compiling() or [w.data_ptr() for w in weights] == self._ptrs):
+        if self._stack is not None and (torch.compiler.is_compiling() or self._key(weights) == self._ptrs):
             return self._stack
         with torch.no_grad(), torch.inference_mode(False):  # a normal tensor, kept across forwards
             stack = self._cat([w.detach() for w in weights])
             start = 0
-            for w in weights:
+            for w in weights if not self.k_major else ():
                 w.data = stack[start: start + w.shape[0]]
                 start += w.shape[0]
-        self._stack, self._ptrs = stack, [w.data_ptr() for w in weights]
+        self._stack, self._ptrs = stack, self._key(weights)
         return stack
+
+    def _key(self, weights: list[torch.Tensor]) -> list:
+        """What must not change for the stack to stand: where each parameter lies, and for a copy, its values."""
+        return [(w.data_ptr(), w._version if self.k_major else 0) for w in weights]
 
 
 class FusedLinears:

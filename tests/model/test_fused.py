@@ -68,3 +68,17 @@ def test_a_fused_model_saves_and_loads_its_own_names(tmp_path):
     assert set(loaded.checkpoint_tensors()) == names
     with torch.inference_mode():
         assert torch.equal(loaded(ids), want)
+
+
+def test_a_wide_cpu_stack_is_a_k_major_copy_that_follows_writes():
+    torch.manual_seed(1)
+    a, b = nn.Linear(16, 40, bias=False, dtype=torch.float64), nn.Linear(16, 24, bias=False, dtype=torch.float64)
+    fused = FusedLinears(a, b)  # 64 outputs from 16 inputs: stored [16, 64] contiguous on the CPU
+    x = torch.randn(3, 16, dtype=torch.float64)
+    with torch.no_grad():
+        fused(x)
+        stack = fused._stacks()[0][0].tensor()
+        assert stack.shape == (64, 16) and stack.t().is_contiguous()
+        assert a.weight.is_contiguous() and b.weight.is_contiguous()  # the parameters keep their storage
+        a.weight.mul_(2)  # an optimiser step writes in place: the copy must not go stale
+        torch.testing.assert_close(fused(x)[0], x @ a.weight.t(), rtol=0, atol=1e-12)
