@@ -51,7 +51,8 @@ def _new(like: torch.Tensor, shape, dtype: torch.dtype | None = None) -> torch.T
     return like.new_empty(tuple(shape), dtype=dtype or (torch.float64 if like.dtype == torch.float64 else torch.float32))
 
 
-def _kda(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64):
+def _kda(q, k, v, g, beta, scale, initial_state):
+    """(o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] in the accumulation dtype)."""
     B, T, HV, V = v.shape
     return _new(v, (B, T, HV, V), v.dtype), _new(v, (B, HV, q.shape[-1], V))
 
@@ -68,7 +69,8 @@ FAKES: dict[str, Callable] = {
     "sparse_mla_prefill": lambda q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale:
         _new(q, (*q.shape[:3], kv_b_weight.shape[0] // q.shape[2] - (q.shape[3] - k_pe_plane.shape[-1]))),
     "kda_recurrent": _kda,
-    "kda_chunk": _kda,
+    "kda_chunk": lambda q, k, v, g, beta, scale, initial_state, chunk_size: _kda(q, k, v, g, beta, scale,
+                                                                                initial_state),
     "mxfp4_to_fp8": lambda packed, scales, experts, out_elements, out_scales: None,
     "expert_mlp_fp8": lambda z, elements, scales, gates, beta_gate, beta_up: _new(z, z.shape),
     "expert_mlp_mxfp4": lambda z, packed, scales, experts, gates, beta_gate, beta_up: _new(z, z.shape),
