@@ -39,7 +39,7 @@ class RowStack:
     def __init__(self, *modules: nn.Module, k_major: bool = False) -> None:
         self.modules, self.k_major = modules, k_major
         self._stack: torch.Tensor | None = None
-        self._ptrs: list[int] = []
+        self._seen: list = []  # _key of the parameters when the stack was built
 
     def _cat(self, weights: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat([w.t() for w in weights], dim=1).t() if self.k_major else torch.cat(weights)
@@ -48,7 +48,7 @@ class RowStack:
         weights = [m.weight for m in self.modules]
         if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
             return self._cat(weights)
-        if self._stack is not None and (torch.compiler.is_compiling() or self._key(weights) == self._ptrs):
+        if self._stack is not None and (torch.compiler.is_compiling() or self._key(weights) == self._seen):
             return self._stack
         with torch.no_grad(), torch.inference_mode(False):  # a normal tensor, kept across forwards
             stack = self._cat([w.detach() for w in weights])
@@ -56,7 +56,7 @@ class RowStack:
             for w in weights if not self.k_major else ():
                 w.data = stack[start: start + w.shape[0]]
                 start += w.shape[0]
-        self._stack, self._ptrs = stack, self._key(weights)
+        self._stack, self._seen = stack, self._key(weights)
         return stack
 
     def _key(self, weights: list[torch.Tensor]) -> list:
@@ -92,8 +92,8 @@ class FusedLinears:
         groups = []
         for (_, device), ids in by_dtype.items():
             widths = [sum(l.out_features for l in self.parts[i]) for i in ids]
-            # measured on a CPU, weights streamed from DRAM: K-major is up to 2x faster for a wide output,
-            # up to 1.6x slower for a narrowing one (a down projection), so only the wide stacks take it
+            # a CPU matrix-vector product streams a wide stack faster K-major and a narrowing one (a down
+            # projection) slower (docs/benchmarks.md, CPU figures), so only the wide stacks take it
             k_major = device.type == "cpu" and sum(widths) > self.linears[0].in_features
             groups.append((RowStack(*[l for i in ids for l in self.parts[i]], k_major=k_major), ids, widths))
         self._groups = groups

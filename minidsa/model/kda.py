@@ -90,7 +90,7 @@ class KimiDeltaAttention(nn.Module):
             state = {n: torch.zeros((B,) + s, dtype=acc, device=x.device) for n, s in self.state_shapes().items()}
         else:
             state = {n: ctx.cache.read_state(self.cache_layer, n, ctx.state_slots) for n in self.STATE_NAMES}
-        (q, k, v, g, beta), new_state, gate = self._inputs(x, state)
+        (q, k, v, g, beta), new_state, gate = self.inputs_and_gate(x, state)
         if T == 1:  # decode: the recurrence, one step (chosen at run time from the query count)
             o, new_state["recurrent"] = ops.kda_recurrent(q, k, v, g, beta, None, state["recurrent"])
         else:
@@ -103,9 +103,9 @@ class KimiDeltaAttention(nn.Module):
     def recurrence_inputs(self, x: torch.Tensor, state: dict[str, torch.Tensor]):
         """x [B, T, d] and the conv state -> ((q, k [B, T, H, K], v [B, T, H, K], g [B, T, H, K], beta [B, T, H]),
         {"conv": the new conv state}). The training path reuses it (training/forward.py)."""
-        return self._inputs(x, state)[:2]
+        return self.inputs_and_gate(x, state)[:2]
 
-    def _inputs(self, x: torch.Tensor, state: dict[str, torch.Tensor]):
+    def inputs_and_gate(self, x: torch.Tensor, state: dict[str, torch.Tensor]):
         """``recurrence_inputs`` plus the output gate's pre-activation W_g x [B, T, H*K] (same product)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim

@@ -165,21 +165,30 @@ class LatentMoE(nn.Module):
 
     # ---------------------------------------------------------------- forward
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, d] -> (expert ids int64 [N, top_k], weights fp32 [N, top_k])."""
-        return self.choose(self.router_scores(x))
+        """x [N, d] -> (expert ids int64 [N, top_k], weights fp32 [N, top_k]), as the forward routes."""
+        return self.project(x)[:2]
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [N, d] -> (ids, weights, z [N, latent] in the accumulation dtype, the shared expert's gate and up
+        projections): everything the layer computes from x, as one input product. The router's rows are in
+        fp32 in every model but a float64 one (its weight is kept fp32)."""
+        acc = acc_dtype(x)
+        logits, z, gate, up = self.input_proj(x)
+        ids, weights = self.choose(torch.sigmoid(cast(logits, acc)))
+        return ids, weights, cast(z, acc), gate, up
+
+    def combine(self, y_lat: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The routed experts' latent sum y_lat [N, latent] and the shared expert's projections -> [N, d]."""
+        y = self.up(self.routed_expert_norm(cast(y_lat, dtype)))[0]
+        return y + self.shared_experts.finish(gate, up)
 
     def choose(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sigmoid affinities s [N, E] -> (expert ids int64 [N, top_k], weights fp32 [N, top_k])."""
+        """Sigmoid affinities s [N, E] -> (expert ids int64 [N, top_k], weights fp32 [N, top_k]). The selection
+        bias is added only to pick the experts; the weights use s itself (DeepSeek-V3's aux-loss-free
+        balancing)."""
         biased = s + cast(self.gate.e_score_correction_bias, s.dtype)
         ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.top_k]  # ties -> lower id
         return ids, self.route_weights(s, ids)
-
-    def router_scores(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, d] -> sigmoid affinities s [N, E] in the accumulation dtype. The selection bias is added
-        only to pick the experts; the weights use s itself (DeepSeek-V3's aux-loss-free balancing)."""
-        # The router's row of the layer's one input product, so routing here is the forward's to the bit
-        # (in fp32: the gate weight is fp32 in every model but a float64 one).
-        return torch.sigmoid(cast(self.input_proj(x)[0], acc_dtype(x)))
 
     def route_weights(self, s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Affinities s [N, E] of the chosen experts ids [N, top_k], renormalised (only when top_k > 1, as
@@ -213,13 +222,10 @@ class LatentMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        acc = acc_dtype(x)
-        logits, z, gate, up = self.input_proj(x)
-        ids, weights = self.choose(torch.sigmoid(cast(logits, acc)))  # = self.route(x), from the same product
+        ids, weights, z, gate, up = self.project(x)
         with self._exclusive():
-            y_lat = self._routed(cast(z, acc), ids, weights, acc)  # z [N, latent]
-        y = self.up(self.routed_expert_norm(cast(y_lat, x.dtype)))[0]
-        return (y + self.shared_experts.finish(gate, up)).reshape(shape)
+            y_lat = self._routed(z, ids, weights, acc_dtype(x))
+        return self.combine(y_lat, gate, up, x.dtype).reshape(shape)
 
     def _exclusive(self):
         """The shared workspace's lock (online mode; a no-op while torch.compile traces, which has no threads)."""
@@ -231,10 +237,6 @@ class LatentMoE(nn.Module):
         """[N, latent]: the routed experts' outputs in the latent space, summed with their gates."""
         if self.lazy_source:  # experts still on disk: the host must decide which to read (not graph-capturable)
             self.materialize(torch.unique(ids))
-        if ids.shape[0] == 1 and self.offline is None:  # one token: its top_k experts, ascending, are the plan
-            experts, order = ids[0].sort()
-            return ops.expert_mlp_mxfp4(z, self.experts_packed, self.experts_scale, experts,
-                                        cast(weights[0, order].unsqueeze(1), acc), self.beta_gate, self.beta_up)
         experts, num_routed = self.conversion_plan(ids)
         if on_host(ids) and not torch.compiler.is_compiling():
             experts = experts[: int(num_routed)]  # a sync costs nothing here: skip converting the placeholders

@@ -46,6 +46,7 @@ SCHEMAS: dict[str, tuple[str, tuple[str, ...]]] = {
                           ()),
 }
 
+
 def _new(like: torch.Tensor, shape, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An empty result; by default in the ops' accumulation dtype: fp32, fp64 for fp64 inputs."""
     return like.new_empty(tuple(shape), dtype=dtype or (torch.float64 if like.dtype == torch.float64 else torch.float32))

@@ -134,16 +134,14 @@ def kda_forward(kda: KimiDeltaAttention, x: torch.Tensor, chunk_size: int) -> to
     """x [B, T, d] -> [B, T, d] from a zero state (conv and recurrent), the recurrence by kda_chunk_train."""
     B = x.shape[0]
     zeros = {n: torch.zeros((B,) + s, dtype=acc_dtype(x), device=x.device) for n, s in kda.state_shapes().items()}
-    (q, k, v, g, beta), _ = kda.recurrence_inputs(x, zeros)
-    return kda.output(kda_chunk_train(q, k, v, g, beta, chunk_size).to(v.dtype), x)
+    (q, k, v, g, beta), _, gate = kda.inputs_and_gate(x, zeros)
+    return kda.output(kda_chunk_train(q, k, v, g, beta, chunk_size).to(v.dtype), x, gate)
 
 
 def moe_forward(moe: LatentMoE, masters: MasterExperts, x: torch.Tensor) -> torch.Tensor:
     """x [B, T, d] -> [B, T, d]: LatentMoE.forward with the routed experts computed from the float masters."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
-    ids, weights = moe.route(x)
-    z = moe.routed_expert_down_proj(x).to(acc_dtype(x))  # [N, latent]
+    ids, weights, z, gate, up = moe.project(x)
     y_lat = grouped_experts(z, ids, weights, masters.w1, masters.w3, masters.w2, moe.beta_gate, moe.beta_up)
-    y = moe.routed_expert_up_proj(moe.routed_expert_norm(y_lat.to(x.dtype)))
-    return (y + moe.shared_experts(x)).reshape(shape)
+    return moe.combine(y_lat, gate, up, x.dtype).reshape(shape)

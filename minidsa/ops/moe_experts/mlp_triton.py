@@ -69,11 +69,8 @@ from .reference import check_fp8_mlp, check_mxfp4_mlp, expert_mlp_fp8_ref, exper
 DENSE_MAX_TOKENS = 64
 DENSE_PAIR_BYTES = 256 * 2**20
 # The MXFP4 MLP for one token runs matrix-vector products; for several it runs tensor-core tiles that decode
-# each weight tile once per token tile and share it among the slot's tokens (docs/design.md §17). Measured
-# on the H200 (small config, 64 experts of 512 x 512, top 8), one call: tiles 104 / 161 / 263 us at 2 / 8 /
-# 16 tokens against 269 / 244 / 334 us for matrix-vector products per pair, which were faster alone at 32
-# tokens (196 against 241 us); but in the compiled batch-32 decode step the tiles gave 5.10 ms a step and
-# matrix-vector products 5.89 ms, so the tiles are used at every decode size.
+# each weight tile once per token tile and share it among the slot's tokens, where matrix-vector products
+# decode the slot again for each routed token (docs/design.md §17; measured: docs/benchmarks.md).
 MXFP4_GEMV_MAX_TOKENS = 1
 
 
