@@ -10,6 +10,12 @@ that must read and write nothing:
 Every buffer the graph reads is static: the step's values are copied into it before each replay. The
 same padded context runs eagerly on any device (``padded_decode_context``), which is how the CPU tests
 check that padding changes nothing.
+
+With ``compile=True`` each bucket's step is first ``torch.compile``d (fullgraph, static shapes: one
+specialisation per bucket) and the compiled step is what the graph captures: Inductor fuses the
+elementwise glue between the kernels, which are custom ops (ops/_library.py) it calls as they are. It
+costs a compile per bucket when the engine starts, and pays where launches dominate a step (small
+batches on a GPU); the logits are the eager step's to rounding.
 """
 
 from __future__ import annotations
@@ -57,11 +63,17 @@ def padded_decode_context(cache: PagedKVCache, seq_ids: list[int], rows: int, ma
 
 def run_padded(model: MiniDSA, ids: torch.Tensor, ctx: CacheContext) -> torch.Tensor:
     """The decode forward on a prepared context: embeddings -> decoder -> lm_head (what a graph captures)."""
+    with ops.use_backend(model.backend):
+        return decode_logits(model, ids, ctx)
+
+
+def decode_logits(model: MiniDSA, ids: torch.Tensor, ctx: CacheContext) -> torch.Tensor:
+    """``run_padded`` under the backend in force: what ``torch.compile`` traces (Dynamo cannot trace the
+    ContextVar that ``use_backend`` sets, so the caller enters it)."""
     lm = model.language_model
     if model._workspace is not None:
         model._workspace.routed[1].zero_()
-    with ops.use_backend(model.backend):
-        return lm.lm_head(lm.model(lm.model.embed_tokens(ids), ctx, None))
+    return lm.lm_head(lm.model(lm.model.embed_tokens(ids), ctx, None))
 
 
 def publish_rows(ctx: CacheContext, num_rows: int) -> None:
@@ -77,8 +89,8 @@ def publish_rows(ctx: CacheContext, num_rows: int) -> None:
 class DecodeGraphs:
     """One captured decode step per bucket, sharing one memory pool; ``run`` replays the right one."""
 
-    def __init__(self, model: MiniDSA, cache: PagedKVCache, max_num_seqs: int) -> None:
-        self.model, self.cache = model, cache
+    def __init__(self, model: MiniDSA, cache: PagedKVCache, max_num_seqs: int, compile: bool = False) -> None:
+        self.model, self.cache, self.compile = model, cache, compile
         self.max_blocks = -(-model.config.max_seq_len // cache.block_size)
         self.buckets = buckets(max_num_seqs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, CacheContext, torch.Tensor]] = {}
@@ -94,17 +106,24 @@ class DecodeGraphs:
         dev = self.model.device
         ids = torch.zeros(rows, 1, dtype=torch.long, device=dev)
         ctx = padded_decode_context(self.cache, [], rows, self.max_blocks, dev)  # every row padding
-        with torch.inference_mode():
+        step = lambda: decode_logits(self.model, ids, ctx)
+        if self.compile:
+            ops.register_custom_ops()
+            # one specialisation per bucket, all of the same code: let Dynamo keep every one of them
+            dynamo = torch._dynamo.config
+            dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * len(self.buckets))
+            step = torch.compile(step, fullgraph=True, dynamic=False)
+        with torch.inference_mode(), ops.use_backend(self.model.backend):
             stream = torch.cuda.Stream(dev)
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: autotuning, workspace allocation, lazy inits
-                    run_padded(self.model, ids, ctx)
+                for _ in range(2):  # warm-up: compilation, autotuning, workspace allocation, lazy inits
+                    step()
             torch.cuda.current_stream(dev).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             self.pool = self.pool or torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = run_padded(self.model, ids, ctx)
+                logits = step()
         self.graphs[rows] = (graph, ids, ctx, logits)
 
     def fits(self, batch: int) -> bool:

@@ -51,7 +51,8 @@ class Engine:
 
     def __init__(self, model: MiniDSA, *, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                  num_blocks: int | None = None, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, cuda_graphs: str = "auto", max_checkpoints: int | None = None,
+                 enable_chunked_prefill: bool = True, cuda_graphs: str = "auto", compile_decode: bool = False,
+                 max_checkpoints: int | None = None,
                  checkpoint_interval: int | None = None, memory_bytes: int | None = None, cache=None) -> None:
         if not isinstance(model, MiniDSA):
             raise TypeError(f"model must be a MiniDSA (minidsa.load(...)), got {type(model).__name__}")
@@ -70,6 +71,9 @@ class Engine:
         if cuda_graphs == "on" and model.device.type != "cuda":
             raise ValueError(f"cuda_graphs='on' needs a model on a CUDA device, this one is on {model.device}; "
                              f"use 'auto' or 'off'")
+        if compile_decode and (cuda_graphs == "off" or model.device.type != "cuda"):
+            raise ValueError(f"compile_decode=True compiles the captured decode graphs, which need a CUDA device and "
+                             f"cuda_graphs 'auto' or 'on' (model on {model.device}, cuda_graphs={cuda_graphs!r})")
         self.max_checkpoints = 2 * self.max_num_seqs if max_checkpoints is None else max_checkpoints
         self.budget = plan_cache(model, self.max_num_seqs, self.max_num_batched_tokens,
                                  self.max_checkpoints if enable_prefix_caching else 0, num_blocks, memory_bytes)
@@ -83,7 +87,7 @@ class Engine:
                                    self.max_num_batched_tokens, enable_chunked_prefill, self.align)
         self.graphs = None
         if cuda_graphs != "off" and model.device.type == "cuda":
-            self.graphs = DecodeGraphs(model, cache, self.scheduler.max_num_seqs)
+            self.graphs = DecodeGraphs(model, cache, self.scheduler.max_num_seqs, compile=compile_decode)
             self.graphs.capture()
         self.requests: dict[str, EngineRequest] = {}
         self.raise_errors = False  # generate() sets it: a failed forward is the caller's exception

@@ -67,3 +67,10 @@ def test_cuda_graphs_on_needs_a_cuda_model(tiny_model):
     with pytest.raises(ValueError, match="cuda_graphs='on' needs a model on a CUDA device"):
         minidsa.Engine(tiny_model, cuda_graphs="on")
     assert minidsa.Engine(tiny_model).graphs is None  # "auto" on a CPU model: eager steps
+
+
+def test_compile_decode_needs_captured_graphs(tiny_model):
+    with pytest.raises(ValueError, match="compile_decode=True compiles the captured decode graphs"):
+        minidsa.Engine(tiny_model, compile_decode=True)
+    with pytest.raises(ValueError, match="cuda_graphs='off'"):
+        minidsa.Engine(tiny_model, cuda_graphs="off", compile_decode=True)
