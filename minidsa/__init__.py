@@ -10,6 +10,7 @@ The design document, mechanism by mechanism: docs/design.md in the repository.
 """
 
 from . import ops
+from .acceptance import DoctorReport, doctor
 from .cache import CacheContext, CacheLayout, OutOfKVBlocksError, PagedKVCache, Plane
 from .checkpoint import (
                          CheckReport,
@@ -35,5 +36,5 @@ __all__ = [
     "GenerationStream", "GenerationTrace", "CacheContext", "CacheLayout", "OutOfKVBlocksError", "PagedKVCache",
     "Plane", "MiniDSA", "ForwardTrace", "build_model", "count_parameters", "ByteTokenizer", "sample_next_token",
     "checkpoint_manifest", "check_checkpoint", "CheckReport", "Finding", "train", "TrainConfig", "evaluate",
-    "Engine", "SamplingParams", "RequestOutput",
+    "Engine", "SamplingParams", "RequestOutput", "doctor", "DoctorReport",
 ]

@@ -1,6 +1,8 @@
 """Command line: ``python -m minidsa generate "prompt" [--config laptop] ...``, ``python -m minidsa params NAME``,
 ``python -m minidsa check-checkpoint DIR [--config NAME]``, ``python -m minidsa train [--config tiny] --out DIR``
-(``--resume`` continues a run in legs) and ``python -m minidsa eval [--checkpoint DIR] [--seed N] [--n N]``.
+(``--resume`` continues a run in legs), ``python -m minidsa eval [--checkpoint DIR] [--seed N] [--n N]`` and
+``python -m minidsa doctor [--checkpoint DIR|default|PRESET] [--backend B] [--device D]`` (the Day-0 ladder).
+``python -m minidsa serve [--checkpoint DIR] [--host H] [--port N]`` runs the OpenAI-compatible HTTP service.
 
 Every command runs on ``--threads`` CPU threads (default 1, see DEFAULT_THREADS). A user error (a bad
 argument, an unreadable file, a damaged checkpoint) prints one line, ``error: ...``, and exits with
@@ -17,10 +19,12 @@ from pathlib import Path
 
 import torch
 
+from .acceptance import doctor
 from .cache import OutOfKVBlocksError
 from .checkpoint.loading import load
 from .checkpoint.manifest import DEFAULT_MODEL, count_parameters
 from .checkpoint.validator import check_checkpoint
+from .server import start_server
 from .serving import bench
 from .serving.generation import generate
 from .training import loop as training_loop
@@ -81,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     _train_parser(sub, common)
     _bench_parser(sub, common)
+    _serve_parser(sub, common)
+    _doctor_parser(sub, common)
     e = sub.add_parser("eval", parents=[common], help="accuracy, random-selection baseline and indexer recall on "
                                                       "held-out seeds of the synthetic tasks (one 'name: value' a line)")
     e.add_argument("--checkpoint", default=DEFAULT_MODEL, help=f"checkpoint directory or preset (default: "
@@ -118,6 +124,39 @@ def _bench_parser(sub, common) -> None:
     b.add_argument("--no-chunked-prefill", action="store_true")
     b.add_argument("--no-sequential", action="store_true", help="skip the sequential generate() baseline")
     b.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    b.add_argument("--compile-decode", action="store_true", help="torch.compile the decode step each CUDA graph "
+                   "captures (CUDA only; a compile per batch bucket at start)")
+
+
+def _doctor_parser(sub, common) -> None:
+    """``doctor``: the Day-0 acceptance ladder (acceptance/ladder.py)."""
+    d = sub.add_parser("doctor", parents=[common], help="walk the Day-0 acceptance ladder (checkpoint, operators, "
+                                                        "layers, request, batch, multimodal, service); exit 1 at the "
+                                                        "first failing gate")
+    d.add_argument("--checkpoint", default=DEFAULT_MODEL, help=f"checkpoint directory, 'default' (the shipped model) "
+                                                                f"or a preset name (default: {DEFAULT_MODEL})")
+    d.add_argument("--backend", default="auto", choices=("torch", "triton", "auto"),
+                   help="the ops' backend; 'triton' on the CPU runs the kernels in Triton's interpreter (slow)")
+    d.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    d.add_argument("--json", action="store_true", help="print the report as JSON instead of one line per gate")
+
+
+def _serve_parser(sub, common) -> None:
+    """``serve``: the OpenAI-compatible HTTP service (server/app.py)."""
+    s = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP service: /v1/completions, "
+                                                       "/v1/chat/completions, /v1/models, /health, /metrics")
+    s.add_argument("--checkpoint", default=DEFAULT_MODEL, help=f"checkpoint directory, 'default' (the shipped "
+                                                                f"model) or a preset name (default: {DEFAULT_MODEL})")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1; the server has no "
+                                                      "authentication, so widen it only on a trusted network)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0 picks a free one)")
+    s.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    s.add_argument("--backend", default="auto", choices=("torch", "triton", "auto"), help="the ops' backend "
+                                                                                        "(default: auto)")
+    s.add_argument("--max-num-seqs", type=_positive_int, default=None, help="requests decoded together "
+                                                                            "(default: the config's max_sequences)")
+    s.add_argument("--served-model-name", default=None, help="the name clients pass as 'model' (default: the "
+                                                              "config's name)")
 
 
 def _train_parser(sub, common) -> None:
@@ -149,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         torch.set_num_threads(args.threads)
         return {"generate": _generate, "params": _params, "check-checkpoint": _check, "train": _train,
-                "eval": _eval, "bench": _bench}[args.command](args)
+                "eval": _eval, "bench": _bench, "serve": _serve, "doctor": _doctor}[args.command](args)
     except (ValueError, TypeError, OutOfKVBlocksError) as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, whatever the message holds
         return 2
@@ -262,8 +301,30 @@ def _bench(args) -> int:
                              args.shared_prefix, args.images, not args.no_sequential,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              enable_prefix_caching=not args.no_prefix_caching,
-                             enable_chunked_prefill=not args.no_chunked_prefill)
+                             enable_chunked_prefill=not args.no_chunked_prefill,
+                             compile_decode=args.compile_decode)
     print(bench.format_report(result))
+    return 0
+
+
+def _doctor(args) -> int:
+    if args.backend == "triton" and args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read once, when triton is first imported: set it first
+    report = doctor(args.checkpoint, backend=args.backend, device=args.device)
+    print(report.to_json() if args.json else report)
+    return 0 if report.ok else 1
+
+
+def _serve(args) -> int:
+    """Serve until Ctrl-C; one line says where, once listening."""
+    model = load(args.checkpoint, progress=False, device=args.device).set_backend(args.backend)
+    engine_kw = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+    with start_server(model, args.host, args.port, args.served_model_name, **engine_kw) as server:
+        print(f"serving {server.model_name} at {server.url}/v1 (also /health, /metrics; Ctrl-C stops)", flush=True)
+        try:
+            server.wait()
+        except KeyboardInterrupt:
+            pass
     return 0
 
 
