@@ -1,7 +1,9 @@
 """Rungs 5 to 7, through the engine and the service: batched requests, multimodal requests, the server.
 
 Rung 5 runs prompts of different lengths as one batch and each alone, through one engine (prefix
-caching off, so that batching is the only difference), and asks for the same greedy tokens.
+caching off, so that batching is the only difference), and asks for the same greedy tokens. Below fp32
+the alone runs record their DSA selections and routed experts and the batch replays them (held.py), on
+eager steps, since a CUDA graph replay runs no Python to hold them with.
 Rung 6 sends an image request and a video request through the engine and checks every greedy token
 against one full forward over the prompt's embeddings (vision tower included) and the output.
 Rung 7 starts the server in-process on a free local port and sends one plain and one streamed
@@ -14,6 +16,7 @@ are within the logits tolerance of each other, and reported; any other parting f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.request
 
@@ -27,6 +30,7 @@ from ..serving.engine import Engine
 from ..serving.params import SamplingParams
 from ..serving.requests import encode_prompts
 from ..tokenizer import IMAGE_MARKER, VIDEO_MARKER
+from .held import HeldChoices
 
 MAX_TOKENS = 8  # greedy tokens per request: enough to cross several decode steps, cheap on a CPU
 MEDIA_TOKENS = 16  # an image answer is longer: "green triangle" and its eos
@@ -46,13 +50,17 @@ def drawn_image(size: int = 56) -> np.ndarray:
     return np.asarray(image)
 
 
-def parting(model: MiniDSA, embeds_of, ids: list[int], a: list[int], b: list[int], tol: float) -> str | None:
+def parting(model: MiniDSA, embeds_of, ids: list[int], a: list[int], b: list[int], tol: float,
+            held: HeldChoices | None = None, key=None) -> str | None:
     """None when token lists ``a`` and ``b`` after prompt ``ids`` agree; else where they part and whether it is a
-    near-tie ("near-tie ..."), or why not ("not a tie ...")."""
+    near-tie ("near-tie ..."), or why not ("not a tie ..."). With ``held``, the full forward replays the
+    choices recorded for sequence ``key``."""
     j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if j is None:
         return None if len(a) == len(b) else f"lengths {len(a)} and {len(b)} (one stopped early)"
-    with torch.inference_mode():
+    if held is not None:
+        held.keys = lambda: [key]
+    with torch.inference_mode(), held.replaying() if held is not None else contextlib.nullcontext():
         logits = model(inputs_embeds=embeds_of(ids + a[:j]))[0, -1].double()
     gap = ((logits[a[j]] - logits[b[j]]).abs() / logits.abs().max()).item()
     kind = "near-tie" if gap <= tol else "not a tie"
@@ -63,42 +71,68 @@ def _text_embeds(model: MiniDSA):
     return lambda ids: model.language_model.model.embed_tokens(torch.tensor([ids], device=model.device))
 
 
-def check_batch(model: MiniDSA, tol: float) -> tuple[bool, list[str]]:
-    """(ok, a line per row): each row of a batch against the same prompt alone."""
-    engine = Engine(model, max_num_seqs=4, enable_prefix_caching=False)
+@contextlib.contextmanager
+def rows_of(model: MiniDSA, engine: Engine, held: HeldChoices):
+    """Name each batch row of the engine's forwards by its request's prompt, for ``held``."""
+    current: list = [None]
+    forward = model.forward
+
+    def tracked(*args, seq_ids=None, **kw):
+        current[0] = seq_ids
+        return forward(*args, seq_ids=seq_ids, **kw)
+    model.forward = tracked
+    held.keys = lambda: [next(r.prompt for r in engine.requests.values() if r.sid == s) for s in current[0]]
+    try:
+        yield
+    finally:
+        del model.forward  # the instance attribute goes; the class's forward shows through again
+
+
+def check_batch(model: MiniDSA, tol: float, hold: bool) -> tuple[bool, list[str]]:
+    """(ok, a line per row): each row of a batch against the same prompt alone. With ``hold``, the alone runs
+    record their choices and the batch replays them (eager steps: a graph replay runs no Python)."""
+    engine = Engine(model, max_num_seqs=4, enable_prefix_caching=False, cuda_graphs="off" if hold else "auto")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     texts = prompts(model)
-    batch = engine.generate(texts, params, progress=False)
+    held = HeldChoices(model) if hold else None
+    with rows_of(model, engine, held) if hold else contextlib.nullcontext():
+        with held.recording() if hold else contextlib.nullcontext():
+            alone = [engine.generate([text], params, progress=False)[0] for text in texts]
+        with held.replaying() if hold else contextlib.nullcontext():
+            batch = engine.generate(texts, params, progress=False)
     ok, lines = True, []
-    for text, row in zip(texts, batch):
-        alone = engine.generate([text], params, progress=False)[0]
-        why = parting(model, _text_embeds(model), row.prompt_token_ids, row.token_ids, alone.token_ids, tol)
+    for text, row, one in zip(texts, batch, alone):
+        why = parting(model, _text_embeds(model), row.prompt_token_ids, row.token_ids, one.token_ids, tol, held, text)
         ok &= why is None or why.startswith("near-tie")
         lines.append(f"{len(row.prompt_token_ids):4d}-token prompt: {'same tokens' if why is None else why}")
     return ok, lines
 
 
-def check_media(model: MiniDSA, tol: float) -> tuple[bool, list[str]]:
+def check_media(model: MiniDSA, tol: float, hold: bool) -> tuple[bool, list[str]]:
     """(ok, a line per request): an image and a two-frame video, greedy through the engine, each token
-    against the full forward over the same embeddings."""
-    engine = Engine(model, max_num_seqs=2, enable_prefix_caching=False)
+    against the full forward over the same embeddings (with ``hold``, on the engine run's choices)."""
+    engine = Engine(model, max_num_seqs=2, enable_prefix_caching=False, cuda_graphs="off" if hold else "auto")
     params = SamplingParams(temperature=0, max_tokens=MEDIA_TOKENS)
     frame = drawn_image()
     cases = {"image": (f"{IMAGE_MARKER}\nQ: colour and shape?\nA: ", [frame], None),
              "video": (f"{VIDEO_MARKER}\nQ: colour and shape?\nA: ", None, [[frame, frame[:, ::-1].copy()]])}
+    held = HeldChoices(model) if hold else None
     ok, lines = True, []
     for kind, (text, images, videos) in cases.items():
         ids, feats = encode_prompts(model, [text], [images] if images else None, True, [videos] if videos else None)
-        req = engine.enqueue(text, ids[0], feats[0], params)
-        while not req.finished:
-            engine.step()
+        if hold:
+            held.keys = lambda kind=kind: [kind]
+        with held.recording() if hold else contextlib.nullcontext():
+            req = engine.enqueue(text, ids[0], feats[0], params)
+            while not req.finished:
+                engine.step()
         out = list(req.output_ids)
 
         def embeds_of(seq, feats=feats[0]):
             return model.embed(torch.tensor([seq], device=model.device), feats)
-        with torch.inference_mode():
+        with torch.inference_mode(), held.replaying() if hold else contextlib.nullcontext():
             full = model(inputs_embeds=embeds_of(ids[0] + out[:-1]))[0, len(ids[0]) - 1:].argmax(-1).tolist()
-        why = parting(model, embeds_of, ids[0], out, full, tol)
+        why = parting(model, embeds_of, ids[0], out, full, tol, held, kind)
         ok &= why is None or why.startswith("near-tie")
         lines.append(f"{kind} ({len(ids[0])} prompt tokens): {req.text!r}; "
                      f"{'every token the full forward argmax' if why is None else why}")

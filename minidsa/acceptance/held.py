@@ -7,15 +7,16 @@ enough that this happens somewhere in most forwards. The outputs then differ by 
 are right. With the choices held, what is left is the arithmetic, which a tolerance can bound. A replayed
 route keeps its own affinities: only which experts is fixed, not their weights.
 
-The record is kept per module and along the token axis, so the replaying run may split the tokens
-differently (a prefill of T tokens and then one-token decodes replay the rows of one full forward of
-T + n tokens). Batch size 1: the token axis of a MoE call is then the sequence.
+The record is kept per module, per sequence and along the token axis, so the replaying run may split the
+tokens differently (a prefill of T tokens and then one-token decodes replay the rows of one full forward
+of T + n tokens) and batch them differently (rows of one engine batch replay the same prompts run alone).
+``keys`` names the sequence of each batch row of the forward in progress; by default there is one row.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -29,31 +30,40 @@ class HeldChoices:
 
     def __init__(self, model: MiniDSA) -> None:
         self.modules = [m for m in model.modules() if isinstance(m, (LightningIndexer, LatentMoE))]
-        self.log: dict[int, list[torch.Tensor]] = {}
-        self.cursor: dict[int, int] = {}
+        self.log: dict[tuple, list[torch.Tensor]] = {}
+        self.cursor: dict[tuple, int] = {}
+        self.keys: Callable[[], list] = lambda: [None]  # the sequence of each row of the current forward
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
-        self.log = {id(m): [] for m in self.modules}
+        self.log = {}
         with self._patched(replay=False):
             yield
 
     @contextlib.contextmanager
     def replaying(self) -> Iterator[None]:
-        self.cursor = {id(m): 0 for m in self.modules}
+        self.cursor = {}
         with self._patched(replay=True):
             yield
 
-    def _rows(self, module, n: int, axis: int) -> torch.Tensor:
-        """The next ``n`` recorded rows of ``module`` along ``axis``."""
-        whole = torch.cat(self.log[id(module)], dim=axis)
-        start = self.cursor[id(module)]
-        if start + n > whole.shape[axis]:
-            raise RuntimeError(f"the replaying run asked {module.__class__.__name__} for rows {start}..{start + n} "
-                               f"but the recorded run made only {whole.shape[axis]}: the two runs do not cover "
-                               f"the same tokens")
-        self.cursor[id(module)] = start + n
-        return whole.narrow(axis, start, n)
+    def _record(self, module, out: torch.Tensor) -> None:
+        """out [B, T, ...]: row b appended to the record of the sequence keys()[b]."""
+        for b, key in enumerate(self.keys()):
+            self.log.setdefault((id(module), key), []).append(out[b])
+
+    def _replay(self, module, n: int) -> torch.Tensor:
+        """The next ``n`` recorded tokens of each row's sequence -> [B, n, ...]."""
+        rows = []
+        for key in self.keys():
+            whole = torch.cat(self.log.get((id(module), key), []) or [torch.empty(0)], dim=0)
+            start = self.cursor.get((id(module), key), 0)
+            if start + n > whole.shape[0]:
+                raise RuntimeError(f"the replaying run asked {module.__class__.__name__} for tokens {start}..{start + n}"
+                                   f" of sequence {key!r} but the recorded run made only {whole.shape[0]}: the two "
+                                   f"runs do not cover the same tokens")
+            self.cursor[(id(module), key)] = start + n
+            rows.append(whole[start:start + n])
+        return torch.stack(rows)
 
     @contextlib.contextmanager
     def _patched(self, replay: bool) -> Iterator[None]:
@@ -73,18 +83,19 @@ class HeldChoices:
     def _selection(self, m: LightningIndexer, fn, replay: bool):
         def call(q, *args):  # q [B, T, H, D] -> int32 [B, T, topk]
             if replay:
-                return self._rows(m, q.shape[1], 1).to(q.device)
+                return self._replay(m, q.shape[1]).to(q.device)
             out = fn(q, *args)
-            self.log[id(m)].append(out)
+            self._record(m, out)
             return out
         return call
 
     def _route(self, m: LatentMoE, replay: bool):
-        def call(s):  # s [N, E] -> ids [N, top_k], weights
+        def call(s):  # s [N, E] -> ids [N, top_k], weights; N = B * T tokens, row-major
+            B = len(self.keys())
             if replay:
-                ids = self._rows(m, s.shape[0], 0).to(s.device)
+                ids = self._replay(m, s.shape[0] // B).reshape(s.shape[0], -1).to(s.device)
                 return ids, m.route_weights(s, ids)
             ids, weights = LatentMoE.choose(m, s)
-            self.log[id(m)].append(ids)
+            self._record(m, ids.reshape(B, s.shape[0] // B, -1))
             return ids, weights
         return call

@@ -62,8 +62,8 @@ class DoctorReport:
         return next((g for g in self.gates if not g.ok), None)
 
     def __str__(self) -> str:
-        held = ("DSA keys and routed experts held fixed in the cached-against-full comparisons (low precision "
-                "flips them on near-ties)" if self.held_choices else "discrete choices free (fp32 or wider)")
+        held = ("DSA keys and routed experts held fixed between the compared runs (low precision flips them on "
+                "near-ties)" if self.held_choices else "discrete choices free (fp32 or wider)")
         if self.dtype == "not loaded":
             held = "the model was not loaded"
         lines = [f"minidsa doctor: {self.checkpoint} on {self.device}, backend {self.backend}, {self.dtype}; {held}"]

@@ -146,13 +146,20 @@ def test_held_choices_replay_the_recorded_rows():
         with held.replaying():
             pre = model(ids[:, :20], cache=cache, seq_ids=[sid])
             rest = [model(ids[:, t:t + 1], cache=cache, seq_ids=[sid]) for t in range(20, 30)]
+        held.keys = lambda: ["a sequence never recorded"]
         with pytest.raises(RuntimeError, match="do not cover the same tokens"), held.replaying():
-            held.cursor = {k: 10**6 for k in held.cursor}
             model(ids[:, :1])
     cached = torch.cat([pre] + rest, dim=1)
     # fp32 in two orders of summation: a few 1e-6 of the logit scale; a replayed wrong row would cost O(1)
     assert ((cached - full).abs().max() / full.abs().max()).item() < 1e-5
     assert "select" not in model.language_model.model.layers[3].self_attn.indexer.__dict__  # unpatched after
+
+
+def test_held_choices_through_the_engine_and_the_layers():
+    """Every rung's held-choice path (what bf16 uses) on the fp32 model, which must pass it too."""
+    report = minidsa.doctor("default", hold_choices=True)
+    assert report.ok and report.held_choices and len(report.gates) == 7, str(report)
+    assert "held fixed" in str(report)
 
 
 def test_cli_exit_codes_and_json(tmp_path, capsys):
