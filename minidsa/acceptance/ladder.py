@@ -119,28 +119,26 @@ def _request(model: MiniDSA, hold: bool) -> Gate:
     return gate
 
 
-def _batch(model: MiniDSA, hold: bool) -> Gate:
+def _token_gate(model: MiniDSA, hold: bool, rung: int, name: str, check, measured: str, look_at: str) -> Gate:
+    """A rung judged by greedy tokens: equal, or parting only at a near-tie (rungs 5 and 6)."""
     tol = layers.logits_tolerance(model.config.torch_dtype).value
-    ok, lines = end_to_end.check_batch(model, tol, hold)
-    gate = Gate(5, "batched requests", "PASS" if ok else "FAIL",
-                f"{len(lines)} prompts as one engine batch against each alone, {end_to_end.MAX_TOKENS} greedy tokens",
-                "tokens equal, or parting at a near-tie", NEAR_TIE.format(tol=tol), details=lines)
-    if not ok:
-        gate.look_at = ("rows that see each other: padding rows (position -1, slot -1, block table -1), the "
-                        "block tables and KDA state slots of a batch (serving/scheduler.py, cache/paged.py)")
-    return gate
+    ok, lines = check(model, tol, hold)
+    return Gate(rung, name, "PASS" if ok else "FAIL", measured, "tokens equal, or parting at a near-tie",
+                NEAR_TIE.format(tol=tol), look_at="" if ok else look_at, details=lines)
+
+
+def _batch(model: MiniDSA, hold: bool) -> Gate:
+    return _token_gate(model, hold, 5, "batched requests", end_to_end.check_batch,
+                       f"4 prompts as one engine batch against each alone, {end_to_end.MAX_TOKENS} greedy tokens",
+                       "rows that see each other: padding rows (position -1, slot -1, block table -1), the block "
+                       "tables and KDA state slots of a batch (serving/scheduler.py, cache/paged.py)")
 
 
 def _media(model: MiniDSA, hold: bool) -> Gate:
-    tol = layers.logits_tolerance(model.config.torch_dtype).value
-    ok, lines = end_to_end.check_media(model, tol, hold)
-    gate = Gate(6, "multimodal", "PASS" if ok else "FAIL",
-                "an image and a video request through the engine, each greedy token against the full forward",
-                "tokens equal, or parting at a near-tie", NEAR_TIE.format(tol=tol), details=lines)
-    if not ok:
-        gate.look_at = ("media tokens in cached prefill (serving/engine.py _inputs: inputs_embeds of media rows) and "
-                        "the vision tower's preprocessing (model/vision.py)")
-    return gate
+    return _token_gate(model, hold, 6, "multimodal", end_to_end.check_media,
+                       "an image and a video request through the engine, each greedy token against the full forward",
+                       "media tokens in cached prefill (serving/engine.py _inputs: inputs_embeds of media rows) and "
+                       "the vision tower's preprocessing (model/vision.py)")
 
 
 def _service(model: MiniDSA, hold: bool) -> Gate:
