@@ -51,10 +51,10 @@ def family(name: str) -> str:
     return next((f for f, keys in FAMILIES if any(k.lower() in low for k in keys)), "other")
 
 
-def profile_replay(replay, device: str) -> tuple[int, dict[str, float]]:
-    """(kernels in one replay, {family: share of kernel time})."""
+def profile_replay(replay, device: str) -> tuple[int, dict[str, float], list]:
+    """(kernels in one replay, {family: share of kernel time}, [(kernel, us)] in launch order)."""
     if device != "cuda":
-        return 0, {}
+        return 0, {}, []
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -65,7 +65,8 @@ def profile_replay(replay, device: str) -> tuple[int, dict[str, float]]:
     for e in events:
         times[family(e.name)] += e.device_time
     total = sum(times.values()) or 1.0
-    return len(events), {f: t / total for f, t in times.most_common()}
+    kernels = [(e.name[:80], round(e.device_time, 2)) for e in sorted(events, key=lambda e: e.time_range.start)]
+    return len(events), {f: t / total for f, t in times.most_common()}, kernels
 
 
 def time_replay(replay, device: str, reps: int = 50) -> float:
@@ -201,9 +202,9 @@ def run(config, batch: int, device: str, compile_: bool) -> dict:
             replay = graphed(fn, device)
             got = fn().float()
             dt = time_replay(replay, device, reps=50 if device == "cuda" else 1)
-            kernels, shares = profile_replay(replay, device)
+            kernels, shares, launches = profile_replay(replay, device)
             row[name] = {"step_ms": dt * 1e3, "tokens_per_s": batch / dt, "kernels": kernels,
-                         "kernels_per_layer": kernels / config.num_layers, "shares": shares,
+                         "kernels_per_layer": kernels / config.num_layers, "shares": shares, "launches": launches,
                          "max_logit_diff_vs_eager": (got - want).abs().max().item()}
     experts = routed_experts(model, step)
     row["bytes"] = step_bytes(model, batch, lens, experts)
@@ -224,8 +225,9 @@ def run(config, batch: int, device: str, compile_: bool) -> dict:
             replay = graphed(fn, device)
             replay()
             dt = time_replay(replay, device, reps=50 if device == "cuda" else 1)
-            row["peer"][name] = {"step_ms": dt * 1e3, "tokens_per_s": batch / dt,
-                                 "kernels": profile_replay(replay, device)[0]}
+            kernels, _, launches = profile_replay(replay, device)
+            row["peer"][name] = {"step_ms": dt * 1e3, "tokens_per_s": batch / dt, "kernels": kernels,
+                                 "launches": launches}
     return row
 
 

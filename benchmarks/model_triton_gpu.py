@@ -102,11 +102,11 @@ def held_choices(log: list, replay: bool):
             return log[-1]
         return call
 
-    def choose_held(self, s):
+    def choose_held(self, logits):
         if replay:
             ids = log.pop(0)
-            return ids, self.route_weights(s, ids)
-        ids, weights = choose(self, s)
+            return ids, self.route_weights(torch.sigmoid(logits), ids)
+        ids, weights = choose(self, logits)
         log.append(ids)
         return ids, weights
 

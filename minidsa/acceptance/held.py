@@ -90,12 +90,12 @@ class HeldChoices:
         return call
 
     def _route(self, m: LatentMoE, replay: bool):
-        def call(s):  # s [N, E] -> ids [N, top_k], weights; N = B * T tokens, row-major
-            B = len(self.keys())
+        def call(logits):  # logits [N, E] -> ids [N, top_k], weights; N = B * T tokens, row-major
+            B, N = len(self.keys()), logits.shape[0]
             if replay:
-                ids = self._replay(m, s.shape[0] // B).reshape(s.shape[0], -1).to(s.device)
-                return ids, m.route_weights(s, ids)
-            ids, weights = LatentMoE.choose(m, s)
-            self._record(m, ids.reshape(B, s.shape[0] // B, -1))
+                ids = self._replay(m, N // B).reshape(N, -1).to(logits.device)
+                return ids, m.route_weights(torch.sigmoid(logits), ids)
+            ids, weights = LatentMoE.choose(m, logits)
+            self._record(m, ids.reshape(B, N // B, -1))
             return ids, weights
         return call

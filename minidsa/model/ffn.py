@@ -61,4 +61,4 @@ class SituGluMLP(nn.Module):
 
     def finish(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """From the two projections (gate_proj(x), up_proj(x)) [..., I] on: down(SiTU-GLU(gate, up)) [..., d]."""
-        return self.down_proj(situ_glu(gate, up, self.beta_gate, self.beta_up))
+        return ops.linear(situ_glu(gate, up, self.beta_gate, self.beta_up), self.down_proj.weight)

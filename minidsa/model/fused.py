@@ -22,8 +22,10 @@ bits with and without grad mode (which is per thread: a thread without ``no_grad
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .. import ops
+from ..ops import cast
 
 
 class RowStack:
@@ -109,6 +111,6 @@ class FusedLinears:
         out: list[torch.Tensor | None] = [None] * len(self.parts)
         for stack, ids, widths in self._stacks():
             weight = stack.tensor()
-            for i, y in zip(ids, F.linear(x.to(weight.dtype), weight).split(widths, dim=-1)):
+            for i, y in zip(ids, ops.linear(cast(x, weight.dtype), weight).split(widths, dim=-1)):
                 out[i] = y
         return out

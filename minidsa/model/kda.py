@@ -127,4 +127,4 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         gate = torch.sigmoid(cast(self.g_proj(x) if gate is None else gate, acc_dtype(x)))
         o = self.o_norm(o).reshape(B, T, self.num_heads * self.head_dim) * gate
-        return self.o_proj(cast(o, self.o_proj.weight.dtype))
+        return ops.linear(cast(o, self.o_proj.weight.dtype), self.o_proj.weight)

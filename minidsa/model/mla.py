@@ -95,7 +95,7 @@ class GatedMLA(nn.Module):
         """o [B, T, H, dv] (fp32), gate [B, T, H*dv] -> W_o(o * gate) [B, T, d]."""
         B, T = o.shape[:2]
         o = o.reshape(B, T, -1) * cast(gate, o.dtype)
-        return self.o_proj(cast(o, self.o_proj.weight.dtype))
+        return ops.linear(cast(o, self.o_proj.weight.dtype), self.o_proj.weight)
 
     # ---------------------------------------------------------------- entry point
     def forward(self, x: torch.Tensor, ctx: CacheContext | None = None,

@@ -43,7 +43,6 @@ from .norm import RMSNorm
 # Up to this many tokens per layer call (a decode batch of up to 32 sequences) the routed experts are read
 # straight from MXFP4; prefill-sized calls convert them into the shared FP8 workspace, once for all tokens.
 DIRECT_MAX_TOKENS = 32
-ROUTER_EPS = 1e-20  # guards the renormalisation when every chosen score underflows to 0
 EXPERT_WEIGHTS = ("w1", "w3", "w2")  # gate, up (latent -> I) and down (I -> latent)
 
 
@@ -174,7 +173,7 @@ class LatentMoE(nn.Module):
         fp32 in every model but a float64 one (its weight is kept fp32)."""
         acc = acc_dtype(x)
         logits, z, gate, up = self.input_proj(x)
-        ids, weights = self.choose(torch.sigmoid(cast(logits, acc)))
+        ids, weights = self.choose(cast(logits, acc))
         return ids, weights, cast(z, acc), gate, up
 
     def combine(self, y_lat: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -182,21 +181,15 @@ class LatentMoE(nn.Module):
         y = self.up(self.routed_expert_norm(cast(y_lat, dtype)))[0]
         return y + self.shared_experts.finish(gate, up)
 
-    def choose(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sigmoid affinities s [N, E] -> (expert ids int64 [N, top_k], weights fp32 [N, top_k]). The selection
-        bias is added only to pick the experts; the weights use s itself (DeepSeek-V3's aux-loss-free
-        balancing)."""
-        biased = s + cast(self.gate.e_score_correction_bias, s.dtype)
-        ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.top_k]  # ties -> lower id
-        return ids, self.route_weights(s, ids)
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [N, E] -> (expert ids int64 [N, top_k], weights fp32 [N, top_k]): top_k of the sigmoid
+        affinities s plus the selection bias, weighted by s itself (DeepSeek-V3's aux-loss-free balancing;
+        ``ops.moe_route``)."""
+        return ops.moe_route(logits, self.gate.e_score_correction_bias, self.top_k, self.routed_scaling_factor)
 
     def route_weights(self, s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Affinities s [N, E] of the chosen experts ids [N, top_k], renormalised (only when top_k > 1, as
-        released: a single expert keeps its sigmoid affinity, not a weight of 1) and scaled -> [N, top_k]."""
-        chosen = s.gather(1, ids)
-        if ids.shape[1] > 1:
-            chosen = chosen / (chosen.sum(-1, keepdim=True) + ROUTER_EPS)
-        return chosen * self.routed_scaling_factor
+        """Affinities s [N, E] of the chosen experts ids [N, top_k], renormalised and scaled -> [N, top_k]."""
+        return ops.route_weights(s, ids, self.routed_scaling_factor)
 
     def conversion_plan(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [N, top_k] -> (experts int64 [n], number routed: an int or a device scalar), n = min(N * top_k, E).

@@ -19,8 +19,10 @@ from .attn_res.reference import attn_res_block_scores, attn_res_merge, attn_res_
 from .indexer.reference import index_scores_ref, paged_index_scores_ref, topk_indices_ref
 from .kda.reference import kda_chunk_ref, kda_recurrent_ref
 from .kv_store.reference import store_kv_ref
+from .linear.reference import linear_ref
 from .mla.reference import PREFILL_TILE, decompress_kv, sparse_mla_decode_ref, sparse_mla_prefill_ref
 from .moe_experts.reference import expert_mlp_fp8_ref, expert_mlp_mxfp4_ref, mxfp4_to_fp8_ref
+from .moe_router.reference import moe_route_ref, route_weights
 from .paging import gather_positions, paged_slots
 
 __all__ = ["BACKENDS", "TRITON_KERNELS", "REFERENCES", "acc_dtype", "cast", "current_backend", "set_backend",
@@ -29,7 +31,8 @@ __all__ = ["BACKENDS", "TRITON_KERNELS", "REFERENCES", "acc_dtype", "cast", "cur
            "masked_dense_attention", "indices_to_mask", "gather_rows", "store_kv", "sparse_mla_decode",
            "sparse_mla_prefill", "decompress_kv", "paged_slots", "gather_positions", "PREFILL_TILE",
            "kda_recurrent", "kda_chunk", "attn_res_mix", "attn_res_block_scores", "attn_res_merge",
-           "mxfp4_to_fp8", "expert_mlp_fp8", "expert_mlp_mxfp4", "situ_glu", "situ_glu_backward"]
+           "mxfp4_to_fp8", "expert_mlp_fp8", "expert_mlp_mxfp4", "situ_glu", "situ_glu_backward",
+           "linear", "moe_route", "route_weights"]
 
 # op name -> its PyTorch reference; a Triton kernel registered under the same name must share its signature.
 REFERENCES = {
@@ -38,7 +41,8 @@ REFERENCES = {
     "sparse_mla_decode": sparse_mla_decode_ref, "sparse_mla_prefill": sparse_mla_prefill_ref,
     "kda_recurrent": kda_recurrent_ref, "kda_chunk": kda_chunk_ref, "attn_res_mix": attn_res_mix_ref,
     "mxfp4_to_fp8": mxfp4_to_fp8_ref, "expert_mlp_fp8": expert_mlp_fp8_ref, "expert_mlp_mxfp4": expert_mlp_mxfp4_ref,
-    "situ_glu": situ_glu_ref, "situ_glu_backward": situ_glu_backward_ref,
+    "situ_glu": situ_glu_ref, "situ_glu_backward": situ_glu_backward_ref, "linear": linear_ref,
+    "moe_route": moe_route_ref,
 }
 
 
@@ -161,3 +165,15 @@ def situ_glu_backward(g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor, beta
                       backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Its derivative: g, u, dLoss/dh [...] -> (dLoss/dg, dLoss/du) fp32, recomputed from g and u."""
     return pick("situ_glu_backward", backend, situ_glu_backward_ref, g, u, grad)(g, u, grad, beta_gate, beta_up)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """A bias-free projection: x [..., K] @ weight [N, K]^T -> [..., N] in x's dtype (= weight's)."""
+    return pick("linear", backend, linear_ref, x, weight)(x, weight)
+
+
+def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float, *,
+              backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice: logits [N, E], selection bias [E] -> (expert ids int64 [N, top_k], weights fp32
+    [N, top_k]); ids by descending sigmoid(logits) + bias, ties -> lower id, weights from sigmoid alone."""
+    return pick("moe_route", backend, moe_route_ref, logits)(logits, bias, top_k, scaling)

@@ -41,6 +41,8 @@ TRITON_KERNELS: dict[str, tuple[str, str]] = {
     "expert_mlp_fp8": ("minidsa.ops.moe_experts.mlp_triton", "expert_mlp_fp8"),
     "expert_mlp_mxfp4": ("minidsa.ops.moe_experts.mlp_triton", "expert_mlp_mxfp4"),
     "situ_glu": ("minidsa.ops.activation.situ_glu_triton", "situ_glu"),
+    "linear": ("minidsa.ops.linear.gemv_triton", "linear"),
+    "moe_route": ("minidsa.ops.moe_router.route_triton", "moe_route"),
     "situ_glu_backward": ("minidsa.ops.activation.situ_glu_triton", "situ_glu_backward"),
 }
 

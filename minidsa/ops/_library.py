@@ -42,6 +42,8 @@ SCHEMAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "expert_mlp_mxfp4": ("(Tensor z, Tensor packed, Tensor scales, Tensor experts, Tensor gates, "
                          "float beta_gate, float beta_up) -> Tensor", ()),
     "situ_glu": ("(Tensor g, Tensor u, float beta_gate, float beta_up) -> Tensor", ()),
+    "linear": ("(Tensor x, Tensor weight) -> Tensor", ()),
+    "moe_route": ("(Tensor logits, Tensor bias, int top_k, float scaling) -> (Tensor, Tensor)", ()),
     "situ_glu_backward": ("(Tensor g, Tensor u, Tensor grad, float beta_gate, float beta_up) -> (Tensor, Tensor)",
                           ()),
 }
@@ -76,6 +78,9 @@ FAKES: dict[str, Callable] = {
     "expert_mlp_fp8": lambda z, elements, scales, gates, beta_gate, beta_up: _new(z, z.shape),
     "expert_mlp_mxfp4": lambda z, packed, scales, experts, gates, beta_gate, beta_up: _new(z, z.shape),
     "situ_glu": lambda g, u, beta_gate, beta_up: _new(g, g.shape),
+    "linear": lambda x, weight: x.new_empty((*x.shape[:-1], weight.shape[0])),
+    "moe_route": lambda logits, bias, top_k, scaling: (_new(logits, (logits.shape[0], top_k), torch.int64),
+                                                       _new(logits, (logits.shape[0], top_k))),
     "situ_glu_backward": lambda g, u, grad, beta_gate, beta_up: (_new(g, g.shape), _new(g, g.shape)),
 }
 

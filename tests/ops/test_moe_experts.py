@@ -21,7 +21,7 @@ def routed_inputs(moe, x):
     """The layer's own intermediates for x [N, d]: z, the conversion plan and the routing matrix [m, N]."""
     acc = minidsa.ops.acc_dtype(x)
     logits, z, _, _ = moe.input_proj(x)  # the layer's one product for the router and the down projection
-    ids, weights = moe.choose(torch.sigmoid(logits.to(acc)))
+    ids, weights = moe.choose(logits.to(acc))
     z = z.to(acc)
     experts, _ = moe.conversion_plan(ids)
     gates = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * weights).sum(-1)

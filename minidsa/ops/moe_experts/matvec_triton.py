@@ -307,13 +307,22 @@ def _k_parts(K: int) -> dict:
     return dict(GA=ga, GB=gb, HC=triton.next_power_of_2(2 * rem) if rem else 0)
 
 
-def _gemv_meta(meta: dict, on_gpu: bool, L: int, I: int) -> tuple[dict, dict, dict]:
+# A GPU launch of fewer programs than this leaves SMs idle: the MXFP4 row block shrinks (16 -> 8 -> 4 rows)
+# until the grid reaches it. The small config (8 slots of 512 rows) ran 256 one-warp programs of 16 rows:
+# each walked 16 dependent row steps while most SMs had one warp or none.
+GEMV_MIN_PROGRAMS = 1024
+
+
+def _gemv_meta(meta: dict, on_gpu: bool, L: int, I: int, m: int = 1) -> tuple[dict, dict, dict]:
     """The launch constexprs with the matrix-vector tiles, and the up and down passes' K parts (MXFP4
-    decode only; GA = 1 elsewhere, so each model shape compiles one variant)."""
+    decode only; GA = 1 elsewhere, so each model shape compiles one variant). ``m``: slots in the grid."""
     gemv, mxfp4 = meta["GEMV"], meta["MXFP4"]
     if gemv:  # matrix-vector products on the FMA units
         meta = dict(meta, **GEMV_TILES[("cuda" if on_gpu else "cpu") + ("_mxfp4" if mxfp4 else "")])
         meta.setdefault("BLOCK_K", 32)
+        if on_gpu and mxfp4:
+            while meta["BLOCK_R"] > 4 and m * triton.cdiv(min(L, I), meta["BLOCK_R"]) < GEMV_MIN_PROGRAMS:
+                meta["BLOCK_R"] //= 2
     meta.setdefault("RB", 1)
     if not (gemv and mxfp4):
         none = dict(GA=1, GB=0, HC=0)

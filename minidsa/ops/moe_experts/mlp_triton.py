@@ -222,14 +222,17 @@ def _combine_kernel(part_ptr, gates_ptr, rank_ptr, offset_ptr, out_ptr, m, N, L,
 
 
 # -------------------------------------------------------------------------------------------- launch
-def _config(on_gpu: bool, dense: bool) -> dict:
+def _config(on_gpu: bool, dense: bool, N: int = 1) -> dict:
     """Tile sizes: decode (dense) favours many small weight-streaming programs; prefill (compact) a
     tensor-core-sized tile of 128 weight rows x 64 tokens. The interpreter gets the smallest legal
-    tiles (it pays per program and per element). BLOCK_K is a multiple of the 32-element scale group."""
+    tiles (it pays per program and per element). BLOCK_K is a multiple of the 32-element scale group.
+    A decode batch of 17-32 tokens is one token tile of 32: a program decodes its weight tile once for all
+    of the slot's tokens (two tiles of 16 decoded it twice, and decoding, not the dots, binds these calls)."""
     if not on_gpu:
         return dict(BLOCK_T=16, BLOCK_R=32, BLOCK_K=32, num_warps=4, BLOCK_S=16, BLOCK_L=32)
     if dense:
-        return dict(BLOCK_T=16, BLOCK_R=64, BLOCK_K=128, num_warps=4, num_stages=3, BLOCK_S=16, BLOCK_L=256)
+        return dict(BLOCK_T=32 if 16 < N <= 32 else 16, BLOCK_R=64, BLOCK_K=128, num_warps=4, num_stages=3,
+                    BLOCK_S=16, BLOCK_L=256)
     return dict(BLOCK_T=64, BLOCK_R=128, BLOCK_K=64, num_warps=8, num_stages=3, BLOCK_S=16, BLOCK_L=256)
 
 
@@ -258,8 +261,8 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
     on_gpu = z.is_cuda
     if dense is None:
         fits = N <= DENSE_MAX_TOKENS and m * N * (I + L) * 4 <= DENSE_PAIR_BYTES
-        dense = N <= _config(on_gpu, True)["BLOCK_T"] or fits
-    cfg = _config(on_gpu, dense)
+        dense = N <= _config(on_gpu, True, N)["BLOCK_T"] or fits
+    cfg = _config(on_gpu, dense, N)
     z, gates = z.float().contiguous(), gates.float().contiguous()
     if dense:
         rank = count = offset = token = gates  # unused pointers
@@ -283,7 +286,7 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
         z = z.view(N, L // 8, 8).transpose(1, 2).contiguous()
     # token tiles per slot; the MXFP4 matrix-vector programs walk all of a slot's tokens themselves
     tiles = 1 if meta["GEMV"] and meta["MXFP4"] else max(1, triton.cdiv(longest, cfg["BLOCK_T"]))
-    meta, parts_up, parts_down = _gemv_meta(meta, on_gpu, L, I)
+    meta, parts_up, parts_down = _gemv_meta(meta, on_gpu, L, I, m)
     _up_kernel[(tiles, triton.cdiv(I, meta["BLOCK_R"]), m)](z, *shared, h, *strides, float(beta_gate),
                                                             float(beta_up), **meta, **parts_up)
     _down_kernel[(tiles, triton.cdiv(L, meta["BLOCK_R"]), m)](h, *shared, part, *strides, **meta, **parts_down)

@@ -1,0 +1,43 @@
+"""Reference router choice (docs/design.md §6): DeepSeek-V3's aux-loss-free selection.
+
+    s = sigmoid(logits)                            fp32 affinities [N, E]
+    ids = top_k(s + bias)                          the bias only selects (ties -> lower expert id) ...
+    w = s[ids] / (sum s[ids] + 1e-20) * scaling    ... the weights use s alone; a single expert keeps s
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import acc_dtype, cast, check_tensor
+
+ROUTER_EPS = 1e-20  # guards the renormalisation when every chosen score underflows to 0
+
+
+def check_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[int, int]:
+    """(N, E) after checking logits [N, E] and bias [E] against top_k."""
+    N, E = check_tensor("logits", logits, ndim=2, floating=True)
+    check_tensor("bias", bias, shape=(E,), floating=True)
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k={top_k} must be in 1..{E} (the number of experts)")
+    return N, E
+
+
+def route_weights(s: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Affinities s [N, E] of the chosen experts ids [N, top_k], renormalised (only when top_k > 1, as
+    released: a single expert keeps its sigmoid affinity, not a weight of 1) and scaled -> [N, top_k]."""
+    chosen = s.gather(1, ids)
+    if ids.shape[1] > 1:
+        chosen = chosen / (chosen.sum(-1, keepdim=True) + ROUTER_EPS)
+    return chosen * scaling
+
+
+def moe_route_ref(logits: torch.Tensor, bias: torch.Tensor, top_k: int,
+                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] and the selection bias [E] -> (expert ids int64 [N, top_k] in descending order
+    of s + bias, weights [N, top_k] fp32; fp64 for fp64 logits)."""
+    check_route(logits, bias, top_k)
+    s = torch.sigmoid(cast(logits, acc_dtype(logits)))
+    biased = s + cast(bias, s.dtype)
+    ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    return ids, route_weights(s, ids, scaling)

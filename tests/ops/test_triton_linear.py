@@ -1,0 +1,45 @@
+"""The one-row projection kernel against ``F.linear`` (interpreter on CPU, compiled on a GPU)."""
+
+import pytest
+import torch
+from conftest import kernel_device
+
+from minidsa import ops
+from minidsa.ops.linear.reference import linear_ref
+
+pytest.importorskip("triton")
+from minidsa.ops.linear.gemv_triton import linear  # noqa: E402
+
+
+@pytest.mark.parametrize("N,K", [(60, 63), (264, 256), (9, 1100)])  # odd widths; K past one 1024 step
+def test_gemv_matches_reference_fp32(N, K):
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(N + K)
+    x, w = torch.randn(1, 1, K, generator=g), torch.randn(N, K, generator=g)
+    got = linear(x.to(dev), w.to(dev)).cpu()
+    want = linear_ref(x.double(), w.double())
+    assert got.shape == (1, 1, N) and got.dtype == torch.float32
+    # fp32 products summed in another order than the fp64 reference: K * 2^-24 * max|x w| relative
+    assert (got.double() - want).abs().max() <= 1e-6 * K * (x.abs().max() * w.abs().max())
+
+
+def test_gemv_bf16_and_strided_weight():
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 96, generator=g).bfloat16()
+    stack = torch.randn(96, 70, generator=g).bfloat16()  # a K-major stack: weight [70, 96] with strides (1, 70)
+    got = linear(x.to(dev), stack.to(dev).t()).cpu()
+    want = x.double() @ stack.double()
+    assert got.dtype == torch.bfloat16
+    # exact bf16 products summed in fp32, then one conversion to bf16: within a bf16 spacing (2^-7 relative),
+    # since the interpreter's conversion truncates (the GPU's rounds to nearest: half of that)
+    assert ((got.double() - want).abs() <= 2 ** -7 * want.abs()).all()
+
+
+def test_more_rows_go_to_f_linear_and_bad_shapes_are_named():
+    x, w = torch.randn(3, 16), torch.randn(5, 16)
+    assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
+    with pytest.raises(ValueError, match="in_features 16"):
+        ops.linear(torch.randn(1, 15), w)
+    with pytest.raises(TypeError, match="cast x"):
+        ops.linear(torch.randn(1, 16).double(), w)
