@@ -25,9 +25,6 @@ from ..ops import acc_dtype, cast
 from .fused import FusedLinears, RowStack
 from .norm import RMSNorm
 
-L2_EPS = 1e-6  # q, k <- x / sqrt(sum x^2 + eps)
-
-
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv continuing from ``state``.
 
@@ -86,12 +83,14 @@ class KimiDeltaAttention(nn.Module):
         receives the per-sequence state; without it the sequence starts from a zero state."""
         B, T, _ = x.shape
         acc = acc_dtype(x)
+        if ctx is not None and T == 1:  # decode: one fused step reading the states from their cache slots
+            return self._decode(x, ctx)
         if ctx is None:
             state = {n: torch.zeros((B,) + s, dtype=acc, device=x.device) for n, s in self.state_shapes().items()}
         else:
             state = {n: ctx.cache.read_state(self.cache_layer, n, ctx.state_slots) for n in self.STATE_NAMES}
         (q, k, v, g, beta), new_state, gate = self.inputs_and_gate(x, state)
-        if T == 1:  # decode: the recurrence, one step (chosen at run time from the query count)
+        if T == 1:  # one step without a cache: the recurrence (chosen at run time from the query count)
             o, new_state["recurrent"] = ops.kda_recurrent(q, k, v, g, beta, None, state["recurrent"])
         else:
             o, new_state["recurrent"] = ops.kda_chunk(q, k, v, g, beta, None, state["recurrent"], self.chunk_size)
@@ -100,26 +99,40 @@ class KimiDeltaAttention(nn.Module):
                 ctx.stage_state(self.cache_layer, n, value)
         return self.output(o, x, gate)
 
+    def _decode(self, x: torch.Tensor, ctx: CacheContext) -> torch.Tensor:
+        """One token per sequence: the projections, then ``ops.kda_decode`` (the L2 norms, gates and the
+        recurrent step in one kernel on a GPU), which reads the recurrent states from the cache's pool."""
+        B = x.shape[0]
+        qkv, z, b, gate, conv_state = self.projections(x, ctx.cache.read_state(self.cache_layer, "conv", ctx.state_slots))
+        pool = ctx.cache.state[self.cache_layer]["recurrent"]
+        o, recurrent = ops.kda_decode(qkv.view(B, 3, self.num_heads, self.head_dim), z.view(B, -1),
+                                      b.reshape(B, self.num_heads), self.A_log, self.dt_bias, self.lower_bound, pool,
+                                      ctx.state_slots)
+        ctx.stage_state(self.cache_layer, "recurrent", recurrent)
+        ctx.stage_state(self.cache_layer, "conv", conv_state)
+        return self.output(o.view(B, 1, self.num_heads, self.head_dim), x, gate)
+
     def recurrence_inputs(self, x: torch.Tensor, state: dict[str, torch.Tensor]):
         """x [B, T, d] and the conv state -> ((q, k [B, T, H, K], v [B, T, H, K], g [B, T, H, K], beta [B, T, H]),
         {"conv": the new conv state}). The training path reuses it (training/forward.py)."""
         return self.inputs_and_gate(x, state)[:2]
 
-    def inputs_and_gate(self, x: torch.Tensor, state: dict[str, torch.Tensor]):
-        """``recurrence_inputs`` plus the output gate's pre-activation W_g x [B, T, H*K] (same product)."""
+    def projections(self, x: torch.Tensor, conv_state: torch.Tensor):
+        """x [B, T, d], the conv state -> (qkv [B, T, 3, H, K] = SiLU of the short convs, z [B, T, H*K] the decay's
+        pre-activation W_fb W_fa x, b [B, T, H] beta's logits, the output gate's W_g x [B, T, H*K], the new conv
+        state), all but the gate in the accumulation dtype."""
         B, T, _ = x.shape
-        H, K = self.num_heads, self.head_dim
         acc = acc_dtype(x)
         projected, f_a, b, gate = self.input_proj(x)
-        y, conv_state = causal_conv(cast(projected, acc), self.conv_weight.tensor(), state["conv"])
-        qkv = F.silu(y).view(B, T, 3, H, K)
-        qk = qkv[:, :, :2]  # q and k are L2-normalised per head, in one pass
-        q, k = (qk * torch.rsqrt(qk.pow(2).sum(-1, keepdim=True) + L2_EPS)).unbind(2)
-        z = cast(self.decay_up(f_a)[0], acc) + cast(self.dt_bias, acc)
-        a = cast(self.A_log[:H], acc).exp().unsqueeze(-1)  # [H, 1]: one rate per head, over its K channels
-        g = self.lower_bound * torch.sigmoid(a * z.view(B, T, H, K))
-        beta = torch.sigmoid(cast(b, acc))
-        return (q, k, qkv[:, :, 2], g, beta), {"conv": conv_state}, gate
+        y, conv_state = causal_conv(cast(projected, acc), self.conv_weight.tensor(), conv_state)
+        qkv = F.silu(y).view(B, T, 3, self.num_heads, self.head_dim)
+        return qkv, cast(self.decay_up(f_a)[0], acc), cast(b, acc), gate, conv_state
+
+    def inputs_and_gate(self, x: torch.Tensor, state: dict[str, torch.Tensor]):
+        """``recurrence_inputs`` plus the output gate's pre-activation W_g x [B, T, H*K] (same product)."""
+        qkv, z, b, gate, conv_state = self.projections(x, state["conv"])
+        inputs = ops.kda_step_inputs(qkv, z, b, self.A_log, self.dt_bias, self.lower_bound)
+        return inputs, {"conv": conv_state}, gate
 
     def output(self, o: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """o [B, T, H, K] from the recurrence, x [B, T, d] the layer input -> W_o[RMSNorm_head(o) * sigmoid(W_g x)]

@@ -17,6 +17,7 @@ from .activation.reference import situ_glu_backward_ref, situ_glu_ref
 from .attention.reference import gather_rows, indices_to_mask, masked_dense_attention, sparse_attention_ref
 from .attn_res.reference import attn_res_block_scores, attn_res_merge, attn_res_mix_ref
 from .indexer.reference import index_scores_ref, paged_index_scores_ref, topk_indices_ref
+from .kda.decode_step import kda_decode_ref, kda_step_inputs
 from .kda.reference import kda_chunk_ref, kda_recurrent_ref
 from .kv_store.reference import store_kv_ref
 from .linear.reference import linear_ref
@@ -32,7 +33,7 @@ __all__ = ["BACKENDS", "TRITON_KERNELS", "REFERENCES", "acc_dtype", "cast", "cur
            "sparse_mla_prefill", "decompress_kv", "paged_slots", "gather_positions", "PREFILL_TILE",
            "kda_recurrent", "kda_chunk", "attn_res_mix", "attn_res_block_scores", "attn_res_merge",
            "mxfp4_to_fp8", "expert_mlp_fp8", "expert_mlp_mxfp4", "situ_glu", "situ_glu_backward",
-           "linear", "moe_route", "route_weights"]
+           "linear", "moe_route", "route_weights", "kda_decode", "kda_step_inputs"]
 
 # op name -> its PyTorch reference; a Triton kernel registered under the same name must share its signature.
 REFERENCES = {
@@ -42,7 +43,7 @@ REFERENCES = {
     "kda_recurrent": kda_recurrent_ref, "kda_chunk": kda_chunk_ref, "attn_res_mix": attn_res_mix_ref,
     "mxfp4_to_fp8": mxfp4_to_fp8_ref, "expert_mlp_fp8": expert_mlp_fp8_ref, "expert_mlp_mxfp4": expert_mlp_mxfp4_ref,
     "situ_glu": situ_glu_ref, "situ_glu_backward": situ_glu_backward_ref, "linear": linear_ref,
-    "moe_route": moe_route_ref,
+    "moe_route": moe_route_ref, "kda_decode": kda_decode_ref,
 }
 
 
@@ -124,6 +125,16 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     multiple of ``chunk_size``."""
     fn = pick("kda_chunk", backend, kda_chunk_ref, q, k, v, g, beta, initial_state)
     return fn(q, k, v, g, beta, scale, initial_state, chunk_size)
+
+
+def kda_decode(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+               lower_bound: float, state_pool: torch.Tensor, slots: torch.Tensor, scale: float | None = None, *,
+               backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One KDA decode step from the layer's projections: qkv [B,3,H,K] (SiLU of the convs), z [B,H*K] decay
+    pre-activation, b [B,H] beta logits, A_log, dt_bias, state_pool [S,H,K,K] read at slots [B]
+    -> (o [B,H,K] in qkv's dtype, new states [B,H,K,K] fp32). See ops/kda/decode_step.py."""
+    fn = pick("kda_decode", backend, kda_decode_ref, qkv, z, state_pool)
+    return fn(qkv, z, b, A_log, dt_bias, lower_bound, state_pool, slots, scale)
 
 
 def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-5,

@@ -37,6 +37,7 @@ TRITON_KERNELS: dict[str, tuple[str, str]] = {
     "sparse_mla_prefill": ("minidsa.ops.mla.prefill_triton", "sparse_mla_prefill"),
     "kda_recurrent": ("minidsa.ops.kda.recurrent_triton", "kda_recurrent"),
     "kda_chunk": ("minidsa.ops.kda.chunk_triton", "kda_chunk"),
+    "kda_decode": ("minidsa.ops.kda.decode_triton", "kda_decode"),
     "mxfp4_to_fp8": ("minidsa.ops.moe_experts.convert_triton", "mxfp4_to_fp8"),
     "expert_mlp_fp8": ("minidsa.ops.moe_experts.mlp_triton", "expert_mlp_fp8"),
     "expert_mlp_mxfp4": ("minidsa.ops.moe_experts.mlp_triton", "expert_mlp_mxfp4"),

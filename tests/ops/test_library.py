@@ -54,12 +54,13 @@ def test_fakes_match_what_the_ops_return(monkeypatch):
         model(torch.randint(0, 256, (1, 70), generator=gen), cache=cache, seq_ids=[sid])
         model(torch.randint(0, 256, (1, 1), generator=gen), cache=cache, seq_ids=[sid])
         model(torch.randint(0, 256, (2, 9), generator=gen))
+        model(torch.randint(0, 256, (2, 1), generator=gen))  # one step without a cache: the plain recurrence
         g, u = torch.randn(3, 5), torch.randn(3, 5)
         ops.situ_glu(g, u, 4.0, 25.0)
         ops.situ_glu_backward(g, u, torch.randn(3, 5), 4.0, 25.0)
     seen = {op for op, _, _ in calls}
     assert {"situ_glu", "situ_glu_backward", "store_kv", "paged_index_scores", "topk_indices", "sparse_mla_decode",
             "sparse_mla_prefill", "kda_recurrent", "kda_chunk", "mxfp4_to_fp8", "expert_mlp_fp8",
-            "expert_mlp_mxfp4", "linear", "moe_route"} <= seen
+            "expert_mlp_mxfp4", "linear", "moe_route", "kda_decode"} <= seen
     for op, args, out in calls:
         assert _meta(FAKES[op](*args)) == _meta(out), op
