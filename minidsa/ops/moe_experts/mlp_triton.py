@@ -255,9 +255,9 @@ def _compact(gates: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool | None = None) -> torch.Tensor:
     """The three passes; ``experts`` None means slot j is storage row j (the FP8 workspace)."""
     N, m = z.shape[0], gates.shape[0]
-    out = torch.zeros(N, L, dtype=torch.float32, device=z.device)
     if N == 0 or m == 0:
-        return out
+        return torch.zeros(N, L, dtype=torch.float32, device=z.device)
+    out = torch.empty(N, L, dtype=torch.float32, device=z.device)  # the combine writes every element
     on_gpu = z.is_cuda
     if dense is None:
         fits = N <= DENSE_MAX_TOKENS and m * N * (I + L) * 4 <= DENSE_PAIR_BYTES
@@ -270,7 +270,7 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
     else:
         rank, count, offset, token, pairs, longest = _compact(gates)
         if pairs == 0:  # no token routed anywhere
-            return out
+            return out.zero_()
     h = torch.empty(pairs, I, dtype=torch.float32, device=z.device)
     part = torch.empty(pairs, L, dtype=torch.float32, device=z.device)
     shared = (w, s, gates if experts is None else experts.contiguous(), gates, count, offset, token)
