@@ -25,6 +25,7 @@ from ..ops import acc_dtype, cast
 from .fused import FusedLinears, RowStack
 from .norm import RMSNorm
 
+
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv continuing from ``state``.
 

@@ -17,8 +17,7 @@ from .activation.reference import situ_glu_backward_ref, situ_glu_ref
 from .attention.reference import gather_rows, indices_to_mask, masked_dense_attention, sparse_attention_ref
 from .attn_res.reference import attn_res_block_scores, attn_res_merge, attn_res_mix_ref
 from .indexer.reference import index_scores_ref, paged_index_scores_ref, topk_indices_ref
-from .kda.decode_step import kda_decode_ref, kda_step_inputs
-from .kda.reference import kda_chunk_ref, kda_recurrent_ref
+from .kda.reference import kda_chunk_ref, kda_decode_ref, kda_recurrent_ref, kda_step_inputs
 from .kv_store.reference import store_kv_ref
 from .linear.reference import linear_ref
 from .mla.reference import PREFILL_TILE, decompress_kv, sparse_mla_decode_ref, sparse_mla_prefill_ref
@@ -132,7 +131,7 @@ def kda_decode(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: torch
                backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One KDA decode step from the layer's projections: qkv [B,3,H,K] (SiLU of the convs), z [B,H*K] decay
     pre-activation, b [B,H] beta logits, A_log, dt_bias, state_pool [S,H,K,K] read at slots [B]
-    -> (o [B,H,K] in qkv's dtype, new states [B,H,K,K] fp32). See ops/kda/decode_step.py."""
+    -> (o [B,H,K] in qkv's dtype, new states [B,H,K,K] fp32). See ops/kda/reference.py."""
     fn = pick("kda_decode", backend, kda_decode_ref, qkv, z, state_pool)
     return fn(qkv, z, b, A_log, dt_bias, lower_bound, state_pool, slots, scale)
 

@@ -5,7 +5,7 @@ import torch
 from conftest import kernel_device
 
 from minidsa import ops
-from minidsa.ops.kda.decode_step import kda_decode_ref
+from minidsa.ops.kda.reference import kda_decode_ref
 
 pytest.importorskip("triton")
 from minidsa.ops.kda.decode_triton import kda_decode  # noqa: E402

@@ -1,4 +1,4 @@
-"""Triton kernel of ``kda_decode``: the contract of ``kda_decode_ref`` in ``minidsa/ops/kda/decode_step.py``.
+"""Triton kernel of ``kda_decode``: the contract of ``kda_decode_ref`` in ``minidsa/ops/kda/reference.py``.
 
 The recurrent kernel's decode step (``recurrent_triton.py``) with its inputs built in registers: a program
 (batch row, head, BLOCK_V state columns) loads its head's q, k rows and L2-normalises them, computes g from
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_step import L2_EPS, check_decode, kda_decode_ref
 from .recurrent_triton import _recurrent_block_v
+from .reference import L2_EPS, check_decode, kda_decode_ref
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import ROUTER_EPS, check_route
+from .reference import ROUTER_EPS, check_route, moe_route_ref
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -52,7 +52,6 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int,
     """Router logits [N, E], selection bias [E] -> (ids int64 [N, top_k], weights fp32 [N, top_k])."""
     N, E = check_route(logits, bias, top_k)
     if logits.dtype == torch.float64:  # exactness tests only
-        from .reference import moe_route_ref
         return moe_route_ref(logits, bias, top_k, scaling)
     ids = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
@@ -63,6 +62,7 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int,
     block_e = triton.next_power_of_2(E)
     block_n = max(1, min(triton.next_power_of_2(N), 4096 // block_e))  # about 4K scores per program
     _route_kernel[(triton.cdiv(N, block_n),)](logits, bias.contiguous(), ids, weights, N, E, logits.stride(0),
-                                             float(scaling), ROUTER_EPS, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), RENORM=top_k > 1,
+                                             float(scaling), ROUTER_EPS, TOP_K=top_k,
+                                             K_PAD=triton.next_power_of_2(top_k), RENORM=top_k > 1,
                                              BLOCK_N=block_n, BLOCK_E=block_e, num_warps=4)
     return ids, weights
