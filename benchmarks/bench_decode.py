@@ -36,9 +36,9 @@ from minidsa.model.moe import LatentMoE
 HBM = 4.3e12  # H200 bytes/s (docs/design.md §11)
 
 FAMILIES = (  # (family, substrings of kernel names), first match wins
-    ("project kernels", ("_recurrent_kernel", "_up_kernel", "_down_kernel", "_combine_kernel", "_gemv", "_decode",
-                         "_convert", "_store", "_scores", "_topk", "_latent", "_mla", "_kda")),
-    ("matrix products", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "cublas")),
+    ("matrix products", ("_gemv_kernel", "gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "cublas")),
+    ("project kernels", ("_recurrent_kernel", "_up_kernel", "_down_kernel", "_combine_kernel", "_decode",
+                         "_convert", "_store", "_scores", "_topk", "_latent", "_mla", "_kda", "_route", "_row_")),
     ("inductor fused", ("triton_",)),
     ("copy / cast", ("copy", "memcpy", "memset", "cast", "convert")),
     ("reduction / norm", ("reduce", "norm", "softmax", "sort", "topk", "scan")),
