@@ -24,6 +24,7 @@ from .cache import OutOfKVBlocksError
 from .checkpoint.loading import load
 from .checkpoint.manifest import DEFAULT_MODEL, count_parameters
 from .checkpoint.validator import check_checkpoint
+from .distributed import rank_bytes
 from .server import start_server
 from .serving import bench
 from .serving.generation import generate
@@ -72,10 +73,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="hide the progress bars (loading; generation shows one only when stdout is not a terminal)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="always generate --max-new-tokens (the untrained model samples eos at random)")
-    c = sub.add_parser("params", parents=[common],
-                       help="count total and active parameters of a config (meta device, no memory)")
-    c.add_argument("config", help="'default' (the shipped model's config), a preset name, a config JSON path or a "
-                                  "checkpoint directory")
+    _params_parser(sub, common)
     k = sub.add_parser("check-checkpoint", parents=[common],
                        help="check a checkpoint's names, shapes and dtypes from its headers alone")
     k.add_argument("directory", help="checkpoint directory (config.json, index JSON, shards)")
@@ -98,6 +96,17 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--distractors", type=int, default=0, help="extra pass-key passages per prompt (default: 0)")
     e.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     return parser
+
+
+def _params_parser(sub, common) -> None:
+    c = sub.add_parser("params", parents=[common],
+                       help="count total and active parameters of a config (meta device, no memory); with --tp / "
+                            "--ep, each rank's resident bytes")
+    c.add_argument("config", help="'default' (the shipped model's config), a preset name, a config JSON path or a "
+                                  "checkpoint directory")
+    c.add_argument("--tp", type=_positive_int, default=None, help="tensor-parallel degree (attention heads, shared "
+                                                                   "expert, dense MLP)")
+    c.add_argument("--ep", type=_positive_int, default=None, help="expert-parallel degree (routed experts)")
 
 
 TRAIN_INT_OPTIONS = ("seed", "dense_steps", "warmup_steps", "sparse_steps", "batch_size", "mm_batch_size", "context",
@@ -249,7 +258,28 @@ def _params(args) -> int:
     print(f"{args.config}: {counts['total']:,} parameters in total, {counts['active']:,} active per token "
           f"({human_count(counts['total'])} / {human_count(counts['active'])}; "
           f"{human_count(counts['active_with_embedding_and_vision'])} counting the input embedding and vision path)")
+    if args.tp is not None or args.ep is not None:
+        print(rank_table(args.config, args.tp or 1, args.ep or 1))
     return 0
+
+
+def rank_table(config, tp: int, ep: int) -> str:
+    """Each rank's resident bytes under tp x ep (ranks with equal figures on one line)."""
+    rows = rank_bytes(config, tp, ep)
+    gib = lambda n: f"{n / 2**30:,.2f} GiB"  # noqa: E731
+    lines = [f"tp={tp}, ep={ep}: {len(rows)} ranks (weights in memory dtypes, routed experts in MXFP4)",
+             f"{'ranks':>9} | {'weights':>12} | {'of which experts':>16} | {'KV per token':>12} | "
+             f"{'KDA state per seq':>17} | {'FP8 workspace':>13}"]
+    groups: dict[tuple, list[int]] = {}
+    for r in rows:
+        groups.setdefault(tuple(v for k, v in r.items() if k != "rank"), []).append(r["rank"])
+    for (weights, experts, kv, state, ws), ranks in groups.items():
+        label = f"{ranks[0]}" if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+        lines.append(f"{label:>9} | {gib(weights):>12} | {gib(experts):>16} | {kv / 2**10:>9,.1f} KiB | "
+                     f"{state / 2**20:>13,.1f} MiB | {gib(ws):>13}")
+    total = sum(r["weights"] for r in rows)
+    lines.append(f"all ranks together hold {gib(total)} of weights")
+    return "\n".join(lines)
 
 
 def human_count(n: int) -> str:

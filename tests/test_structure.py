@@ -24,7 +24,7 @@ README = ROOT / "README.md"
 # modules of its own unit and of units below it, never above (docs/design.md §13). Nothing lists modules:
 # a new file joins its folder's unit by where it lives.
 UNITS = ("config", "tokenizer", "formats", "ops", "cache", "model", "checkpoint", "serving", "server", "training",
-         "viz", "acceptance", "cli", "__init__", "__main__")
+         "viz", "acceptance", "distributed", "cli", "__init__", "__main__")
 
 MAX_FUNCTION_LINES = 50
 MAX_FILE_LINES = 450  # every .py file of the package
