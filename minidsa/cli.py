@@ -25,6 +25,7 @@ from .checkpoint.loading import load
 from .checkpoint.manifest import DEFAULT_MODEL, count_parameters
 from .checkpoint.validator import check_checkpoint
 from .distributed import rank_bytes
+from .distributed.launch import init_from_env, load_rank
 from .server import start_server
 from .serving import bench
 from .serving.generation import generate
@@ -73,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="hide the progress bars (loading; generation shows one only when stdout is not a terminal)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="always generate --max-new-tokens (the untrained model samples eos at random)")
+    g.add_argument("--tp", type=_positive_int, default=None, help="tensor-parallel degree (under torchrun)")
+    g.add_argument("--ep", type=_positive_int, default=None, help="expert-parallel degree (under torchrun)")
     _params_parser(sub, common)
     k = sub.add_parser("check-checkpoint", parents=[common],
                        help="check a checkpoint's names, shapes and dtypes from its headers alone")
@@ -226,7 +229,18 @@ def _check_utf8(text: str, name: str) -> None:
 def _generate(args) -> int:
     """Stream the continuation to stdout as it is sampled; the speed line goes to stderr."""
     _check_utf8(args.prompt, "prompt")
-    model = load(args.config, progress=not args.no_progress)
+    rank = 0
+    if args.tp is not None or args.ep is not None:  # one rank of a torchrun job: its slices of the model
+        par, rank, comm = init_from_env(args.tp or 1, args.ep or 1)
+        model = load_rank(args.config, par, rank, comm)
+    else:
+        model = load(args.config, progress=not args.no_progress)
+    if rank != 0:  # the other ranks step in lock-step with rank 0 and print nothing
+        for _ in generate(args.prompt, model, images=args.image, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_p=args.top_p, seed=args.seed, stream=True,
+                          stop_at_eos=not args.ignore_eos):
+            pass
+        return 0
     terminal = sys.stdout.isatty()
     start = time.perf_counter()
     stream = generate(args.prompt, model, images=args.image, max_new_tokens=args.max_new_tokens,

@@ -1,8 +1,13 @@
 """Tensor and expert parallelism over torch.distributed (docs/design.md §20).
 
-plan.py: which rank holds which slice of every checkpoint tensor, and each rank's bytes.
+plan.py: which rank holds which slice of every checkpoint tensor, and each rank's bytes;
+parallel.py: one rank's model (its slices, its all-reduces);
+launch.py: sharded loading, gloo workers spawned from Python, torchrun.
 """
 
+from .launch import generate, load_rank, logits, spawn
+from .parallel import Comm, local_config, shard_from_model, shard_model
 from .plan import Parallelism, rank_bytes, shard_manifest, tensor_slice
 
-__all__ = ["Parallelism", "rank_bytes", "shard_manifest", "tensor_slice"]
+__all__ = ["Comm", "Parallelism", "generate", "load_rank", "local_config", "logits", "rank_bytes", "shard_from_model",
+           "shard_manifest", "shard_model", "spawn", "tensor_slice"]

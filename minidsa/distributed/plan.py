@@ -98,7 +98,7 @@ def tensor_slice(name: str, shape: tuple[int, ...], par: Parallelism, rank: int,
         return whole if int(m.group(1)) in par.expert_range(cfg, rank) else None
     suffix = _suffix(name)
     for kinds, dim in ((COLUMN, 0), (ROW, 1)):
-        if name.startswith("language_model.") and suffix in kinds:
+        if name.startswith("language_model.") and suffix.endswith(kinds):
             n = shape[dim] // par.tp
             t = par.tp_rank(rank)
             return whole[:dim] + (slice(t * n, (t + 1) * n),) + whole[dim + 1:]

@@ -48,6 +48,8 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 4.0, beta_
 class SituGluMLP(nn.Module):
     """down(SiTU-GLU(gate(x), up(x))). x [..., d] -> [..., d]."""
 
+    parallel = None  # a distributed Comm when the intermediate channels are split over ranks
+
     def __init__(self, hidden: int, intermediate: int, beta_gate: float = 4.0, beta_up: float = 25.0) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
@@ -61,4 +63,5 @@ class SituGluMLP(nn.Module):
 
     def finish(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """From the two projections (gate_proj(x), up_proj(x)) [..., I] on: down(SiTU-GLU(gate, up)) [..., d]."""
-        return ops.linear(situ_glu(gate, up, self.beta_gate, self.beta_up), self.down_proj.weight)
+        out = ops.linear(situ_glu(gate, up, self.beta_gate, self.beta_up), self.down_proj.weight)
+        return out if self.parallel is None else self.parallel.tp_all_reduce(out)  # row-parallel: partial sums

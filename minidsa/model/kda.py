@@ -41,6 +41,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> t
 
 class KimiDeltaAttention(nn.Module):
     STATE_NAMES = ("recurrent", "conv")
+    parallel = None  # a distributed Comm when the heads are split over ranks (minidsa/distributed)
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, cache_layer: int) -> None:
         super().__init__()
@@ -141,4 +142,5 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         gate = torch.sigmoid(cast(self.g_proj(x) if gate is None else gate, acc_dtype(x)))
         o = self.o_norm(o).reshape(B, T, self.num_heads * self.head_dim) * gate
-        return ops.linear(cast(o, self.o_proj.weight.dtype), self.o_proj.weight)
+        out = ops.linear(cast(o, self.o_proj.weight.dtype), self.o_proj.weight)
+        return out if self.parallel is None else self.parallel.tp_all_reduce(out)  # this rank's heads: partial

@@ -39,6 +39,8 @@ LATENT_NORM_EPS = 1e-6
 
 
 class GatedMLA(nn.Module):
+    parallel = None  # a distributed Comm when the heads are split over ranks (minidsa/distributed)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, cache_layer: int) -> None:
         super().__init__()
         m = cfg.mla
@@ -95,7 +97,8 @@ class GatedMLA(nn.Module):
         """o [B, T, H, dv] (fp32), gate [B, T, H*dv] -> W_o(o * gate) [B, T, d]."""
         B, T = o.shape[:2]
         o = o.reshape(B, T, -1) * cast(gate, o.dtype)
-        return ops.linear(cast(o, self.o_proj.weight.dtype), self.o_proj.weight)
+        out = ops.linear(cast(o, self.o_proj.weight.dtype), self.o_proj.weight)
+        return out if self.parallel is None else self.parallel.tp_all_reduce(out)  # this rank's heads: partial
 
     # ---------------------------------------------------------------- entry point
     def forward(self, x: torch.Tensor, ctx: CacheContext | None = None,

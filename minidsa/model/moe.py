@@ -89,6 +89,8 @@ class ExpertWorkspace:
 class LatentMoE(nn.Module):
     """``block_sparse_moe`` of one layer. forward(x_hat [B, T, d]) -> [B, T, d]."""
 
+    parallel = None  # a distributed Comm when the routed experts are split over ranks (minidsa/distributed)
+
     def __init__(self, cfg: ModelConfig, workspace: Callable[[], ExpertWorkspace]) -> None:
         super().__init__()
         m = cfg.moe
@@ -115,6 +117,7 @@ class LatentMoE(nn.Module):
         # Lazy loading: (expert, "w1", "weight_packed") -> a reader that fills that tensor (checked) from disk.
         self.lazy_source: dict[tuple[int, str, str], Callable[[], None]] = {}
         self.resident = torch.ones(m.num_experts, dtype=torch.bool, device="cpu")  # experts with packed data in memory
+        self.expert_ids = range(m.num_experts)  # the routed experts held here: all, or one rank's range
 
     @property
     def packed(self) -> dict[str, torch.Tensor]:
@@ -131,8 +134,16 @@ class LatentMoE(nn.Module):
         out = {}
         for kind, mats in (("weight_packed", self.packed), ("weight_scale", self.scales)):
             for name, t in mats.items():
-                out.update({f"experts.{e}.{name}.{kind}": t[e] for e in range(self.num_experts)})
+                out.update({f"experts.{e}.{name}.{kind}": t[i] for i, e in enumerate(self.expert_ids)})
         return out
+
+    def keep_experts(self, experts: range) -> None:
+        """Hold only the routed experts ``experts`` (a contiguous range: one rank's under expert parallelism);
+        the router still scores all of them, and tokens routed elsewhere get nothing from this layer's copy."""
+        self.experts_packed = self.experts_packed[experts.start: experts.stop].clone()
+        self.experts_scale = self.experts_scale[experts.start: experts.stop].clone()
+        self.resident = self.resident[experts.start: experts.stop].clone()
+        self.expert_ids = experts
 
     @torch.no_grad()
     def init_experts(self, generator: torch.Generator, std: float) -> None:
@@ -216,8 +227,13 @@ class LatentMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         ids, weights, z, gate, up = self.project(x)
+        if len(self.expert_ids) < self.num_experts:  # this rank's experts only: ids local, the others' gates 0
+            lo, mine = self.expert_ids.start, (ids >= self.expert_ids.start) & (ids < self.expert_ids.stop)
+            ids, weights = torch.where(mine, ids - lo, 0), torch.where(mine, weights, 0.0)
         with self._exclusive():
             y_lat = self._routed(z, ids, weights, acc_dtype(x))
+        if self.parallel is not None:  # the experts' sum is whole before the (nonlinear) norm
+            y_lat = self.parallel.ep_all_reduce(y_lat)
         return self.combine(y_lat, gate, up, x.dtype).reshape(shape)
 
     def _exclusive(self):
