@@ -8,15 +8,18 @@ and full shape against the config's manifest; shard checksums cover whole files,
 ``spawn(task, tp, ep, *args)`` starts ``max(tp, ep)`` processes (torch.multiprocessing, gloo over a file
 store in a temporary directory), runs ``task(rank, par, comm, *args)`` in each and returns rank 0's result;
 a rank that raises stops every rank, and the error names the rank. ``logits`` and ``generate`` are such
-tasks, for notebooks and tests. Under ``torchrun`` (``python -m minidsa generate ... --tp T --ep E``) the
+tasks, for notebooks and tests; ``engine_task`` runs an Engine on rank 0 with the other ranks following it
+(follow.py). Under ``torchrun`` (``python -m minidsa generate ... --tp T --ep E``) the
 processes exist already: ``init_from_env`` joins the process group they share. Every rank runs the same
 steps on the same batch; rank 0 prints.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -27,7 +30,9 @@ from ..checkpoint.loading import build_model
 from ..checkpoint.manifest import PRETRAINED, checkpoint_manifest, pretrained_dir
 from ..config import load_config
 from ..formats import shards
+from ..serving import Engine
 from ..serving.generation import generate as run_generate
+from .follow import follow, lead, stop
 from .parallel import Comm, shard_from_model, shard_model
 from .plan import Parallelism
 
@@ -71,13 +76,18 @@ def _load_slices(directory: Path, par: Parallelism, rank: int, comm: Comm):
 # ---------------------------------------------------------------- processes
 def _worker(rank: int, par: Parallelism, store: str, task, args, results) -> None:
     torch.set_num_threads(1)  # N processes on a few cores: one thread each, or they oversubscribe
-    dist.init_process_group("gloo", store=dist.FileStore(store, par.world), rank=rank, world_size=par.world)
+    # a rank left waiting in a collective (its peer died or went another way) fails after 5 minutes, not 30
+    dist.init_process_group("gloo", store=dist.FileStore(store, par.world), rank=rank, world_size=par.world,
+                            timeout=datetime.timedelta(minutes=5))
     try:
         out = task(rank, par, Comm(par, rank), *args)
         if rank == 0:  # as numpy: a shared-memory tensor would outlive the process that shares it
             results.put(_map_tensors(out, lambda t: t.detach().cpu().numpy()))
     except Exception as e:
-        raise RuntimeError(f"rank {rank} of {par.world} (tp={par.tp}, ep={par.ep}) failed: {e}") from e
+        message = f"rank {rank} of {par.world} (tp={par.tp}, ep={par.ep}) failed: {e}"
+        with open(f"{store}.error.{rank}", "w") as f:  # when written: a peer's failure follows the first one
+            f.write(f"{time.time()!r}\t{message}")
+        raise RuntimeError(message) from e
     finally:
         dist.destroy_process_group()
 
@@ -93,8 +103,9 @@ def spawn(task, tp: int = 1, ep: int = 1, *args):
             mp.start_processes(_worker, args=(par, os.path.join(tmp, "store"), task, args, results),
                                nprocs=par.world, join=True, start_method="spawn")
         except mp.ProcessRaisedException as e:
-            lines = [line for line in str(e).splitlines() if "failed:" in line]
-            raise RuntimeError(lines[-1].split("RuntimeError: ", 1)[-1] if lines else str(e)) from None
+            # The first rank to fail is the cause; the others failed after it (a peer's closed connection).
+            errors = sorted(Path(tmp).glob("store.error.*"), key=lambda p: float(p.read_text().split("\t", 1)[0]))
+            raise RuntimeError(errors[0].read_text().split("\t", 1)[1] if errors else str(e)) from None
     return _map_tensors(results.get(), torch.from_numpy, numpy=True)
 
 
@@ -144,6 +155,19 @@ def logits_task(rank, par, comm, source, input_ids, decode_ids, images):
 def generate_task(rank, par, comm, source, prompt, kwargs):
     """The text ``minidsa.generate`` returns, every rank stepping together (same tokens on every rank)."""
     return run_generate(prompt, model=load_rank(source, par, rank, comm), **kwargs)
+
+
+def engine_task(rank, par, comm, source, prompts, params):
+    """Rank 0's engine serves ``prompts``; the other ranks follow it (follow.py): rank 0's output texts."""
+    engine = Engine(load_rank(source, par, rank, comm))
+    if rank != 0:
+        follow(engine)
+        return None
+    lead(engine)
+    try:
+        return [out.text for out in engine.generate(prompts, params, progress=False)]
+    finally:
+        stop()
 
 
 def logits(source, input_ids: torch.Tensor, decode_ids: torch.Tensor, *, tp: int = 1, ep: int = 1,

@@ -71,3 +71,15 @@ def test_sharded_loading_reads_the_checkpoint_and_a_bad_slice_names_its_rank(tmp
     with pytest.raises(RuntimeError, match=r"rank 1 of 2 \(tp=1, ep=2\) failed: tensor .*experts\.5\.w1\."
                                            r"weight_packed has dtype I16, expected"):
         logits(str(tmp_path / "ckpt"), ids, dec, tp=1, ep=2)
+
+
+def test_the_engine_on_rank_0_drives_the_others():
+    from minidsa import Engine, SamplingParams
+    from minidsa.distributed import spawn
+    from minidsa.distributed.launch import engine_task
+    prompts = ["hello", "a longer prompt, so the two differ", "x"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)  # no seed: rank 0 draws one
+    got = spawn(engine_task, 2, 2, "tiny", prompts, [greedy, greedy, sampled])
+    want = [o.text for o in Engine(minidsa.load("tiny")).generate(prompts[:2], greedy, progress=False)]
+    assert got[:2] == want and len(got) == 3  # the followers ran every step: spawn would hang or fail otherwise

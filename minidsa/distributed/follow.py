@@ -1,0 +1,69 @@
+"""The engine on rank 0, the other ranks following it step by step.
+
+Requests reach rank 0 only (a server, a script). ``lead(engine)`` makes rank 0's engine send every call
+that changes what it will run, a queued request (with its seed fixed, so every rank samples alike), an
+abort, a step, to the other ranks before running it; ``follow(engine)`` makes another rank's engine run
+those calls in the same order until ``stop``. The scheduler is deterministic and every rank's logits are
+the same bits (parallel.py), so every rank schedules, preempts and samples exactly as rank 0 does, and
+only these small commands cross between processes (``broadcast_object_list``, among the job's own ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch.distributed as dist
+
+from ..serving import Engine
+
+
+def _send(command: tuple) -> None:
+    dist.broadcast_object_list([command], src=0)
+
+
+def lead(engine: Engine) -> Engine:
+    """Rank 0: mirror ``enqueue``, ``abort`` and ``step`` to the followers (returns the same engine)."""
+    enqueue, abort, step = engine.enqueue, engine.abort, engine.step
+
+    def mirrored_enqueue(prompt, ids, features, params, request_id=None, trace=None):
+        if params.seed is None:  # a seed drawn here, not on each rank
+            params = dataclasses.replace(params, seed=int.from_bytes(os.urandom(6), "little"))
+        req = enqueue(prompt, ids, features, params, request_id, trace)
+        _send(("enqueue", prompt, list(ids), [f.cpu() for f in features], params, req.request_id))
+        return req
+
+    def mirrored_abort(request_id):
+        abort(request_id)
+        _send(("abort", request_id))
+
+    def mirrored_step():
+        _send(("step",))
+        return step()
+
+    engine.enqueue, engine.abort, engine.step = mirrored_enqueue, mirrored_abort, mirrored_step
+    return engine
+
+
+def stop() -> None:
+    """Rank 0: release the followers (their ``follow`` returns)."""
+    _send(("stop",))
+
+
+def follow(engine: Engine) -> int:
+    """Any rank but 0: run rank 0's engine calls on this rank's engine until it stops; the steps run."""
+    steps = 0
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        kind, *args = box[0]
+        if kind == "stop":
+            return steps
+        if kind == "enqueue":
+            prompt, ids, features, params, rid = args
+            engine.enqueue(prompt, ids, [f.to(engine.model.device) for f in features], params, rid)
+        elif kind == "abort":
+            engine.abort(*args)
+        else:
+            engine.step()
+            steps += 1
