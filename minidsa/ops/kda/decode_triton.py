@@ -4,8 +4,8 @@ The recurrent kernel's decode step (``recurrent_triton.py``) with its inputs bui
 (batch row, head, BLOCK_V state columns) loads its head's q, k rows and L2-normalises them, computes g from
 z, dt_bias and A_log and beta from b, reads its state slice from the sequence's slot of the cache's state
 pool, and runs the step. The new state goes to a fresh tensor (the cache is written only when the whole
-forward succeeds). One launch instead of the five or six a compiled step spent materialising q, k, v, g,
-beta and the gathered state for the recurrence.
+forward succeeds). One launch: a compiled step would otherwise materialise q, k, v, g, beta and the
+gathered state as separate tensors for the recurrence, one kernel each.
 """
 
 from __future__ import annotations

@@ -308,8 +308,8 @@ def _k_parts(K: int) -> dict:
 
 
 # A GPU launch of fewer programs than this leaves SMs idle: the MXFP4 row block shrinks (16 -> 8 -> 4 rows)
-# until the grid reaches it. The small config (8 slots of 512 rows) ran 256 one-warp programs of 16 rows:
-# each walked 16 dependent row steps while most SMs had one warp or none.
+# until the grid reaches it. 8 slots of 512 rows in blocks of 16 would be 256 one-warp programs, each
+# walking 16 dependent row steps while most SMs hold one warp or none.
 GEMV_MIN_PROGRAMS = 1024
 
 

@@ -227,7 +227,7 @@ def _config(on_gpu: bool, dense: bool, N: int = 1) -> dict:
     tensor-core-sized tile of 128 weight rows x 64 tokens. The interpreter gets the smallest legal
     tiles (it pays per program and per element). BLOCK_K is a multiple of the 32-element scale group.
     A decode batch of 17-32 tokens is one token tile of 32: a program decodes its weight tile once for all
-    of the slot's tokens (two tiles of 16 decoded it twice, and decoding, not the dots, binds these calls)."""
+    of the slot's tokens (two tiles of 16 would decode it twice, and decoding, not the dots, binds these calls)."""
     if not on_gpu:
         return dict(BLOCK_T=16, BLOCK_R=32, BLOCK_K=32, num_warps=4, BLOCK_S=16, BLOCK_L=32)
     if dense:
