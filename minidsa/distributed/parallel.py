@@ -79,10 +79,11 @@ def shard_model(read: Callable[[str, tuple[slice, ...]], torch.Tensor], full_sha
                 cfg: ModelConfig, par: Parallelism, rank: int, comm: Comm, device="cpu") -> MiniDSA:
     """Rank ``rank``'s model, every tensor filled by ``read(name, slices)`` (the plan's slice of the full
     tensor ``full_shapes[name]``; it must come back in that shape)."""
-    model = MiniDSA(local_config(cfg, par), device="meta", init=False).to_empty(device=device)
+    model = MiniDSA(local_config(cfg, par), device="meta", init=False)
     mine = par.expert_range(cfg, rank)
-    for moe in model.moe_layers():
+    for moe in model.moe_layers():  # on the meta device: memory is allocated for this rank's experts only
         moe.keep_experts(mine)
+    model = model.to_empty(device=device)
     heads = cfg.kda.num_heads // par.tp
     h0 = par.tp_rank(rank) * heads
     for name, local in model.checkpoint_tensors().items():
