@@ -21,22 +21,9 @@ from torch import nn
 from .. import ops
 from ..cache import CacheContext
 from ..config import ModelConfig
-from ..ops import acc_dtype, cast
+from ..ops import acc_dtype, cast, causal_conv
 from .fused import FusedLinears, RowStack
 from .norm import RMSNorm
-
-
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv continuing from ``state``.
-
-    x [B, T, C], weight [C, 1, W], state [B, W-1, C] (the previous W-1 inputs, zeros at the start)
-    -> (y [B, T, C], new_state [B, W-1, C]); y[t] = sum_i weight[:, 0, i] * [state; x][t + i].
-    """
-    W = weight.shape[-1]
-    full = torch.cat([cast(state, x.dtype), x], dim=1)  # [B, W-1+T, C]
-    windows = full.unfold(1, W, 1)  # [B, T, C, W]
-    y = (windows * cast(weight[:, 0, :], x.dtype)).sum(-1)
-    return y, full[:, full.shape[1] - (W - 1):]
 
 
 class KimiDeltaAttention(nn.Module):
@@ -102,17 +89,18 @@ class KimiDeltaAttention(nn.Module):
         return self.output(o, x, gate)
 
     def _decode(self, x: torch.Tensor, ctx: CacheContext) -> torch.Tensor:
-        """One token per sequence: the projections, then ``ops.kda_decode`` (the L2 norms, gates and the
-        recurrent step in one kernel on a GPU), which reads the recurrent states from the cache's pool."""
+        """One token per sequence: the input products, then ``ops.kda_decode`` (short convs, decay projection,
+        norms, gates and the recurrent step; one kernel on a GPU), which reads both states from the cache's
+        pools at the sequences' slots."""
         B = x.shape[0]
-        qkv, z, b, gate, conv_state = self.projections(x, ctx.cache.read_state(self.cache_layer, "conv", ctx.state_slots))
-        pool = ctx.cache.state[self.cache_layer]["recurrent"]
-        o, recurrent = ops.kda_decode(qkv.view(B, 3, self.num_heads, self.head_dim), z.view(B, -1),
-                                      b.reshape(B, self.num_heads), self.A_log, self.dt_bias, self.lower_bound, pool,
-                                      ctx.state_slots)
+        projected, f_a, b, gate = self.input_proj(x.reshape(B, -1))
+        pools = ctx.cache.state[self.cache_layer]
+        o, recurrent, conv = ops.kda_decode(projected, f_a, b, self.conv_weight.tensor(), self.f_b_proj.weight,
+                                            self.A_log, self.dt_bias, self.lower_bound, pools["conv"],
+                                            pools["recurrent"], ctx.state_slots)
         ctx.stage_state(self.cache_layer, "recurrent", recurrent)
-        ctx.stage_state(self.cache_layer, "conv", conv_state)
-        return self.output(o.view(B, 1, self.num_heads, self.head_dim), x, gate)
+        ctx.stage_state(self.cache_layer, "conv", conv)
+        return self.output(o.view(B, 1, self.num_heads, self.head_dim), x, gate.unsqueeze(1))
 
     def recurrence_inputs(self, x: torch.Tensor, state: dict[str, torch.Tensor]):
         """x [B, T, d] and the conv state -> ((q, k [B, T, H, K], v [B, T, H, K], g [B, T, H, K], beta [B, T, H]),

@@ -143,9 +143,11 @@ class GatedMLA(nn.Module):
         acc = acc_dtype(proj["q"])
         w_uk, w_uv = self.absorbed_weights()
         q = cast(proj["q"], acc)
-        # Per head: q_latent[h] = q_nope[h] @ W_UK[h] and o[h] = o_latent[h] @ W_UV[h]^T (batched over heads).
-        q_latent = (q[..., : self.dn].unsqueeze(-2) @ cast(w_uk, acc)).squeeze(-2)  # [B, T, H, r]
+        # Per head: q_latent[h] = q_nope[h] @ W_UK[h] and o[h] = o_latent[h] @ W_UV[h]^T, one product batched
+        # over heads with the B*T queries as its rows (a broadcasting matmul over [B, T, H, 1, dn] would copy
+        # the weights once per query: at batch 32 that copy outweighed the attention).
+        q_latent = torch.einsum("bthd,hdr->bthr", q[..., : self.dn], cast(w_uk, acc))  # [B, T, H, r]
         o_latent = ops.sparse_mla_decode(q_latent, q[..., self.dn:], ctx.cache.plane(self.cache_layer, "kv_latent"),
                                          ctx.cache.plane(self.cache_layer, "k_pe"), ctx.block_table, idx,
                                          self.softmax_scale)
-        return (o_latent.unsqueeze(-2) @ cast(w_uv, acc).mT).squeeze(-2)  # [B, T, H, dv]
+        return torch.einsum("bthr,hvr->bthv", o_latent, cast(w_uv, acc))  # [B, T, H, dv]

@@ -17,7 +17,7 @@ from .activation.reference import situ_glu_backward_ref, situ_glu_ref
 from .attention.reference import gather_rows, indices_to_mask, masked_dense_attention, sparse_attention_ref
 from .attn_res.reference import attn_res_block_scores, attn_res_merge, attn_res_mix_ref
 from .indexer.reference import index_scores_ref, paged_index_scores_ref, topk_indices_ref
-from .kda.reference import kda_chunk_ref, kda_decode_ref, kda_recurrent_ref, kda_step_inputs
+from .kda.reference import causal_conv, kda_chunk_ref, kda_decode_ref, kda_recurrent_ref, kda_step_inputs
 from .kv_store.reference import store_kv_ref
 from .linear.reference import linear_ref
 from .mla.reference import PREFILL_TILE, decompress_kv, sparse_mla_decode_ref, sparse_mla_prefill_ref
@@ -32,7 +32,7 @@ __all__ = ["BACKENDS", "TRITON_KERNELS", "REFERENCES", "acc_dtype", "cast", "cur
            "sparse_mla_prefill", "decompress_kv", "paged_slots", "gather_positions", "PREFILL_TILE",
            "kda_recurrent", "kda_chunk", "attn_res_mix", "attn_res_block_scores", "attn_res_merge",
            "mxfp4_to_fp8", "expert_mlp_fp8", "expert_mlp_mxfp4", "situ_glu", "situ_glu_backward",
-           "linear", "moe_route", "route_weights", "kda_decode", "kda_step_inputs"]
+           "linear", "moe_route", "route_weights", "kda_decode", "kda_step_inputs", "causal_conv"]
 
 # op name -> its PyTorch reference; a Triton kernel registered under the same name must share its signature.
 REFERENCES = {
@@ -126,14 +126,16 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     return fn(q, k, v, g, beta, scale, initial_state, chunk_size)
 
 
-def kda_decode(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-               lower_bound: float, state_pool: torch.Tensor, slots: torch.Tensor, scale: float | None = None, *,
-               backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One KDA decode step from the layer's projections: qkv [B,3,H,K] (SiLU of the convs), z [B,H*K] decay
-    pre-activation, b [B,H] beta logits, A_log, dt_bias, state_pool [S,H,K,K] read at slots [B]
-    -> (o [B,H,K] in qkv's dtype, new states [B,H,K,K] fp32). See ops/kda/reference.py."""
-    fn = pick("kda_decode", backend, kda_decode_ref, qkv, z, state_pool)
-    return fn(qkv, z, b, A_log, dt_bias, lower_bound, state_pool, slots, scale)
+def kda_decode(projected: torch.Tensor, f_a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
+               w_fb: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
+               conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor, scale: float | None = None, *,
+               backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One KDA decode step from the layer's projections: projected [B,3HK] (q, k, v before the short convs),
+    f_a [B,R] decay down projection, b [B,H] beta logits, conv_weight [3HK,1,W], w_fb [HK,R], A_log, dt_bias,
+    conv_pool [S,W-1,3HK] and state_pool [S,H,K,K] read at slots [B] -> (o [B,H,K], new recurrent states
+    [B,H,K,K], new conv states [B,W-1,3HK]), fp32. See ops/kda/reference.py."""
+    fn = pick("kda_decode", backend, kda_decode_ref, projected, f_a, conv_weight, w_fb, state_pool)
+    return fn(projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, lower_bound, conv_pool, state_pool, slots, scale)
 
 
 def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-5,

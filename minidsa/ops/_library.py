@@ -35,8 +35,9 @@ SCHEMAS: dict[str, tuple[str, tuple[str, ...]]] = {
                       "Tensor? initial_state) -> (Tensor, Tensor)", ()),
     "kda_chunk": ("(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float? scale, Tensor? initial_state, "
                   "int chunk_size) -> (Tensor, Tensor)", ()),
-    "kda_decode": ("(Tensor qkv, Tensor z, Tensor b, Tensor A_log, Tensor dt_bias, float lower_bound, "
-                   "Tensor state_pool, Tensor slots, float? scale) -> (Tensor, Tensor)", ()),
+    "kda_decode": ("(Tensor projected, Tensor f_a, Tensor b, Tensor conv_weight, Tensor w_fb, Tensor A_log, "
+                   "Tensor dt_bias, float lower_bound, Tensor conv_pool, Tensor state_pool, Tensor slots, "
+                   "float? scale) -> (Tensor, Tensor, Tensor)", ()),
     "mxfp4_to_fp8": ("(Tensor packed, Tensor scales, Tensor experts, Tensor(a!) out_elements, "
                      "Tensor(b!) out_scales) -> ()", ("out_elements", "out_scales")),
     "expert_mlp_fp8": ("(Tensor z, Tensor elements, Tensor scales, Tensor gates, float beta_gate, "
@@ -76,8 +77,10 @@ FAKES: dict[str, Callable] = {
     "kda_recurrent": _kda,
     "kda_chunk": lambda q, k, v, g, beta, scale, initial_state, chunk_size: _kda(q, k, v, g, beta, scale,
                                                                                 initial_state),
-    "kda_decode": lambda qkv, z, b, A_log, dt_bias, lower_bound, state_pool, slots, scale: (
-        qkv.new_empty(qkv.shape[0], qkv.shape[2], qkv.shape[3]), _new(qkv, (qkv.shape[0], *state_pool.shape[1:]))),
+    "kda_decode": lambda projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, lower_bound, conv_pool, state_pool,
+                         slots, scale: (_new(projected, (projected.shape[0], *state_pool.shape[1:3])),
+                                        _new(projected, (projected.shape[0], *state_pool.shape[1:])),
+                                        _new(projected, (projected.shape[0], *conv_pool.shape[1:]))),
     "mxfp4_to_fp8": lambda packed, scales, experts, out_elements, out_scales: None,
     "expert_mlp_fp8": lambda z, elements, scales, gates, beta_gate, beta_up: _new(z, z.shape),
     "expert_mlp_mxfp4": lambda z, packed, scales, experts, gates, beta_gate, beta_up: _new(z, z.shape),

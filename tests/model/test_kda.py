@@ -7,7 +7,7 @@ from conftest import tiny_config
 
 import minidsa
 from minidsa import ops
-from minidsa.model.kda import causal_conv
+from minidsa.ops import causal_conv
 from minidsa.ops.kda.reference import FACTOR_SPAN, kda_chunk_ref, kda_recurrent_ref
 
 

@@ -154,17 +154,34 @@ def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=6
 
 
 # ---------------------------------------------------------------- one decode step from the projections
-# The layer's decode reads its inputs from a few projections and the cache; everything between them and the
-# recurrence is small per-head arithmetic that a compiled step would otherwise launch as several kernels
-# (one per tensor the recurrence reads). ``kda_decode_ref`` is that whole step; ``kda_step_inputs`` the
-# arithmetic it shares with the prefill path (model/kda.py):
+# The layer's decode reads its inputs from two products of the layer input (the fused input projection and
+# the decay's rank-R down projection f_a) and the cache; everything between them and the recurrence is small
+# per-channel arithmetic that a compiled step would otherwise launch as several kernels (the conv-state
+# gather, the short convs, SiLU, the decay's up projection, the norms and gates, the recurrent-state gather).
+# ``kda_decode_ref`` is that whole step; ``causal_conv`` and ``kda_step_inputs`` the pieces it shares with the
+# prefill path (model/kda.py):
+#     y, C' = causal_conv(projected, conv_weight, conv_pool[slots])     short convs continuing from the state
+#     qkv  = SiLU(y)                                                    [B, 3, H, K]
+#     z    = W_fb f_a, rounded to W_fb's dtype (what the layer's product returns)
 #     q, k = L2-normalised rows of qkv[:, 0], qkv[:, 1] (per head)      v = qkv[:, 2]
 #     g    = lower_bound * sigmoid(exp(A_log[h]) * (z + dt_bias))       log-decay per key channel
 #     beta = sigmoid(b)                                                 one per head
-#     S    = state_pool[slots]                                          this step's sequences' states
-#     (o, S') = kda_recurrent(q, k, v, g, beta, scale, S)               T = 1
+#     (o, S') = kda_recurrent(q, k, v, g, beta, scale, state_pool[slots])   T = 1
 
 L2_EPS = 1e-6  # q, k <- x / sqrt(sum x^2 + eps)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv continuing from ``state``.
+
+    x [B, T, C], weight [C, 1, W], state [B, W-1, C] (the previous W-1 inputs, zeros at the start)
+    -> (y [B, T, C], new_state [B, W-1, C]); y[t] = sum_i weight[:, 0, i] * [state; x][t + i].
+    """
+    W = weight.shape[-1]
+    full = torch.cat([cast(state, x.dtype), x], dim=1)  # [B, W-1+T, C]
+    windows = full.unfold(1, W, 1)  # [B, T, C, W]
+    y = (windows * cast(weight[:, 0, :], x.dtype)).sum(-1)
+    return y, full[:, full.shape[1] - (W - 1):]
 
 
 def kda_step_inputs(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
@@ -181,29 +198,44 @@ def kda_step_inputs(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: 
     return q, k, qkv[..., 2, :, :], g, torch.sigmoid(cast(b, acc))
 
 
-def check_decode(qkv, z, b, A_log, dt_bias, state_pool, slots) -> tuple[int, int, int, int]:
-    """(B, H, K, V) after checking the shapes (T = 1; value heads = key heads, as in the model)."""
-    B, three, H, K = check_tensor("qkv", qkv, ndim=4, floating=True)
-    if three != 3:
-        raise ValueError(f"qkv has shape {tuple(qkv.shape)}; dim 1 must be 3 (q, k, v)")
-    check_tensor("z", z, shape=(B, H * K), floating=True)
+def check_decode(projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, conv_pool, state_pool,
+                 slots) -> tuple[int, int, int, int]:
+    """(B, H, K, W) after checking the shapes (T = 1; value heads = key heads, K = V, as in the model)."""
+    _, H, K, V = check_tensor("state_pool", state_pool, shape=(None, None, None, None), floating=True)
+    if V != K:
+        raise ValueError(f"state_pool has shape {tuple(state_pool.shape)}; its value width must equal the key "
+                         f"width {K}")
+    B, C = check_tensor("projected", projected, ndim=2, floating=True)
+    if C != 3 * H * K:
+        raise ValueError(f"projected has shape {tuple(projected.shape)}; dim 1 must be 3*H*K = {3 * H * K} "
+                         f"(q, k, v of the state pool's {H} heads of width {K})")
+    _, R = check_tensor("f_a", f_a, shape=(B, None), floating=True)
     check_tensor("b", b, shape=(B, H), floating=True)
+    _, _, W = check_tensor("conv_weight", conv_weight, shape=(C, 1, None), floating=True)
+    check_tensor("w_fb", w_fb, shape=(H * K, R), floating=True)
     if A_log.dim() != 1 or A_log.shape[0] < H:
         raise ValueError(f"A_log has shape {tuple(A_log.shape)}; it needs at least {H} entries (one per head)")
     check_tensor("dt_bias", dt_bias, shape=(H * K,), floating=True)
-    _, _, _, V = check_tensor("state_pool", state_pool, shape=(None, H, K, None), floating=True)
-    if V != K:
-        raise ValueError(f"state_pool has shape {tuple(state_pool.shape)}; its value width must be v's {K}")
+    check_tensor("conv_pool", conv_pool, shape=(state_pool.shape[0], W - 1, C), floating=True)
     check_tensor("slots", slots, shape=(B,), integer=True)
-    return B, H, K, V
+    return B, H, K, W
 
 
-def kda_decode_ref(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                   lower_bound: float, state_pool: torch.Tensor, slots: torch.Tensor,
-                   scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """qkv [B, 3, H, K], z [B, H*K], b [B, H], A_log [>= H], dt_bias [H*K], state_pool [S, H, K, K] (read only),
-    slots int [B] -> (o [B, H, K] in qkv's dtype, the new states [B, H, K, K] fp32; fp64 for fp64 inputs)."""
-    check_decode(qkv, z, b, A_log, dt_bias, state_pool, slots)
+def kda_decode_ref(projected: torch.Tensor, f_a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
+                   w_fb: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
+                   conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+                   scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode step of a KDA layer from its projections: projected [B, 3*H*K] (W_q x, W_k x, W_v x side by
+    side), f_a [B, R] (W_fa x), b [B, H] (W_b x), conv_weight [3*H*K, 1, W], w_fb [H*K, R], A_log [>= H],
+    dt_bias [H*K], conv_pool [S, W-1, 3*H*K] and state_pool [S, H, K, K] (both read only, at slots int [B])
+    -> (o [B, H, K], the new recurrent states [B, H, K, K], the new conv states [B, W-1, 3*H*K]), all in the
+    accumulation dtype (fp32; fp64 for fp64 inputs)."""
+    B, H, K, _ = check_decode(projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, conv_pool, state_pool, slots)
+    acc = acc_dtype(projected)
+    rows = slots.long()
+    y, conv = causal_conv(cast(projected, acc).unsqueeze(1), conv_weight, conv_pool[rows])
+    qkv = torch.nn.functional.silu(y).view(B, 3, H, K)
+    z = cast(torch.nn.functional.linear(cast(f_a, w_fb.dtype), w_fb), acc)
     q, k, v, g, beta = kda_step_inputs(qkv, z, b, A_log, dt_bias, lower_bound)
-    o, state = kda_recurrent_ref(*(x.unsqueeze(1) for x in (q, k, v, g, beta)), scale, state_pool[slots.long()])
-    return o.squeeze(1), state
+    o, state = kda_recurrent_ref(*(x.unsqueeze(1) for x in (q, k, v, g, beta)), scale, state_pool[rows])
+    return o.squeeze(1), state, conv

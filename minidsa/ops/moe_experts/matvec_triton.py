@@ -11,7 +11,7 @@ end). Bound by weight bytes: ~60 % of the H200's 4.3 TB/s at K3 shapes.
 MXFP4, every decode size (``_mxfp4_rows``): a program (BLOCK_R rows of one slot) walks the slot's routed
 tokens; per token it computes its rows, RB at a time, each over the whole K.
 - A thread owns whole scale groups of K (32 codes, 4 int32 words; or half groups, see below). It loads
-  their activations once per (program, token), passed as 8 planes x[j::8] so that each is a vector load,
+  their activations once per (program, token) as 8 planes x[j::8] (h is stored that way, z gathered),
   and keeps them in registers; per row it then issues one 16-byte load per group of codes. No activation
   is reloaded per row, and every weight byte is read once, as part of a vector load.
 - A word's 8 codes are decoded by ``_E2M1_PTX`` (11 integer instructions per 8 codes, then one
@@ -117,28 +117,35 @@ def _words(G0, UNITS: tl.constexpr, WPU: tl.constexpr):
 
 
 @triton.jit
-def _x_part(x_ptr, K, G0, UNITS: tl.constexpr, WPU: tl.constexpr):
-    """One part of the activation row as its 8 planes x_j = x[j::8] (stored planar, [8, K/8], see
-    mlp_triton._launch_mlp), [1, UNITS, WPU] each, zero past K: vector loads, once per program and token."""
+def _x_part(x_ptr, K, G0, UNITS: tl.constexpr, WPU: tl.constexpr, PLANAR: tl.constexpr):
+    """One part of the activation row as its 8 planes x_j = x[j::8], [1, UNITS, WPU] each, zero past K; once
+    per program and token. PLANAR: the row is stored as its planes ([8, K/8], as the up pass writes h), so
+    each plane is a vector load; otherwise (z, as the layer passes it) each plane is a stride-8 gather from
+    the 2-4 KB row, a few scalar loads per thread that cost less than a separate transposing copy."""
     wo = _words(G0, UNITS, WPU)
     ok = wo < K // 8
-    plane = K // 32 * 4  # K/8, written so that the compiler sees a multiple of 4 words (16-byte loads)
-    return (tl.load(x_ptr + wo, mask=ok, other=0.0), tl.load(x_ptr + plane + wo, mask=ok, other=0.0),
-            tl.load(x_ptr + 2 * plane + wo, mask=ok, other=0.0), tl.load(x_ptr + 3 * plane + wo, mask=ok, other=0.0),
-            tl.load(x_ptr + 4 * plane + wo, mask=ok, other=0.0), tl.load(x_ptr + 5 * plane + wo, mask=ok, other=0.0),
-            tl.load(x_ptr + 6 * plane + wo, mask=ok, other=0.0), tl.load(x_ptr + 7 * plane + wo, mask=ok, other=0.0))
+    if PLANAR:
+        plane = K // 32 * 4  # K/8, written so that the compiler sees a multiple of 4 words (16-byte loads)
+        return (tl.load(x_ptr + wo, mask=ok, other=0.0), tl.load(x_ptr + plane + wo, mask=ok, other=0.0),
+                tl.load(x_ptr + 2 * plane + wo, mask=ok, other=0.0), tl.load(x_ptr + 3 * plane + wo, mask=ok, other=0.0),
+                tl.load(x_ptr + 4 * plane + wo, mask=ok, other=0.0), tl.load(x_ptr + 5 * plane + wo, mask=ok, other=0.0),
+                tl.load(x_ptr + 6 * plane + wo, mask=ok, other=0.0), tl.load(x_ptr + 7 * plane + wo, mask=ok, other=0.0))
+    e = x_ptr + 8 * wo
+    return (tl.load(e, mask=ok, other=0.0), tl.load(e + 1, mask=ok, other=0.0), tl.load(e + 2, mask=ok, other=0.0),
+            tl.load(e + 3, mask=ok, other=0.0), tl.load(e + 4, mask=ok, other=0.0), tl.load(e + 5, mask=ok, other=0.0),
+            tl.load(e + 6, mask=ok, other=0.0), tl.load(e + 7, mask=ok, other=0.0))
 
 
 @triton.jit
-def _x_parts(x_ptr, K, GA: tl.constexpr, GB: tl.constexpr, HC: tl.constexpr):
+def _x_parts(x_ptr, K, GA: tl.constexpr, GB: tl.constexpr, HC: tl.constexpr, PLANAR: tl.constexpr):
     """The activation planes of the three parts of K (see _mxfp4_rows); an absent part repeats part A."""
-    xa = _x_part(x_ptr, K, 0, GA, 4)
+    xa = _x_part(x_ptr, K, 0, GA, 4, PLANAR)
     xb = xa
     xc = xa
     if GB > 0:
-        xb = _x_part(x_ptr, K, GA, GB, 4)
+        xb = _x_part(x_ptr, K, GA, GB, 4, PLANAR)
     if HC > 0:
-        xc = _x_part(x_ptr, K, GA + GB, HC, 2)
+        xc = _x_part(x_ptr, K, GA + GB, HC, 2, PLANAR)
     return xa, xb, xc
 
 
@@ -233,7 +240,7 @@ def _up_token(z_ptr, w1, s1, sw_m, ss_m, h_ptr, pair, t, gate, L, I, beta_gate, 
     The row loop only collects the rows' two sums; SiTU-GLU then runs once on all BLOCK_R rows (inside
     the loop its ~100 instructions would run per step for one row's value), and each step's group scales are
     loaded a step ahead (uint8 loads are not prefetched by the compiler)."""
-    x = _x_parts(z_ptr + t * L, L, GA, GB, HC)
+    x = _x_parts(z_ptr + t * L, L, GA, GB, HC, False)
     row0 = tl.program_id(1) * BLOCK_R
     steps = tl.arange(0, BLOCK_R // RB)
     g_rows = tl.zeros([BLOCK_R // RB, RB], tl.float32)
@@ -260,7 +267,7 @@ def _down_token(h_ptr, w2, s2, part_ptr, pair, L, I, BLOCK_R: tl.constexpr, RB: 
                 GA: tl.constexpr, GB: tl.constexpr, HC: tl.constexpr, PTX: tl.constexpr):
     """part[pair, rows] of the program's BLOCK_R latent rows for one routed (slot, token) pair (group
     scales loaded a step ahead, as in _up_token)."""
-    x = _x_parts(h_ptr + pair * I, I, GA, GB, HC)
+    x = _x_parts(h_ptr + pair * I, I, GA, GB, HC, True)
     row0 = tl.program_id(1) * BLOCK_R
     rb = row0 + tl.arange(0, RB)
     sc = _row_scales(s2, rb, rb < L, I, GA, GB, HC)

@@ -282,8 +282,6 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
     # matrix-vector products for one token (MXFP4: up to MXFP4_GEMV_MAX_TOKENS), tensor-core tiles above
     meta["GEMV"] = dense and (N == 1 or (w.dtype == torch.uint8 and N <= MXFP4_GEMV_MAX_TOKENS))
     meta["PTX"] = on_gpu and triton.runtime.driver.active.get_current_target().backend == "cuda"
-    if meta["GEMV"] and meta["MXFP4"]:  # activations as 8 planes z[n, j::8] (see matvec_triton._x_part)
-        z = z.view(N, L // 8, 8).transpose(1, 2).contiguous()
     # token tiles per slot; the MXFP4 matrix-vector programs walk all of a slot's tokens themselves
     tiles = 1 if meta["GEMV"] and meta["MXFP4"] else max(1, triton.cdiv(longest, cfg["BLOCK_T"]))
     meta, parts_up, parts_down = _gemv_meta(meta, on_gpu, L, I, m)
