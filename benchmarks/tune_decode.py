@@ -103,27 +103,33 @@ def sweep_route() -> None:
 
 
 def sweep_kda() -> None:
-    H, K = 16, 64
+    H, K, R, W = 16, 64, 64, 4
+    C = 3 * H * K
     for B in (1, 32):
         n = copies(B * H * K * K * 4 * 2)
-        pools = [torch.randn(16 if B == 1 else B, H, K, K, device="cuda") for _ in range(n)]
-        qkv = torch.randn(B, 3, H, K, device="cuda", dtype=torch.bfloat16)
-        z = torch.randn(B, H * K, device="cuda", dtype=torch.bfloat16)
+        pools = [torch.randn(max(16, B), H, K, K, device="cuda") for _ in range(n)]
+        conv_pool = torch.randn(max(16, B), W - 1, C, device="cuda")
+        x = torch.randn(B, C, device="cuda", dtype=torch.bfloat16)
+        f_a = torch.randn(B, R, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(B, H, device="cuda", dtype=torch.bfloat16)
+        cw = torch.randn(C, 1, W, device="cuda", dtype=torch.bfloat16)
+        w_fb = torch.randn(H * K, R, device="cuda", dtype=torch.bfloat16)
         A_log, dt = torch.zeros(128, device="cuda"), torch.zeros(H * K, device="cuda")
         slots = torch.arange(B, device="cuda", dtype=torch.int32)
-        o = torch.empty(B, H, K, device="cuda", dtype=torch.bfloat16)
+        o = torch.empty(B, H, K, device="cuda")
+        conv = torch.empty(B, W - 1, C, device="cuda")
         states = [torch.empty(B, H, K, K, device="cuda") for _ in range(n)]
         print(f"kda decode B={B} H={H} K={K} ({n} copies)")
-        for bv, warps in itertools.product((4, 8, 16, 32, 64), (1, 2, 4)):
+        for bv, warps in itertools.product((8, 16, 32, 64), (1, 2, 4)):
             def call(pool, st, bv=bv, warps=warps):
                 kda_dec._decode_kernel[(B * H, triton.cdiv(K, bv))](
-                    qkv, z, b, A_log, dt, pool, slots, o, st, H, K, K, qkv.stride(0), qkv.stride(1), qkv.stride(2),
-                    z.stride(0), b.stride(0), -5.0, K ** -0.5, 1e-6, BLOCK_K=K, BLOCK_V=bv, num_warps=warps)
+                    x, f_a, b, cw, w_fb, A_log, dt, conv_pool, pool, slots, o, st, conv, H, K, R, x.stride(0),
+                    f_a.stride(0), b.stride(0), -5.0, K ** -0.5, 1e-6, W=W, BLOCK_K=K, BLOCK_V=bv, BLOCK_R=32,
+                    num_warps=warps)
             try:
                 us = per_call([lambda p=p, s=s: call(p, s) for p, s in zip(pools, states)])
             except Exception as e:  # noqa: BLE001
-                print(f"  bv {bv} warps {warps}: {type(e).__name__}")
+                print(f"  bv {bv} warps {warps}: {type(e).__name__}: {e}")
                 continue
             record("kda_decode", (B, H, K), dict(BLOCK_V=bv, num_warps=warps), us)
 
