@@ -83,15 +83,16 @@ def _decode_kernel(x_ptr, fa_ptr, b_ptr, cw_ptr, wfb_ptr, alog_ptr, dt_ptr, cpoo
 
 def _tiles(B: int, H: int, K: int, cuda: bool) -> tuple[int, int]:
     """(BLOCK_V, warps). GPU: a decode step has few (batch row, head) pairs, so the state columns are split
-    until there are a few hundred programs; each program's slice is a few thousand values, one warp or
-    two. Interpreter: one tile."""
+    (down to 16) until there are a few hundred programs. Swept on an H100 at K = 64, H = 16: batch 1 ran
+    best as 16 columns on 4 warps (4.7 us against 5.3 on one warp), batch 32 as whole heads on 2 warps
+    (11.1 us against 15.9 on 4). Interpreter: one tile."""
     bk = triton.next_power_of_2(K)
     if not cuda:
         return bk, 4
     bv = bk
     while bv > 16 and B * H * triton.cdiv(K, bv) < 256:
         bv //= 2
-    return bv, 1 if bk * bv <= 1024 else 2 if bk * bv <= 2048 else 4
+    return bv, 4 if bk * bv <= 1024 else 2
 
 
 def kda_decode(projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, lower_bound, conv_pool, state_pool, slots,
