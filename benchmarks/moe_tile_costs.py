@@ -8,7 +8,7 @@ variant takes one piece of work out of the tiles' inner loop, so its saving is t
 variants' results are wrong by construction and only their time is printed:
     shipped       the model's kernels
     one_dot       one bf16 dot per tile instead of the two that carry z's low bits
-    no_scale      the E2M1 values without their group scales
+    no_scale      the E2M1 values without their group scales (still loaded)
     no_decode     the packed bytes used as values (no nibble split, no E2M1 decode, no scales)
 """
 
@@ -30,7 +30,7 @@ def _dot_one(w, x_t, acc, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _tile_no_scale(w_ptr, s_ptr, rows, row_ok, K, k0, MXFP4: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
+def _tile_no_scale(w_ptr, s, rows, row_ok, K, k0, MXFP4: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
     c = k0 // 2 + tl.arange(0, BK // 2)
     ok = row_ok[:, None] & (c < K // 2)[None, :]
     b = tl.load(w_ptr + rows[:, None] * (K // 2) + c[None, :], mask=ok, other=0).to(tl.int32)
@@ -40,7 +40,7 @@ def _tile_no_scale(w_ptr, s_ptr, rows, row_ok, K, k0, MXFP4: tl.constexpr, ROWS:
 
 
 @triton.jit
-def _tile_no_decode(w_ptr, s_ptr, rows, row_ok, K, k0, MXFP4: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
+def _tile_no_decode(w_ptr, s, rows, row_ok, K, k0, MXFP4: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
     c = k0 // 2 + tl.arange(0, BK // 2)
     ok = row_ok[:, None] & (c < K // 2)[None, :]
     b = tl.load(w_ptr + rows[:, None] * (K // 2) + c[None, :], mask=ok, other=0).to(tl.float32)
@@ -56,9 +56,9 @@ def run(variant: str) -> None:
     if variant in ("one_dot",):
         mlp._dot = _dot_one
     if variant == "no_scale":
-        mlp._weight_tile = _tile_no_scale
+        mlp._weight_tile_pre = _tile_no_scale
     if variant == "no_decode":
-        mlp._weight_tile = _tile_no_decode
+        mlp._weight_tile_pre = _tile_no_decode
     warm_up("cuda")
     L = I = 512
     E, k, N = 64, 8, 32

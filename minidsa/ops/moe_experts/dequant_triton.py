@@ -29,17 +29,24 @@ def _e8m0(s, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _scaled(v, s_ptr, rows, row_ok, KG, k0, SHIFT: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
-    """v [ROWS, BK] element values times their group scales (groups of 32 along K, rows x KG scales)."""
+def _group_scales(s_ptr, rows, row_ok, KG, k0, ROWS: tl.constexpr, BK: tl.constexpr):
+    """uint8 E8M0 codes [ROWS, BK // 32] of a tile's groups (groups of 32 along K, rows x KG scales);
+    127 (a factor of 1) past K, so a tile loaded a step ahead of the last one reads nothing."""
     g = k0 // 32 + tl.arange(0, BK // 32)
-    s = tl.load(s_ptr + rows[:, None] * KG + g[None, :], mask=row_ok[:, None] & (g < KG)[None, :], other=127)
+    return tl.load(s_ptr + rows[:, None] * KG + g[None, :], mask=row_ok[:, None] & (g < KG)[None, :], other=127)
+
+
+@triton.jit
+def _scaled(v, s, SHIFT: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
+    """v [ROWS, BK] element values times their group scales s (codes [ROWS, BK // 32])."""
     return tl.reshape(tl.reshape(v, (ROWS, BK // 32, 32)) * _e8m0(s, SHIFT)[:, :, None], (ROWS, BK))
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, rows, row_ok, K, k0, MXFP4: tl.constexpr, ROWS: tl.constexpr,
-                 BK: tl.constexpr):
-    """fp32 [ROWS, BK] tile (rows ``rows``, columns k0..k0+BK) of one row-major [*, K] expert matrix."""
+def _weight_tile_pre(w_ptr, s, rows, row_ok, K, k0, MXFP4: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
+    """fp32 [ROWS, BK] tile (rows ``rows``, columns k0..k0+BK) of one row-major [*, K] expert matrix, with
+    its group scales s already loaded (``_group_scales``): a loop loads the next tile's a step ahead,
+    because the compiler's pipelining does not prefetch these few-byte uint8 loads."""
     if MXFP4:
         c = k0 // 2 + tl.arange(0, BK // 2)
         ok = row_ok[:, None] & (c < K // 2)[None, :]
@@ -47,9 +54,17 @@ def _weight_tile(w_ptr, s_ptr, rows, row_ok, K, k0, MXFP4: tl.constexpr, ROWS: t
         codes = tl.reshape(tl.join(b & 0x0F, b >> 4), (ROWS, BK))  # low nibble = even element
         bits = ((codes & 7) << 9) | ((codes & 8) << 12)  # fp16 holding the E2M1 value * 2^-14
         v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        return _scaled(v, s_ptr, rows, row_ok, K // 32, k0, 14, ROWS, BK)
+        return _scaled(v, s, 14, ROWS, BK)
     else:
         k = k0 + tl.arange(0, BK)
         ok = row_ok[:, None] & (k < K)[None, :]
         v = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=ok, other=0.0).to(tl.float32)
-        return _scaled(v, s_ptr, rows, row_ok, K // 32, k0, 0, ROWS, BK)
+        return _scaled(v, s, 0, ROWS, BK)
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, rows, row_ok, K, k0, MXFP4: tl.constexpr, ROWS: tl.constexpr,
+                 BK: tl.constexpr):
+    """fp32 [ROWS, BK] tile (rows ``rows``, columns k0..k0+BK) of one row-major [*, K] expert matrix."""
+    return _weight_tile_pre(w_ptr, _group_scales(s_ptr, rows, row_ok, K // 32, k0, ROWS, BK), rows, row_ok, K, k0,
+                            MXFP4, ROWS, BK)

@@ -59,7 +59,7 @@ import triton.language as tl
 
 from ..activation.situ_glu_triton import _situ_glu
 from .convert_triton import _require_rows_contiguous
-from .dequant_triton import _weight_tile
+from .dequant_triton import _group_scales, _weight_tile_pre
 from .matvec_triton import _down_decode, _gemv_meta, _gemv_rows, _up_decode
 from .reference import check_fp8_mlp, check_mxfp4_mlp, expert_mlp_fp8_ref, expert_mlp_mxfp4_ref
 
@@ -151,12 +151,18 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_pt
         w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
         acc_g = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
         acc_u = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
+        sg = _group_scales(s1, rows, row_ok, L // 32, 0, BLOCK_R, BLOCK_K)
+        su = _group_scales(s1 + ss_m, rows, row_ok, L // 32, 0, BLOCK_R, BLOCK_K)
         for k0 in range(0, L, BLOCK_K):
+            # the next step's group scales now (the compiler does not prefetch these uint8 loads)
+            sg_next = _group_scales(s1, rows, row_ok, L // 32, k0 + BLOCK_K, BLOCK_R, BLOCK_K)
+            su_next = _group_scales(s1 + ss_m, rows, row_ok, L // 32, k0 + BLOCK_K, BLOCK_R, BLOCK_K)
             k = k0 + tl.arange(0, BLOCK_K)
             z_t = tl.load(z_ptr + token[None, :] * L + k[:, None], mask=live[None, :] & (k < L)[:, None], other=0.0)
-            acc_g = _dot(_weight_tile(w1, s1, rows, row_ok, L, k0, MXFP4, BLOCK_R, BLOCK_K), z_t, acc_g, SPLIT)
-            acc_u = _dot(_weight_tile(w1 + sw_m, s1 + ss_m, rows, row_ok, L, k0, MXFP4, BLOCK_R, BLOCK_K), z_t,
+            acc_g = _dot(_weight_tile_pre(w1, sg, rows, row_ok, L, k0, MXFP4, BLOCK_R, BLOCK_K), z_t, acc_g, SPLIT)
+            acc_u = _dot(_weight_tile_pre(w1 + sw_m, su, rows, row_ok, L, k0, MXFP4, BLOCK_R, BLOCK_K), z_t,
                          acc_u, SPLIT)
+            sg, su = sg_next, su_next
         h = _situ_glu(acc_g, acc_u, beta_gate, beta_up) * gate[None, :]
         tl.store(h_ptr + pair[None, :] * I + rows[:, None], h, mask=row_ok[:, None] & live[None, :])
 
@@ -191,11 +197,15 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_
         row_ok = rows < L
         w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
         acc = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
+        s2 = s1 + 2 * ss_m
+        sc = _group_scales(s2, rows, row_ok, I // 32, 0, BLOCK_R, BLOCK_K)
         for k0 in range(0, I, BLOCK_K):
+            sc_next = _group_scales(s2, rows, row_ok, I // 32, k0 + BLOCK_K, BLOCK_R, BLOCK_K)
             k = k0 + tl.arange(0, BLOCK_K)
             h_t = tl.load(h_ptr + pair[None, :] * I + k[:, None], mask=live[None, :] & (k < I)[:, None], other=0.0)
-            w2 = _weight_tile(w1 + 2 * sw_m, s1 + 2 * ss_m, rows, row_ok, I, k0, MXFP4, BLOCK_R, BLOCK_K)
+            w2 = _weight_tile_pre(w1 + 2 * sw_m, sc, rows, row_ok, I, k0, MXFP4, BLOCK_R, BLOCK_K)
             acc = _dot(w2, h_t, acc, SPLIT)
+            sc = sc_next
         tl.store(part_ptr + pair[None, :] * L + rows[:, None], acc, mask=row_ok[:, None] & live[None, :])
 
 
