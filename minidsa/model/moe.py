@@ -36,7 +36,7 @@ from ..config import ModelConfig
 from ..formats import mxfp4
 from ..ops import acc_dtype, cast
 from ..ops._checks import on_host
-from .ffn import SituGluMLP
+from .ffn import SituGluMLP, situ_glu
 from .fused import FusedLinears
 from .norm import RMSNorm
 
@@ -189,8 +189,19 @@ class LatentMoE(nn.Module):
 
     def combine(self, y_lat: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The routed experts' latent sum y_lat [N, latent] and the shared expert's projections -> [N, d]."""
-        y = self.up(self.routed_expert_norm(cast(y_lat, dtype)))[0]
-        return y + self.shared_experts.finish(gate, up)
+        normed = self.routed_expert_norm(cast(y_lat, dtype))
+        shared = self.shared_experts
+        if self._one_product(normed):
+            h = situ_glu(gate, up, shared.beta_gate, shared.beta_up)
+            return ops.linear_sum(normed, self.routed_expert_up_proj.weight, h, shared.down_proj.weight)
+        return self.up(normed)[0] + shared.finish(gate, up)
+
+    def _one_product(self, x: torch.Tensor) -> bool:
+        """Whether ``combine`` ends in ``ops.linear_sum``: the routed up projection and the shared expert's down
+        projection end in one sum, so a decode row needs one launch for both. Not on the CPU, which keeps its
+        K-major layout of the up projection (model/fused.py), nor when the shared expert's rows are split
+        over ranks (its product is a partial sum until the all-reduce; the routed one is whole)."""
+        return x.device.type != "cpu" and self.shared_experts.parallel is None
 
     def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits [N, E] -> (expert ids int64 [N, top_k], weights fp32 [N, top_k]): top_k of the sigmoid

@@ -19,7 +19,7 @@ from .attn_res.reference import attn_res_block_scores, attn_res_merge, attn_res_
 from .indexer.reference import index_scores_ref, paged_index_scores_ref, topk_indices_ref
 from .kda.reference import causal_conv, kda_chunk_ref, kda_decode_ref, kda_recurrent_ref, kda_step_inputs
 from .kv_store.reference import store_kv_ref
-from .linear.reference import linear_ref
+from .linear.reference import linear_ref, linear_sum_ref
 from .mla.reference import PREFILL_TILE, decompress_kv, sparse_mla_decode_ref, sparse_mla_prefill_ref
 from .moe_experts.reference import expert_mlp_fp8_ref, expert_mlp_mxfp4_ref, mxfp4_to_fp8_ref
 from .moe_router.reference import moe_route_ref, route_weights
@@ -32,7 +32,7 @@ __all__ = ["BACKENDS", "TRITON_KERNELS", "REFERENCES", "acc_dtype", "cast", "cur
            "sparse_mla_prefill", "decompress_kv", "paged_slots", "gather_positions", "PREFILL_TILE",
            "kda_recurrent", "kda_chunk", "attn_res_mix", "attn_res_block_scores", "attn_res_merge",
            "mxfp4_to_fp8", "expert_mlp_fp8", "expert_mlp_mxfp4", "situ_glu", "situ_glu_backward",
-           "linear", "moe_route", "route_weights", "kda_decode", "kda_step_inputs", "causal_conv"]
+           "linear", "linear_sum", "moe_route", "route_weights", "kda_decode", "kda_step_inputs", "causal_conv"]
 
 # op name -> its PyTorch reference; a Triton kernel registered under the same name must share its signature.
 REFERENCES = {
@@ -41,7 +41,7 @@ REFERENCES = {
     "sparse_mla_decode": sparse_mla_decode_ref, "sparse_mla_prefill": sparse_mla_prefill_ref,
     "kda_recurrent": kda_recurrent_ref, "kda_chunk": kda_chunk_ref, "attn_res_mix": attn_res_mix_ref,
     "mxfp4_to_fp8": mxfp4_to_fp8_ref, "expert_mlp_fp8": expert_mlp_fp8_ref, "expert_mlp_mxfp4": expert_mlp_mxfp4_ref,
-    "situ_glu": situ_glu_ref, "situ_glu_backward": situ_glu_backward_ref, "linear": linear_ref,
+    "situ_glu": situ_glu_ref, "situ_glu_backward": situ_glu_backward_ref, "linear": linear_ref, "linear_sum": linear_sum_ref,
     "moe_route": moe_route_ref, "kda_decode": kda_decode_ref,
 }
 
@@ -182,6 +182,13 @@ def situ_glu_backward(g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor, beta
 def linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """A bias-free projection: x [..., K] @ weight [N, K]^T -> [..., N] in x's dtype (= weight's)."""
     return pick("linear", backend, linear_ref, x, weight)(x, weight)
+
+
+def linear_sum(x1: torch.Tensor, w1: torch.Tensor, x2: torch.Tensor, w2: torch.Tensor, *,
+               backend: str | None = None) -> torch.Tensor:
+    """x1 [..., K1] @ w1 [N, K1]^T + x2 [..., K2] @ w2 [N, K2]^T -> [..., N] (two projections of different inputs
+    whose outputs are added: one launch for a decode row). See ops/linear/reference.py."""
+    return pick("linear_sum", backend, linear_sum_ref, x1, w1, x2, w2)(x1, w1, x2, w2)
 
 
 def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float, *,

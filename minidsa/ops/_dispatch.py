@@ -43,6 +43,7 @@ TRITON_KERNELS: dict[str, tuple[str, str]] = {
     "expert_mlp_mxfp4": ("minidsa.ops.moe_experts.mlp_triton", "expert_mlp_mxfp4"),
     "situ_glu": ("minidsa.ops.activation.situ_glu_triton", "situ_glu"),
     "linear": ("minidsa.ops.linear.gemv_triton", "linear"),
+    "linear_sum": ("minidsa.ops.linear.gemv_triton", "linear_sum"),
     "moe_route": ("minidsa.ops.moe_router.route_triton", "moe_route"),
     "situ_glu_backward": ("minidsa.ops.activation.situ_glu_triton", "situ_glu_backward"),
 }

@@ -93,6 +93,23 @@ def test_moe_layer_equals_dense_reference():
     torch.testing.assert_close(got, ref, atol=1e-12, rtol=0)
 
 
+def test_one_product_combine_equals_the_two_products(monkeypatch):
+    # the GPU's combine (ops.linear_sum over both projections) against the CPU's (two products, then the sum),
+    # in fp64 so that only the order of the sums differs; one row (the kernel's case) and several
+    from minidsa.model.moe import LatentMoE
+    model = minidsa.MiniDSA(tiny_config(dtype="float64"))
+    moe = model.moe_layers()[1]
+    with torch.no_grad():
+        for rows in (1, 5):
+            x = torch.randn(1, rows, model.config.hidden_size, dtype=torch.float64)
+            want = moe(x)
+            monkeypatch.setattr(LatentMoE, "_one_product", lambda self, t: True)
+            got = moe(x)
+            monkeypatch.undo()
+            assert not torch.equal(want, torch.zeros_like(want))
+            torch.testing.assert_close(got, want, atol=1e-13, rtol=0)
+
+
 def test_online_and_offline_give_identical_logits():
     model = minidsa.load("tiny")
     ids = torch.randint(0, 256, (2, 21))

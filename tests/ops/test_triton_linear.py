@@ -43,3 +43,36 @@ def test_more_rows_go_to_f_linear_and_bad_shapes_are_named():
         ops.linear(torch.randn(1, 15), w)
     with pytest.raises(TypeError, match="cast x"):
         ops.linear(torch.randn(1, 16).double(), w)
+
+
+def test_linear_sum_matches_reference():
+    from minidsa.ops.linear.gemv_triton import linear_sum
+    from minidsa.ops.linear.reference import linear_sum_ref
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(5)
+    N, K1, K2 = 63, 60, 1100  # odd rows and widths; the second product past one 1024 step
+    x1, w1 = torch.randn(1, 1, K1, generator=g), torch.randn(N, K1, generator=g)
+    x2, w2 = torch.randn(1, 1, K2, generator=g), torch.randn(N, K2, generator=g)
+    got = linear_sum(*(t.to(dev) for t in (x1, w1, x2, w2))).cpu()
+    want = linear_sum_ref(x1.double(), w1.double(), x2.double(), w2.double())
+    assert got.shape == (1, 1, N) and got.dtype == torch.float32
+    # one fp32 sum of K1 + K2 products against fp64: (K1 + K2) * 2^-24 * max|x w| relative, as for linear
+    bound = 1e-6 * (K1 + K2) * max(x1.abs().max() * w1.abs().max(), x2.abs().max() * w2.abs().max())
+    assert (got.double() - want).abs().max() <= bound
+    # a strided second weight (a column slice of a wider matrix) reads the same rows
+    wide = torch.randn(N, K2 + 7, generator=g)
+    got = linear_sum(*(t.to(dev) for t in (x1, w1, x2)), wide.to(dev)[:, 3:3 + K2]).cpu()
+    want = linear_sum_ref(x1.double(), w1.double(), x2.double(), wide[:, 3:3 + K2].double())
+    assert (got.double() - want).abs().max() <= bound * 2
+
+
+def test_linear_sum_rows_and_bad_inputs():
+    from minidsa.ops.linear.gemv_triton import linear_sum
+    x1, w1, x2, w2 = torch.randn(3, 16), torch.randn(5, 16), torch.randn(3, 8), torch.randn(5, 8)
+    assert torch.equal(linear_sum(x1, w1, x2, w2), torch.nn.functional.linear(x1, w1) + torch.nn.functional.linear(x2, w2))
+    with pytest.raises(ValueError, match="in_features 8"):
+        ops.linear_sum(x1, w1, x2[:, :7], w2)
+    with pytest.raises(ValueError, match="one shape"):
+        ops.linear_sum(x1, w1, x2, w2[:4])
+    with pytest.raises(TypeError, match="cast x2"):
+        ops.linear_sum(x1, w1, x2.double(), w2)

@@ -16,14 +16,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .reference import check_linear
+from .reference import check_linear, check_linear_sum
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, stride_wk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+def _rows_dot(acc, x_ptr, w_ptr, rows, row_ok, K, stride_wn, stride_wk, BLOCK_K: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K] + the elementwise fp32 products of weight rows ``rows`` with x, walking K."""
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
@@ -31,6 +29,27 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, stride_wk, BLOCK_N: tl.
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk,
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += w * x[None, :]
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, stride_wk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    acc = _rows_dot(tl.zeros((BLOCK_N, BLOCK_K), tl.float32), x_ptr, w_ptr, rows, row_ok, K, stride_wn, stride_wk,
+                    BLOCK_K)
+    tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _gemv_sum_kernel(x_ptr, w_ptr, x2_ptr, w2_ptr, out_ptr, N, K, K2, stride_wn, stride_wk, stride_w2n, stride_w2k,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Both products' rows in one program, summed in fp32 and rounded once."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    acc = _rows_dot(tl.zeros((BLOCK_N, BLOCK_K), tl.float32), x_ptr, w_ptr, rows, row_ok, K, stride_wn, stride_wk,
+                    BLOCK_K)
+    acc = _rows_dot(acc, x2_ptr, w2_ptr, rows, row_ok, K2, stride_w2n, stride_w2k, BLOCK_K)
     tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -50,4 +69,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     block_n, block_k, warps = _tiles(N, K)
     _gemv_kernel[(triton.cdiv(N, block_n),)](x.contiguous(), weight, out, N, K, weight.stride(0), weight.stride(1),
                                             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    return out
+
+
+def linear_sum(x1: torch.Tensor, w1: torch.Tensor, x2: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """x1 @ w1^T + x2 @ w2^T -> [..., N]: one kernel for one row (the sum in fp32, rounded once), two
+    ``F.linear`` calls and an add otherwise."""
+    K1, K2, N = check_linear_sum(x1, w1, x2, w2)
+    if x1.numel() != K1 or x1.dtype == torch.float64:
+        return F.linear(x1, w1) + F.linear(x2, w2)
+    out = torch.empty((*x1.shape[:-1], N), dtype=x1.dtype, device=x1.device)
+    block_n, block_k, warps = _tiles(N, max(K1, K2))
+    _gemv_sum_kernel[(triton.cdiv(N, block_n),)](x1.contiguous(), w1, x2.contiguous(), w2, out, N, K1, K2,
+                                                w1.stride(0), w1.stride(1), w2.stride(0), w2.stride(1),
+                                                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return out

@@ -1,4 +1,5 @@
-"""Reference projection: ``F.linear`` without a bias, in the weight's dtype (the layers' own arithmetic)."""
+"""Reference projections: ``F.linear`` without a bias, in the weight's dtype (the layers' own arithmetic), and the sum
+of two such products of different inputs (``linear_sum``)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,24 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T -> [..., N] in x's dtype (fp32 accumulation for bf16, as cuBLAS does)."""
     check_linear(x, weight)
     return F.linear(x, weight)
+
+
+def check_linear_sum(x1: torch.Tensor, w1: torch.Tensor, x2: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
+    """(K1, K2, N) after checking both products and that their outputs can be added."""
+    K1, N = check_linear(x1, w1)
+    try:
+        K2, N2 = check_linear(x2, w2)
+    except (TypeError, ValueError) as e:  # name the second pair's tensors
+        raise type(e)(str(e).replace("x ", "x2 ").replace("weight ", "w2 ")) from None
+    if N2 != N or x1.shape[:-1] != x2.shape[:-1] or w1.dtype != w2.dtype:
+        raise ValueError(f"linear_sum: x1 {tuple(x1.shape)} @ w1 {tuple(w1.shape)} ({w1.dtype}) and x2 "
+                         f"{tuple(x2.shape)} @ w2 {tuple(w2.shape)} ({w2.dtype}) must give outputs of one shape "
+                         f"and dtype")
+    return K1, K2, N
+
+
+def linear_sum_ref(x1: torch.Tensor, w1: torch.Tensor, x2: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """x1 [..., K1] @ w1 [N, K1]^T + x2 [..., K2] @ w2 [N, K2]^T -> [..., N] in the weights' dtype: the two
+    products as the layers compute them, then added (a kernel may add them before rounding)."""
+    check_linear_sum(x1, w1, x2, w2)
+    return F.linear(x1, w1) + F.linear(x2, w2)
