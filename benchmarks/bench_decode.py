@@ -183,7 +183,7 @@ def active_params_per_layer(model) -> float:
 
 
 # ---------------------------------------------------------------- one row
-def run(config, batch: int, device: str, compile_: bool) -> dict:
+def run(config, batch: int, device: str, compile_: bool, quick: bool = False) -> dict:
     # on the CPU only the interpreter makes the kernels custom ops: the references' host checks break graphs
     interpret = device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
     model = minidsa.MiniDSA(config, device=device).set_backend("triton" if device == "cuda" or interpret else "torch")
@@ -194,7 +194,7 @@ def run(config, batch: int, device: str, compile_: bool) -> dict:
     row = {"batch": batch}
     with torch.inference_mode(), minidsa.ops.use_backend(model.backend):
         want = step().float()
-        variants = {"eager graph": step}
+        variants = {} if quick and compile_ else {"eager graph": step}
         if compile_:
             minidsa.ops.register_custom_ops()
             variants["compiled graph"] = torch.compile(step, **compiler)
@@ -212,6 +212,9 @@ def run(config, batch: int, device: str, compile_: bool) -> dict:
     # the peer: same width and depth, the same active parameters per layer
     d, L = config.hidden_size, config.num_layers
     ffn = max(64, int((active_params_per_layer(model) - 4 * d * d) / (3 * d)) // 64 * 64)
+    row["peer"] = {"ffn": ffn}
+    if quick:
+        return row
     peer = DensePeer(d, L, ffn, config.mla.num_heads, config.vocab_size, batch, 512, config.torch_dtype, device)
     pos = torch.tensor([max(lens)], device=device)
     mask = (torch.arange(512, device=device) <= pos).view(1, 1, 1, -1)
@@ -220,7 +223,6 @@ def run(config, batch: int, device: str, compile_: bool) -> dict:
         peer_fns = {"eager graph": lambda: peer(pids, pos, mask)}
         if compile_:
             peer_fns["compiled graph"] = torch.compile(lambda: peer(pids, pos, mask), **compiler)
-        row["peer"] = {"ffn": ffn}
         for name, fn in peer_fns.items():
             replay = graphed(fn, device)
             replay()
@@ -258,6 +260,8 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="override the config's dtype (float32: the compiled step's "
                     "logits then match the eager step's without discrete choices flipping on rounding)")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="the compiled graph only, no eager graph and no peer: "
+                    "two trees compared in one device call (benchmarks/gpu_decode.sh)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny config: the trace checked, timings meaningless")
     args = ap.parse_args()
     device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
@@ -272,7 +276,7 @@ def main() -> None:
     warm_up(device)
     rows = []
     for batch in args.batches:
-        rows.append(run(config, batch, device, compile_=not args.no_compile))
+        rows.append(run(config, batch, device, compile_=not args.no_compile, quick=args.quick))
         report(config, rows[-1])
         if args.dry_run and "compiled graph" in rows[-1]:  # fp32 on the CPU: the same choices, rounding apart
             diff = rows[-1]["compiled graph"]["max_logit_diff_vs_eager"]
