@@ -83,9 +83,9 @@ def _decode_kernel(x_ptr, fa_ptr, b_ptr, cw_ptr, wfb_ptr, alog_ptr, dt_ptr, cpoo
 
 def _tiles(B: int, H: int, K: int, cuda: bool) -> tuple[int, int]:
     """(BLOCK_V, warps). GPU: a decode step has few (batch row, head) pairs, so the state columns are split
-    (down to 16) until there are a few hundred programs. Swept on an H100 at K = 64, H = 16: batch 1 ran
-    best as 16 columns on 4 warps (4.7 us against 5.3 on one warp), batch 32 as whole heads on 2 warps
-    (11.1 us against 15.9 on 4). Interpreter: one tile."""
+    (down to 16) until there are a few hundred programs; a split head's small slice runs on 4 warps, a whole
+    head on 2 (fewer registers a thread than on 4, more programs resident); tile sweep: docs/benchmarks.md.
+    Interpreter: one tile."""
     bk = triton.next_power_of_2(K)
     if not cuda:
         return bk, 4

@@ -54,9 +54,9 @@ def _gemv_sum_kernel(x_ptr, w_ptr, x2_ptr, w2_ptr, out_ptr, N, K, K2, stride_wn,
 
 
 def _tiles(N: int, K: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps): two rows a program and K in 1-4 steps of up to 1024. Swept on an H100 over
-    1-32 rows, K steps of 128-1024 and 1-8 warps at this model's shapes: two rows of 1024 on 4 warps were
-    within 5 % of the best tile everywhere, and 4-16 rows a program were 10-20 % slower at N >= 1760."""
+    """(BLOCK_N, BLOCK_K, warps): two rows a program and K in 1-4 steps of up to 1024: the most
+    programs in flight for a launch-and-latency-bound product, each a full-width vector load per thread (the
+    tile sweep over rows, K steps and warps: docs/benchmarks.md, benchmarks/tune_decode.py)."""
     return 2, min(triton.next_power_of_2(K), 1024), 4
 
 

@@ -9,15 +9,15 @@ import torch.nn.functional as F
 from .._checks import check_tensor
 
 
-def check_linear(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
-    """(K, N) after checking x [..., K] against weight [N, K] (same dtype and device)."""
-    K = check_tensor("x", x, floating=True)[-1] if x.dim() else 0
-    N, Kw = check_tensor("weight", weight, ndim=2, floating=True)
+def check_linear(x: torch.Tensor, weight: torch.Tensor, xn: str = "x", wn: str = "weight") -> tuple[int, int]:
+    """(K, N) after checking x [..., K] against weight [N, K] (same dtype and device); errors name them xn, wn."""
+    K = check_tensor(xn, x, floating=True)[-1] if x.dim() else 0
+    N, Kw = check_tensor(wn, weight, ndim=2, floating=True)
     if x.dim() == 0 or K != Kw:
-        raise ValueError(f"x has shape {tuple(x.shape)} and weight {tuple(weight.shape)}: x's last dim must be "
-                         f"the weight's in_features {Kw}")
+        raise ValueError(f"{xn} has shape {tuple(x.shape)} and {wn} {tuple(weight.shape)}: {xn}'s last dim must be "
+                         f"{wn}'s in_features {Kw}")
     if x.dtype != weight.dtype:
-        raise TypeError(f"x is {x.dtype} and weight {weight.dtype}; cast x to the weight's dtype first")
+        raise TypeError(f"{xn} is {x.dtype} and {wn} {weight.dtype}; cast {xn} to {wn}'s dtype first")
     return K, N
 
 
@@ -29,11 +29,8 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def check_linear_sum(x1: torch.Tensor, w1: torch.Tensor, x2: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
     """(K1, K2, N) after checking both products and that their outputs can be added."""
-    K1, N = check_linear(x1, w1)
-    try:
-        K2, N2 = check_linear(x2, w2)
-    except (TypeError, ValueError) as e:  # name the second pair's tensors
-        raise type(e)(str(e).replace("x ", "x2 ").replace("weight ", "w2 ")) from None
+    K1, N = check_linear(x1, w1, "x1", "w1")
+    K2, N2 = check_linear(x2, w2, "x2", "w2")
     if N2 != N or x1.shape[:-1] != x2.shape[:-1] or w1.dtype != w2.dtype:
         raise ValueError(f"linear_sum: x1 {tuple(x1.shape)} @ w1 {tuple(w1.shape)} ({w1.dtype}) and x2 "
                          f"{tuple(x2.shape)} @ w2 {tuple(w2.shape)} ({w2.dtype}) must give outputs of one shape "
