@@ -7,9 +7,8 @@ expert), timed like benchmarks/tune_decode.py (back to back in a CUDA graph, wei
 variant takes one piece of work out of the tiles' inner loop, so its saving is that piece's cost; the
 variants' results are wrong by construction and only their time is printed:
     shipped       the model's kernels
-    one_dot       one bf16 dot per tile instead of the two that carry z's low bits
-    no_scale      the E2M1 values without their group scales (still loaded)
-    no_decode     the packed bytes used as values (no nibble split, no E2M1 decode, no scales)
+    one_dot       one bf16 dot per plane instead of the two that carry z's low bits
+    no_decode     the packed bytes used as both planes' values (no E2M1 decode, no scales)
 """
 
 from __future__ import annotations
@@ -21,30 +20,21 @@ import torch
 import triton
 import triton.language as tl
 
-VARIANTS = ("shipped", "one_dot", "no_scale", "no_decode")
+VARIANTS = ("shipped", "one_dot", "no_decode")
 
 
 @triton.jit
-def _dot_one(w, x_t, acc, SPLIT: tl.constexpr):
+def _dot_one(w, x_t, acc, DOTS: tl.constexpr):
     return tl.dot(w.to(tl.bfloat16), x_t.to(tl.bfloat16), acc)
 
 
 @triton.jit
-def _tile_no_scale(w_ptr, s, rows, row_ok, K, k0, MXFP4: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
+def _planes_no_decode(w_ptr, s, rows, row_ok, K, k0, MXFP4: tl.constexpr, PTX: tl.constexpr, ROWS: tl.constexpr,
+                      BK: tl.constexpr):
     c = k0 // 2 + tl.arange(0, BK // 2)
     ok = row_ok[:, None] & (c < K // 2)[None, :]
-    b = tl.load(w_ptr + rows[:, None] * (K // 2) + c[None, :], mask=ok, other=0).to(tl.int32)
-    codes = tl.reshape(tl.join(b & 0x0F, b >> 4), (ROWS, BK))
-    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _tile_no_decode(w_ptr, s, rows, row_ok, K, k0, MXFP4: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
-    c = k0 // 2 + tl.arange(0, BK // 2)
-    ok = row_ok[:, None] & (c < K // 2)[None, :]
-    b = tl.load(w_ptr + rows[:, None] * (K // 2) + c[None, :], mask=ok, other=0).to(tl.float32)
-    return tl.reshape(tl.join(b, b), (ROWS, BK))
+    b = tl.load(w_ptr + rows[:, None] * (K // 2) + c[None, :], mask=ok, other=0).to(tl.bfloat16)
+    return b, b
 
 
 def run(variant: str) -> None:
@@ -53,12 +43,10 @@ def run(variant: str) -> None:
     from tune_decode import copies, per_call
 
     from minidsa.ops.moe_experts import mlp_triton as mlp
-    if variant in ("one_dot",):
+    if variant == "one_dot":
         mlp._dot = _dot_one
-    if variant == "no_scale":
-        mlp._weight_tile_pre = _tile_no_scale
     if variant == "no_decode":
-        mlp._weight_tile_pre = _tile_no_decode
+        mlp._weight_planes = _planes_no_decode
     warm_up("cuda")
     L = I = 512
     E, k, N = 64, 8, 32

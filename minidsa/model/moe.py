@@ -179,13 +179,13 @@ class LatentMoE(nn.Module):
         return self.project(x)[:2]
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [N, d] -> (ids, weights, z [N, latent] in the accumulation dtype, the shared expert's gate and up
-        projections): everything the layer computes from x, as one input product. The router's rows are in
-        fp32 in every model but a float64 one (its weight is kept fp32)."""
-        acc = acc_dtype(x)
+        """x [N, d] -> (ids, weights, z [N, latent] in x's dtype, the shared expert's gate and up projections):
+        everything the layer computes from x, as one input product. The router's rows are in fp32 in every
+        model but a float64 one (its weight is kept fp32). The expert ops accumulate in fp32 whatever z's
+        dtype; the GPU's kernels read a bf16 z as it is (and need one tensor-core product for it, not two)."""
         logits, z, gate, up = self.input_proj(x)
-        ids, weights = self.choose(cast(logits, acc))
-        return ids, weights, cast(z, acc), gate, up
+        ids, weights = self.choose(cast(logits, acc_dtype(x)))
+        return ids, weights, z, gate, up
 
     def combine(self, y_lat: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The routed experts' latent sum y_lat [N, latent] and the shared expert's projections -> [N, d]."""

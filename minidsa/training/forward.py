@@ -143,5 +143,5 @@ def moe_forward(moe: LatentMoE, masters: MasterExperts, x: torch.Tensor) -> torc
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     ids, weights, z, gate, up = moe.project(x)
-    y_lat = grouped_experts(z, ids, weights, masters.w1, masters.w3, masters.w2, moe.beta_gate, moe.beta_up)
+    y_lat = grouped_experts(z.to(acc_dtype(x)), ids, weights, masters.w1, masters.w3, masters.w2, moe.beta_gate, moe.beta_up)
     return moe.combine(y_lat, gate, up, x.dtype).reshape(shape)

@@ -25,6 +25,7 @@ from conftest import kernel_device  # noqa: E402
 import minidsa  # noqa: E402
 from minidsa.formats import mxfp4  # noqa: E402
 from minidsa.ops.moe_experts import convert_triton as convert  # noqa: E402
+from minidsa.ops.moe_experts import dequant_triton as dequant  # noqa: E402
 from minidsa.ops.moe_experts import matvec_triton as matvec  # noqa: E402
 from minidsa.ops.moe_experts import mlp_triton as mlp  # noqa: E402
 from minidsa.ops.moe_experts import reference as ref  # noqa: E402
@@ -114,7 +115,7 @@ def test_fp8_and_mxfp4_mlps_match_the_reference(experts_store, N, dense, monkeyp
     assert got_fp8.dtype == torch.float32 and torch.isfinite(got_fp8).all(), "the unrouted NaN slot was read"
     torch.testing.assert_close(got_fp8, want, **TOL)
     torch.testing.assert_close(got_mx, want, **TOL)
-    if dense is False:  # bitwise-identical weights through the same tensor-core passes: identical
+    if dense is False:  # bitwise-identical weights through the same tensor-core passes and planes: identical
         assert torch.equal(got_fp8, got_mx)
     # (at decode sizes the MXFP4 MLP is a matrix-vector product per routed pair that sums each 32-code
     # group before its scale; the FP8 one scales each product, in a tensor-core pass for several tokens)
@@ -151,26 +152,32 @@ def test_mxfp4_decode_with_a_half_group_tail():
     torch.testing.assert_close(got, want, **TOL)
 
 
-def _run_ptx(text: str, word: int) -> list[int]:
-    """Execute the straight-line PTX of ``_E2M1_PTX`` on one 32-bit input word; returns the eight outputs'
-    fp16 bit patterns (the operands of its cvt.f32.f16 lines). Only the opcodes the program uses."""
-    regs, out = {"$8": word, "0": 0}, {}
+def _bf16_pair(word: int) -> torch.Tensor:
+    """A 32-bit word as its two bf16 halves (low half first), fp64."""
+    return torch.tensor([word & 0xFFFF, word >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).double()
+
+
+def _run_ptx(text: str, inputs: dict[str, int]) -> dict:
+    """Execute straight-line PTX (the E2M1 programs of ``dequant_triton``) on 32-bit inputs {"$8": word, ...};
+    returns every register ($j outputs included; a cvt.f32.f16's output holds its fp16 operand's bits).
+    Only the opcodes those programs use; a bf16x2 fma is computed in fp64 and must be exact in bf16 (or
+    overflow)."""
+    regs = dict(inputs, **{"0": 0})
     val = lambda a: regs[a] if a in regs else int(a, 0)
     for line in text.splitlines():
         line = line.strip().rstrip(";")
         if not line or line[0] in "{}." or line.startswith(".reg"):
             continue
         op, args = line.split(None, 1)
-        if op == "mov.b32":  # {lo, hi}, src
+        if op == "mov.b32" and "{" in args:  # {lo, hi}, src
             lo, hi, src = [a.strip(" {}") for a in args.replace("}", ",").split(",") if a.strip(" {}")]
             regs[lo], regs[hi] = val(src) & 0xFFFF, val(src) >> 16
             continue
         a = [x.strip() for x in args.split(",")]
-        if op == "cvt.f32.f16":
-            out[int(a[0][1:])] = regs[a[1]]
-            continue
         x = [val(v) for v in a[1:]]
-        if op == "shl.b32":
+        if op in ("mov.b32", "cvt.f32.f16"):
+            r = x[0]
+        elif op == "shl.b32":
             r = x[0] << x[1]
         elif op == "shr.b32":
             r = x[0] >> x[1]
@@ -178,27 +185,93 @@ def _run_ptx(text: str, word: int) -> list[int]:
             r = x[0] & x[1]
         elif op == "or.b32":
             r = x[0] | x[1]
-        elif op == "prmt.b32":  # byte j of the result = byte (selector nibble j) of {x[1]:x[0]}
-            both = x[0] | x[1] << 32
-            r = sum(((both >> 8 * ((x[2] >> 4 * j) & 7)) & 0xFF) << 8 * j for j in range(4))
+        elif op == "prmt.b32":  # byte j = byte (selector nibble j & 7) of {x[1]:x[0]}; nibble bit 3: its sign
+            both, r = x[0] | x[1] << 32, 0
+            for j in range(4):
+                nib = (x[2] >> 4 * j) & 15
+                byte = (both >> 8 * (nib & 7)) & 0xFF
+                r |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << 8 * j
+        elif op == "fma.rn.bf16x2":
+            exact = _bf16_pair(x[0]) * _bf16_pair(x[1]) + _bf16_pair(x[2])
+            half = exact.to(torch.bfloat16)
+            fine = (half.double() == exact) | exact.isnan() | (half.isinf() & (exact.abs() >= 2.0 ** 128 - 2.0 ** 119))
+            assert fine.all(), "an inexact product"  # products are exact, or NaN, or past bf16 (and fp32): inf
+            bits = half.view(torch.int16).to(torch.int32) & 0xFFFF
+            r = int(bits[0]) | int(bits[1]) << 16
         else:
             raise AssertionError(f"opcode {op} not modelled")
         regs[a[0]] = r & 0xFFFFFFFF
-    return [out[j] for j in range(8)]
+    return regs
+
+
+def _words():
+    g = torch.Generator().manual_seed(3)
+    return [0x76543210, 0xFEDCBA98, 0x89ABCDEF] + torch.randint(0, 2**31, (40,), generator=g).tolist()
 
 
 def test_gpu_e2m1_ptx_decodes_every_code():
-    # The GPU's one-token path decodes codes with this PTX (the interpreter cannot run it): executed here
-    # instruction by instruction, each of eight codes must give the fp16 of its E2M1 value times 2^-14,
-    # in element order, for every code in every position.
+    # The GPU's matrix-vector path decodes codes with this PTX (the interpreter cannot run it): executed here
+    # instruction by instruction, each of eight codes must give the fp16 of its E2M1 value times 2^-14, in
+    # element order, for every code in every position.
     values = mxfp4.e2m1_table(torch.float64) * 2.0 ** -14
-    g = torch.Generator().manual_seed(3)
-    words = [0x76543210, 0xFEDCBA98, 0x89ABCDEF] + torch.randint(0, 2**31, (40,), generator=g).tolist()
-    for word in words:
-        got = torch.tensor(_run_ptx(matvec._E2M1_PTX.value, word), dtype=torch.int32).to(torch.int16)
+    for word in _words():
+        regs = _run_ptx(dequant._E2M1_PTX.value, {"$8": word})
+        got = torch.tensor([regs[f"${j}"] for j in range(8)], dtype=torch.int32).to(torch.int16)
         got = got.view(torch.float16).double()
         want = values[[(word >> 4 * j) & 15 for j in range(8)]]
         assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), hex(word)
+
+
+@pytest.mark.parametrize("codes", [(127, 127, 127, 127), (1, 0, 254, 255), (100, 140, 127, 3)],
+                         ids=["unit", "extremes", "mixed"])
+def test_gpu_e2m1_planes_ptx_decodes_and_scales_every_code(codes):
+    # The GPU's tensor-core tiles decode four packed bytes (eight codes, low nibble = even element) with this
+    # PTX: outputs $0, $1 the even elements of bytes (0, 1) and (2, 3) as bf16 pairs, $2, $3 the odd ones,
+    # each times its byte's E8M0 scale (inputs $5, $6: bf16 pairs). Every code in every position, with
+    # scales at the ends of the range (2^-126, 2^127, the NaN code), -0 kept -0.
+    # the reference's values: fp32 products (3 * 2^127 is past fp32 as it is past bf16: inf in both)
+    values = mxfp4.e2m1_table(torch.float32)
+    scale = torch.tensor([2.0 ** (c - 127) if c < 255 else float("nan") for c in codes], dtype=torch.float32)
+    sbits = [int(v) & 0xFFFF for v in scale.to(torch.bfloat16).view(torch.int16)]
+    assert sbits[0] == codes[0] << 7 or codes[0] in (0, 255)  # what _e8m0_bf16 builds, for its checks below
+    for word in _words():
+        regs = _run_ptx(dequant._E2M1_PLANES_PTX.value,
+                        {"$4": word, "$5": sbits[0] | sbits[1] << 16, "$6": sbits[2] | sbits[3] << 16})
+        got = torch.cat([_bf16_pair(regs[f"${j}"]) for j in range(4)]).float()
+        nib = [(word >> 4 * j) & 15 for j in range(8)]
+        order = (0, 2, 4, 6, 1, 3, 5, 7)  # element j of byte j // 2
+        want = values[[nib[j] for j in order]] * scale[[j // 2 for j in order]]
+        assert torch.equal(got.isnan(), want.isnan()), hex(word)
+        ok = ~want.isnan()
+        assert torch.equal(got[ok], want[ok]) and torch.equal(got[ok].signbit(), want[ok].signbit()), hex(word)
+
+
+def test_e8m0_bf16_is_the_scale_exactly():
+    # The tiles' bf16 scales (2^(s-127) for every E8M0 code, NaN for 255), through the interpreter.
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _k(s_ptr, o_ptr):
+        i = tl.arange(0, 256)
+        tl.store(o_ptr + i, dequant._e8m0_bf16(tl.load(s_ptr + i)))
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEV)
+    out = torch.empty(256, dtype=torch.bfloat16, device=DEV)
+    _k[(1,)](codes, out)
+    want = torch.tensor([2.0 ** (c - 127) for c in range(255)] + [float("nan")], dtype=torch.float64)
+    assert torch.equal(out[:255].double().cpu(), want[:255]) and out[255].isnan()
+
+
+def test_bf16_z_is_read_as_it_is(experts_store):
+    # A bf16 model's z goes to the kernels unconverted; its values are exact in bf16, so the up pass's single
+    # bf16 product gives exactly what the fp32 copy's two give (the low halves are zero).
+    z, experts, gates, _, _ = case(experts_store, 5, seed=2)
+    zb = z.to(torch.bfloat16)
+    got = mlp._launch_mlp(zb, *experts_store, experts, gates, 4.0, 25.0, L, I)
+    assert torch.equal(got, mlp._launch_mlp(zb.float(), *experts_store, experts, gates, 4.0, 25.0, L, I))
+    one = mlp._launch_mlp(zb[:1], *experts_store, experts, gates[:, :1], 4.0, 25.0, L, I)  # matrix-vector path
+    assert torch.equal(one, mlp._launch_mlp(zb[:1].float(), *experts_store, experts, gates[:, :1], 4.0, 25.0, L, I))
 
 
 def test_public_kernels_and_unrouted_tokens(experts_store):

@@ -14,7 +14,7 @@ tokens; per token it computes its rows, RB at a time, each over the whole K.
   their activations once per (program, token) as 8 planes x[j::8] (h is stored that way, z gathered),
   and keeps them in registers; per row it then issues one 16-byte load per group of codes. No activation
   is reloaded per row, and every weight byte is read once, as part of a vector load.
-- A word's 8 codes are decoded by ``_E2M1_PTX`` (11 integer instructions per 8 codes, then one
+- A word's 8 codes are decoded by ``dequant_triton._E2M1_PTX`` (11 integer instructions per 8 codes, then one
   fp16 -> fp32 widening per code) into one fp32 FMA chain; each group's sum is scaled once, not each
   product, and one reduction across the threads ends the row.
 - The row loop is software-pipelined by the compiler (``num_stages``: asynchronous copies of the next
@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ..activation.situ_glu_triton import _situ_glu
-from .dequant_triton import _e8m0, _weight_tile
+from .dequant_triton import _E2M1_PTX, _e2m1_fp16, _e8m0, _weight_tile
 
 # Decode tiles of the matrix-vector path: FP8 (one token): rows per program, K per step, warps; MXFP4
 # (every decode size): a program computes BLOCK_R rows, RB at a time, each over the whole K (see
@@ -56,58 +56,14 @@ def _gemv_rows(w_ptr, s_ptr, rows, row_ok, K, x_ptr, ROWS: tl.constexpr, BK: tl.
     acc = tl.zeros((ROWS, BK), tl.float32)
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
-        acc += _weight_tile(w_ptr, s_ptr, rows, row_ok, K, k0, False, ROWS, BK) * tl.load(
-            x_ptr + k, mask=k < K, other=0.0)[None, :]
+        acc += _weight_tile(w_ptr, s_ptr, rows, row_ok, K, k0, ROWS, BK) * _f32(x_ptr + k, k < K)[None, :]
     return tl.sum(acc, axis=1)
-
-
-# E2M1 -> fp16 in PTX, for one 32-bit word of eight codes (code j in bits 4j..4j+3). Each code becomes
-# the high byte [sign 000 mag 0] of an fp16 whose low byte is 0, i.e. the fp16 with the code's magnitude
-# bits at 9..11 and its sign at 15: the E2M1 value times 2^-14, exactly (the same fp16 as _e2m1_code,
-# the path without PTX). Even codes: (w << 1) & 0x0E (magnitude) | (w << 4) & 0x80 (sign) per byte;
-# odd codes: (w >> 3) & 0x0E | w & 0x80. One prmt then places two of those bytes as the high bytes of an
-# fp16 pair (its selector's 4s read the zero register), and a cvt per code widens it to fp32 (HADD2.F32
-# in SASS).
-# 11 integer instructions per 8 codes, where a nibble split, join and shift cost several per code.
-_E2M1_PTX = tl.constexpr("""
-{
-.reg .b32 t, u, e, o, p0, p1, p2, p3;
-.reg .b16 h0, h1, h2, h3, h4, h5, h6, h7;
-shl.b32 t, $8, 1;
-shl.b32 u, $8, 4;
-and.b32 t, t, 0x0E0E0E0E;
-and.b32 u, u, 0x80808080;
-or.b32 e, t, u;
-shr.b32 t, $8, 3;
-and.b32 t, t, 0x0E0E0E0E;
-and.b32 u, $8, 0x80808080;
-or.b32 o, t, u;
-prmt.b32 p0, e, 0, 0x1404;
-prmt.b32 p1, e, 0, 0x3424;
-prmt.b32 p2, o, 0, 0x1404;
-prmt.b32 p3, o, 0, 0x3424;
-mov.b32 {h0, h2}, p0;
-mov.b32 {h4, h6}, p1;
-mov.b32 {h1, h3}, p2;
-mov.b32 {h5, h7}, p3;
-cvt.f32.f16 $0, h0;
-cvt.f32.f16 $1, h1;
-cvt.f32.f16 $2, h2;
-cvt.f32.f16 $3, h3;
-cvt.f32.f16 $4, h4;
-cvt.f32.f16 $5, h5;
-cvt.f32.f16 $6, h6;
-cvt.f32.f16 $7, h7;
-}
-""")
 
 
 @triton.jit
 def _e2m1_code(w, J: tl.constexpr):
-    """Code J of int32 words of eight E2M1 codes -> fp32 value * 2^-14 (the fp16 trick of dequant_triton._weight_tile)."""
-    c = w >> (4 * J)
-    bits = ((c & 7) << 9) | ((c & 8) << 12)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    """Code J of int32 words of eight E2M1 codes -> fp32 value * 2^-14 (the fp16 of dequant_triton)."""
+    return _e2m1_fp16(w >> (4 * J))
 
 
 @triton.jit
@@ -131,9 +87,14 @@ def _x_part(x_ptr, K, G0, UNITS: tl.constexpr, WPU: tl.constexpr, PLANAR: tl.con
                 tl.load(x_ptr + 4 * plane + wo, mask=ok, other=0.0), tl.load(x_ptr + 5 * plane + wo, mask=ok, other=0.0),
                 tl.load(x_ptr + 6 * plane + wo, mask=ok, other=0.0), tl.load(x_ptr + 7 * plane + wo, mask=ok, other=0.0))
     e = x_ptr + 8 * wo
-    return (tl.load(e, mask=ok, other=0.0), tl.load(e + 1, mask=ok, other=0.0), tl.load(e + 2, mask=ok, other=0.0),
-            tl.load(e + 3, mask=ok, other=0.0), tl.load(e + 4, mask=ok, other=0.0), tl.load(e + 5, mask=ok, other=0.0),
-            tl.load(e + 6, mask=ok, other=0.0), tl.load(e + 7, mask=ok, other=0.0))
+    return (_f32(e, ok), _f32(e + 1, ok), _f32(e + 2, ok), _f32(e + 3, ok), _f32(e + 4, ok), _f32(e + 5, ok),
+            _f32(e + 6, ok), _f32(e + 7, ok))
+
+
+@triton.jit
+def _f32(ptr, mask):
+    """A masked load widened to fp32 (z may be bf16: the model's activations, exactly)."""
+    return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit

@@ -6,8 +6,9 @@ workspace slots and ``expert_mlp_mxfp4`` straight from MXFP4 storage. Same signa
 Three launches, grouped over all slots, no Python loop over experts and no atomics:
 
 1. *up*: grid ``(token tile, block of BLOCK_R rows of I, slot)``. A program walks L in BLOCK_K steps,
-   dequantises a [BLOCK_R, BLOCK_K] tile of w1 and of w3 in registers (``dequant_triton.py``), and
-   accumulates ``g, u [BLOCK_R, BLOCK_T] += W @ z^T`` in fp32 (weights are the dot's M: 64-128 rows; a
+   dequantises a [BLOCK_R, BLOCK_K] tile of w1 and of w3 in registers as its even and odd planes along K
+   (``dequant_triton.py``), and accumulates ``g, u [BLOCK_R, BLOCK_T] += W @ z^T`` in fp32 (one product
+   per plane) (weights are the dot's M: 64-128 rows; a
    token tile short of BLOCK_T is padded by masked lanes). It then applies SiTU-GLU and the gate and
    writes ``h = gate * SiTU-GLU(g, u)`` [BLOCK_T, BLOCK_R] rows.
 2. *down*: grid ``(token tile, block of BLOCK_R rows of L, slot)``: ``part = h @ W2^T`` per
@@ -36,7 +37,8 @@ placeholder slots (docs/design.md §14) cost a few gate loads. Two pair layouts,
 *Precision.* Accumulation is fp32. On the GPU each weight tile is cast to bf16 (exact: e4m3 has
 3 mantissa bits) and the fp32 activations are split into ``hi = bf16(x)``, ``lo = bf16(x - hi)``;
 two bf16 tensor-core dots then carry about 16 mantissa bits of x (relative error <= 2^-17 per
-product, against 2^-24 for fp32) instead of the 8 of a single bf16 dot. The interpreter computes
+product, against 2^-24 for fp32) instead of the 8 of a single bf16 dot. A bf16 z (a bf16 model) is
+exact in one dot, so the up pass then runs one; h, the up pass's fp32 output, always takes two. The interpreter computes
 fp32 dots with ``input_precision="ieee"`` (its bf16 tl.dot is wrong: docs/design.md §12).
 
 *Bytes moved* per routed expert with I*L elements per matrix (K3: I*L = 11.0 M):
@@ -59,7 +61,7 @@ import triton.language as tl
 
 from ..activation.situ_glu_triton import _situ_glu
 from .convert_triton import _require_rows_contiguous
-from .dequant_triton import _group_scales, _weight_tile_pre
+from .dequant_triton import _group_scales, _weight_planes
 from .matvec_triton import _down_decode, _gemv_meta, _gemv_rows, _up_decode
 from .reference import check_fp8_mlp, check_mxfp4_mlp, expert_mlp_fp8_ref, expert_mlp_mxfp4_ref
 
@@ -75,17 +77,37 @@ MXFP4_GEMV_MAX_TOKENS = 1
 
 
 @triton.jit
-def _dot(w, x_t, acc, SPLIT: tl.constexpr):
-    """acc + w @ x_t for fp32 w [R, K] (bf16-exact weights) and fp32 x_t [K, T], accumulated in fp32."""
-    if SPLIT:  # GPU: two bf16 tensor-core dots carry ~16 mantissa bits of x
+def _dot(w, x_t, acc, DOTS: tl.constexpr):
+    """acc + w @ x_t for w [R, K] (bf16-exact weights) and fp32 x_t [K, T], accumulated in fp32. DOTS: bf16
+    tensor-core dots (GPU): 2 carry ~16 mantissa bits of x, 1 for an x exact in bf16; 0: fp32 (interpreter)."""
+    if DOTS == 0:
+        acc = tl.dot(w, x_t, acc, input_precision="ieee")
+    else:
         wb = w.to(tl.bfloat16)
         hi = x_t.to(tl.bfloat16)
-        lo = (x_t - hi.to(tl.float32)).to(tl.bfloat16)
         acc = tl.dot(wb, hi, acc)
-        acc = tl.dot(wb, lo, acc)
-    else:  # interpreter: plain fp32
-        acc = tl.dot(w, x_t, acc, input_precision="ieee")
+        if DOTS == 2:
+            acc = tl.dot(wb, (x_t - hi.to(tl.float32)).to(tl.bfloat16), acc)
     return acc
+
+
+@triton.jit
+def _dot_planes(w, x, acc, DOTS: tl.constexpr):
+    """acc + W @ x for a tile given as its (even, odd) planes along K (``dequant_triton``): w [R, BK / 2] and
+    x [BK / 2, T] each."""
+    return _dot(w[1], x[1], _dot(w[0], x[0], acc, DOTS), DOTS)
+
+
+@triton.jit
+def _x_planes(x_ptr, x_row, live, K, k0, BK: tl.constexpr):
+    """Rows x_row [T] of an fp32 [*, K] activation matrix at columns k0..k0+BK, transposed, as (even, odd)
+    planes [BK / 2, T] each: zero for dead lanes and past K. Loaded as whole rows (vector loads) and split
+    in registers: strided loads of either plane alone would be one 4-byte copy per element."""
+    k = k0 + tl.arange(0, BK)
+    x = tl.load(x_ptr + x_row[:, None] * K + k[None, :], mask=live[:, None] & (k < K)[None, :], other=0.0)
+    x = x.to(tl.float32)
+    even, odd = tl.split(tl.reshape(x, (x_row.shape[0], BK // 2, 2)))
+    return tl.trans(even), tl.trans(odd)
 
 
 # ---------------------------------------------------------------------------------------- MLP passes
@@ -121,7 +143,7 @@ def _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP: tl.conste
 @triton.jit(do_not_specialize=["N"])
 def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_ptr, token_ptr, h_ptr,
                N, L, I, sw_e, sw_m, ss_e, ss_m, beta_gate, beta_up,
-               MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, SPLIT: tl.constexpr,
+               MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, DOTS: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GEMV: tl.constexpr,
                PTX: tl.constexpr, RB: tl.constexpr, GA: tl.constexpr, GB: tl.constexpr,
                HC: tl.constexpr):
@@ -157,11 +179,11 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_pt
             # the next step's group scales now (the compiler does not prefetch these uint8 loads)
             sg_next = _group_scales(s1, rows, row_ok, L // 32, k0 + BLOCK_K, BLOCK_R, BLOCK_K)
             su_next = _group_scales(s1 + ss_m, rows, row_ok, L // 32, k0 + BLOCK_K, BLOCK_R, BLOCK_K)
-            k = k0 + tl.arange(0, BLOCK_K)
-            z_t = tl.load(z_ptr + token[None, :] * L + k[:, None], mask=live[None, :] & (k < L)[:, None], other=0.0)
-            acc_g = _dot(_weight_tile_pre(w1, sg, rows, row_ok, L, k0, MXFP4, BLOCK_R, BLOCK_K), z_t, acc_g, SPLIT)
-            acc_u = _dot(_weight_tile_pre(w1 + sw_m, su, rows, row_ok, L, k0, MXFP4, BLOCK_R, BLOCK_K), z_t,
-                         acc_u, SPLIT)
+            z_t = _x_planes(z_ptr, token, live, L, k0, BLOCK_K)
+            acc_g = _dot_planes(_weight_planes(w1, sg, rows, row_ok, L, k0, MXFP4, PTX, BLOCK_R, BLOCK_K), z_t,
+                                acc_g, DOTS)
+            acc_u = _dot_planes(_weight_planes(w1 + sw_m, su, rows, row_ok, L, k0, MXFP4, PTX, BLOCK_R, BLOCK_K),
+                                z_t, acc_u, DOTS)
             sg, su = sg_next, su_next
         h = _situ_glu(acc_g, acc_u, beta_gate, beta_up) * gate[None, :]
         tl.store(h_ptr + pair[None, :] * I + rows[:, None], h, mask=row_ok[:, None] & live[None, :])
@@ -170,7 +192,7 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_pt
 @triton.jit(do_not_specialize=["N"])
 def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_ptr, token_ptr, part_ptr,
                  N, L, I, sw_e, sw_m, ss_e, ss_m,
-                 MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, SPLIT: tl.constexpr,
+                 MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, DOTS: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GEMV: tl.constexpr,
                PTX: tl.constexpr, RB: tl.constexpr, GA: tl.constexpr, GB: tl.constexpr,
                HC: tl.constexpr):
@@ -201,10 +223,9 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_
         sc = _group_scales(s2, rows, row_ok, I // 32, 0, BLOCK_R, BLOCK_K)
         for k0 in range(0, I, BLOCK_K):
             sc_next = _group_scales(s2, rows, row_ok, I // 32, k0 + BLOCK_K, BLOCK_R, BLOCK_K)
-            k = k0 + tl.arange(0, BLOCK_K)
-            h_t = tl.load(h_ptr + pair[None, :] * I + k[:, None], mask=live[None, :] & (k < I)[:, None], other=0.0)
-            w2 = _weight_tile_pre(w1 + 2 * sw_m, sc, rows, row_ok, I, k0, MXFP4, BLOCK_R, BLOCK_K)
-            acc = _dot(w2, h_t, acc, SPLIT)
+            h_t = _x_planes(h_ptr, pair, live, I, k0, BLOCK_K)
+            w2 = _weight_planes(w1 + 2 * sw_m, sc, rows, row_ok, I, k0, MXFP4, PTX, BLOCK_R, BLOCK_K)
+            acc = _dot_planes(w2, h_t, acc, DOTS)
             sc = sc_next
         tl.store(part_ptr + pair[None, :] * L + rows[:, None], acc, mask=row_ok[:, None] & live[None, :])
 
@@ -273,7 +294,10 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
         fits = N <= DENSE_MAX_TOKENS and m * N * (I + L) * 4 <= DENSE_PAIR_BYTES
         dense = N <= _config(on_gpu, True, N)["BLOCK_T"] or fits
     cfg = _config(on_gpu, dense, N)
-    z, gates = z.float().contiguous(), gates.float().contiguous()
+    # bf16 z (a bf16 model's activations) is read as it is: every value is exact in bf16, so the up pass's
+    # tensor-core products need no low half of z (one bf16 dot per plane instead of two)
+    z_bf16 = z.dtype == torch.bfloat16
+    z, gates = (z if z_bf16 else z.float()).contiguous(), gates.float().contiguous()
     if dense:
         rank = count = offset = token = gates  # unused pointers
         pairs, longest = m * N, N
@@ -285,7 +309,7 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
     part = torch.empty(pairs, L, dtype=torch.float32, device=z.device)
     shared = (w, s, gates if experts is None else experts.contiguous(), gates, count, offset, token)
     strides = (N, L, I, w.stride(0), w.stride(1), s.stride(0), s.stride(1))
-    meta = dict(MXFP4=w.dtype == torch.uint8, HAS_MAP=experts is not None, DENSE=dense, SPLIT=on_gpu,
+    meta = dict(MXFP4=w.dtype == torch.uint8, HAS_MAP=experts is not None, DENSE=dense, DOTS=2 if on_gpu else 0,
                 BLOCK_T=cfg["BLOCK_T"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
     if on_gpu:
         meta["num_stages"] = cfg["num_stages"]
@@ -295,8 +319,9 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
     # token tiles per slot; the MXFP4 matrix-vector programs walk all of a slot's tokens themselves
     tiles = 1 if meta["GEMV"] and meta["MXFP4"] else max(1, triton.cdiv(longest, cfg["BLOCK_T"]))
     meta, parts_up, parts_down = _gemv_meta(meta, on_gpu, L, I, m)
+    up_meta = dict(meta, DOTS=(1 if z_bf16 else 2) if on_gpu else 0)
     _up_kernel[(tiles, triton.cdiv(I, meta["BLOCK_R"]), m)](z, *shared, h, *strides, float(beta_gate),
-                                                            float(beta_up), **meta, **parts_up)
+                                                            float(beta_up), **up_meta, **parts_up)
     _down_kernel[(tiles, triton.cdiv(L, meta["BLOCK_R"]), m)](h, *shared, part, *strides, **meta, **parts_down)
     _combine_kernel[(N, triton.cdiv(L, cfg["BLOCK_L"]))](part, gates, rank, offset, out, m, N, L, DENSE=dense,
                                                          BLOCK_S=cfg["BLOCK_S"], BLOCK_L=cfg["BLOCK_L"])
