@@ -1,7 +1,8 @@
 """Tile sweep of the small kernels of one decode step on the H200 (a tuning aid, not a test): the one-row
-projection, the router, the KDA decode step and the routed-expert MLP, each at the small config's shapes.
+projection, the tile projection of a decode batch, the router, the KDA decode step and the routed-expert
+MLP, each at the small config's shapes.
 
-    PYTHONPATH=. python benchmarks/tune_decode.py [--only gemv route kda moe combine]
+    PYTHONPATH=. python benchmarks/tune_decode.py [--only gemv tile route kda moe combine]
 
 A decode step reads every weight once, and the whole step (580 MB at batch 1) is far larger than the L2
 cache, so each candidate is timed on enough distinct copies of its weights to overflow L2 (about 96 MB),
@@ -71,7 +72,7 @@ def sweep_gemv() -> None:
 
             def call(w, o, bn=bn, bk=bk, warps=warps):
                 gemv._gemv_kernel[(triton.cdiv(N, bn),)](x, w, o, N, K, w.stride(0), w.stride(1), BLOCK_N=bn,
-                                                         BLOCK_K=bk, num_warps=warps)
+                                                         BLOCK_K=bk, PDL=False, num_warps=warps)
             try:
                 us = per_call([lambda w=w, o=o: call(w, o) for w, o in zip(ws, outs)])
                 call(ws[0], outs[0])
@@ -80,6 +81,34 @@ def sweep_gemv() -> None:
                 print(f"  bn {bn} bk {bk} warps {warps}: {type(e).__name__}")
                 continue
             record("gemv", (N, K), dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps), us, err)
+        del ws
+
+
+def sweep_tile(M: int = 32) -> None:
+    """The tile kernel for a decode batch of M rows against cuBLAS, at the bf16 products of sweep_gemv."""
+    shapes = [(4176, 1024), (1024, 1024), (2560, 384)]
+    base = gemv._tile_config
+    for N, K in shapes:
+        n = copies(N * K * 2)
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        outs = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+        print(f"tile {M}x{N}x{K} ({n} copies)")
+        record("tile_cublas", (M, N, K), {}, per_call([lambda w=w, o=o: torch.mm(x, w.t(), out=o)
+                                                       for w, o in zip(ws, outs)]))
+        want = (x.double() @ ws[0].double().t()).float()
+        configs = [*itertools.product((16, 32), (128, 256), (4,), (2, 3, 4)), (16, 256, 2, 3), (64, 128, 4, 3),
+                   (16, 512, 4, 2)]
+        for bn, bk, warps, stages in configs:
+            gemv._tile_config = lambda m, on_gpu, c=(bn, bk, warps, stages): (max(16, triton.next_power_of_2(m)), *c)
+            try:
+                us = per_call([lambda w=w: gemv.linear(x, w) for w in ws])
+                err = (gemv.linear(x, ws[0]).float() - want).abs().max().item()
+            except Exception as e:  # noqa: BLE001
+                print(f"  {bn} {bk} {warps} {stages}: {type(e).__name__}")
+                continue
+            record("tile", (M, N, K), dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages), us, err)
+        gemv._tile_config = base
         del ws
 
 
@@ -169,7 +198,7 @@ def sweep_moe() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", nargs="+", default=["route", "kda", "gemv", "moe"])
+    ap.add_argument("--only", nargs="+", default=["route", "kda", "gemv", "tile", "moe"])
     args = ap.parse_args()
     warm_up("cuda")
     for name in args.only:

@@ -1,4 +1,5 @@
-"""The one-row projection kernel against ``F.linear`` (interpreter on CPU, compiled on a GPU)."""
+"""The decode projection kernels (one row; tiles of 2-64 rows) against ``F.linear`` (interpreter on CPU, compiled on
+a GPU)."""
 
 import pytest
 import torch
@@ -76,3 +77,40 @@ def test_linear_sum_rows_and_bad_inputs():
         ops.linear_sum(x1, w1, x2, w2[:4])
     with pytest.raises(TypeError, match="cast x2"):
         ops.linear_sum(x1, w1, x2.double(), w2)
+
+
+def _within_bf16(got, want, K, x, w):
+    """A bf16 result of exact products summed in fp32: one bf16 spacing of |want| (2^-7 relative: the
+    interpreter's conversion truncates), plus the fp32 sum's K * 2^-24 * max|x w| where terms cancel."""
+    return ((got.double() - want).abs() <= 2 ** -7 * want.abs() + K * 2 ** -24 * x.abs().max() * w.abs().max()).all()
+
+
+@pytest.mark.parametrize("M,N,K", [(3, 60, 63), (33, 17, 70)])  # odd rows, widths and depths; K past a step
+def test_tile_kernel_rows_match_reference(M, N, K):
+    from minidsa.ops.linear.gemv_triton import TILE_MAX_ROWS
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(M * N + K)
+    x = torch.randn(M, 1, K, generator=g).bfloat16()
+    stack = torch.randn(K, N, generator=g).bfloat16()  # K-major, as the fused CPU stacks are
+    got = linear(x.to(dev), stack.to(dev).t()).cpu()
+    want = x.double() @ stack.double()
+    assert got.shape == (M, 1, N) and got.dtype == torch.bfloat16 and M <= TILE_MAX_ROWS
+    assert _within_bf16(got, want, K, x, stack)
+
+
+def test_tile_kernel_sum_and_the_row_limit():
+    from minidsa.ops.linear.gemv_triton import TILE_MAX_ROWS, linear_sum
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(11)
+    M, N, K1, K2 = 5, 63, 60, 40
+    x1, w1 = torch.randn(M, K1, generator=g).bfloat16(), torch.randn(N, K1, generator=g).bfloat16()
+    x2 = torch.randn(M, K2, generator=g).bfloat16()
+    wide = torch.randn(N, K2 + 7, generator=g).bfloat16()  # a strided second weight: a column slice
+    got = linear_sum(x1.to(dev), w1.to(dev), x2.to(dev), wide.to(dev)[:, 3:3 + K2]).cpu()
+    want = x1.double() @ w1.double().t() + x2.double() @ wide[:, 3:3 + K2].double().t()
+    # one fp32 sum of both products, rounded once
+    assert got.dtype == torch.bfloat16 and _within_bf16(got, want, K1 + K2, torch.cat([x1, x2], 1), wide)
+    # past the limit (a prefill) the rows go to F.linear, in cuBLAS's own order
+    x = torch.randn(TILE_MAX_ROWS + 1, 16, generator=g).bfloat16()
+    w = torch.randn(8, 16, generator=g).bfloat16()
+    assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
