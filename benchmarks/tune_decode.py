@@ -2,7 +2,7 @@
 projection, the tile projection of a decode batch, the router, the KDA decode step and the routed-expert
 MLP, each at the small config's shapes.
 
-    PYTHONPATH=. python benchmarks/tune_decode.py [--only gemv tile route kda moe combine]
+    PYTHONPATH=. python benchmarks/tune_decode.py [--only gemv tile rows route kda moe combine]
 
 A decode step reads every weight once, and the whole step (580 MB at batch 1) is far larger than the L2
 cache, so each candidate is timed on enough distinct copies of its weights to overflow L2 (about 96 MB),
@@ -84,21 +84,37 @@ def sweep_gemv() -> None:
         del ws
 
 
+def sweep_rows() -> None:
+    """The fp32 router at decode batches of 2-64 rows: cuBLAS against the one-row kernel per row (``linear``)."""
+    for m in (2, 8, 32, 64):
+        w = torch.randn(64, 1024, device="cuda")
+        x = torch.randn(m, 1024, device="cuda")
+        ws = [w.clone() for _ in range(copies(w.numel() * 4))]
+        print(f"router rows {m}x64x1024 fp32")
+        record("rows_cublas", (m, 64, 1024), {}, per_call([lambda w=w: torch.mm(x, w.t()) for w in ws]))
+        err = (gemv.linear(x, w).double() - x.double() @ w.double().t()).abs().max().item()
+        record("rows", (m, 64, 1024), {}, per_call([lambda w=w: gemv.linear(x, w) for w in ws]), err)
+
+
 def sweep_tile(M: int = 32) -> None:
-    """The tile kernel for a decode batch of M rows against cuBLAS, at the bf16 products of sweep_gemv."""
-    shapes = [(4176, 1024), (1024, 1024), (2560, 384)]
-    base = gemv._tile_config
-    for N, K in shapes:
-        n = copies(N * K * 2)
-        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        outs = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
-        print(f"tile {M}x{N}x{K} ({n} copies)")
+    """The tile kernel for a decode batch of M rows against cuBLAS, at the bf16 products of sweep_gemv, and in
+    fp32 (no TF32) at the router's shape."""
+    shapes = [(4176, 1024, torch.bfloat16), (1024, 1024, torch.bfloat16), (2560, 384, torch.bfloat16),
+              (64, 1024, torch.float32)]
+    base, base_dtypes = gemv._tile_config, gemv.TILE_DTYPES
+    gemv.TILE_DTYPES = (*base_dtypes, torch.float32)
+    for N, K, dtype in shapes:
+        n = copies(N * K * dtype.itemsize)
+        ws = [torch.randn(N, K, device="cuda", dtype=dtype) for _ in range(n)]
+        x = torch.randn(M, K, device="cuda", dtype=dtype)
+        outs = [torch.empty(M, N, device="cuda", dtype=dtype) for _ in range(n)]
+        print(f"tile {M}x{N}x{K} {dtype} ({n} copies)")
         record("tile_cublas", (M, N, K), {}, per_call([lambda w=w, o=o: torch.mm(x, w.t(), out=o)
                                                        for w, o in zip(ws, outs)]))
         want = (x.double() @ ws[0].double().t()).float()
-        configs = [*itertools.product((16, 32), (128, 256), (4,), (2, 3, 4)), (16, 256, 2, 3), (64, 128, 4, 3),
-                   (16, 512, 4, 2)]
+        configs = [*itertools.product((16,), (128, 256), (2, 4), (3, 4)), (32, 256, 4, 3), (16, 512, 2, 2)]
+        if dtype == torch.float32:
+            configs = [(16, 128, 2, 4)]
         for bn, bk, warps, stages in configs:
             gemv._tile_config = lambda m, on_gpu, c=(bn, bk, warps, stages): (max(16, triton.next_power_of_2(m)), *c)
             try:
@@ -110,6 +126,7 @@ def sweep_tile(M: int = 32) -> None:
             record("tile", (M, N, K), dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages), us, err)
         gemv._tile_config = base
         del ws
+    gemv.TILE_DTYPES = base_dtypes
 
 
 def sweep_route() -> None:
@@ -198,7 +215,7 @@ def sweep_moe() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", nargs="+", default=["route", "kda", "gemv", "tile", "moe"])
+    ap.add_argument("--only", nargs="+", default=["route", "kda", "gemv", "tile", "rows", "moe"])
     args = ap.parse_args()
     warm_up("cuda")
     for name in args.only:

@@ -37,9 +37,25 @@ def test_gemv_bf16_and_strided_weight():
     assert ((got.double() - want).abs() <= 2 ** -7 * want.abs()).all()
 
 
+@pytest.mark.parametrize("M,N,K", [(3, 60, 63), (5, 9, 1100)])
+def test_fp32_rows_run_the_one_row_kernel_per_row(M, N, K):
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(M + N + K)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    got = linear(x.to(dev), w.to(dev)).cpu()
+    want = linear_ref(x.double(), w.double())
+    assert got.shape == (M, N) and got.dtype == torch.float32
+    # as for one row: fp32 sums against fp64, K * 2^-24 * max|x w| relative
+    assert (got.double() - want).abs().max() <= 1e-6 * K * (x.abs().max() * w.abs().max())
+
+
 def test_more_rows_go_to_f_linear_and_bad_shapes_are_named():
-    x, w = torch.randn(3, 16), torch.randn(5, 16)
+    from minidsa.ops.linear.gemv_triton import ROWS_MAX_WEIGHT_BYTES, TILE_MAX_ROWS
+    x, w = torch.randn(TILE_MAX_ROWS + 1, 16), torch.randn(5, 16)  # a prefill
     assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
+    x, w = torch.randn(3, 1024), torch.randn(ROWS_MAX_WEIGHT_BYTES // 4096 + 1, 1024)  # a weight past L2's share
+    assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
+    w = torch.randn(5, 16)
     with pytest.raises(ValueError, match="in_features 16"):
         ops.linear(torch.randn(1, 15), w)
     with pytest.raises(TypeError, match="cast x"):

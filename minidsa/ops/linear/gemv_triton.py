@@ -11,7 +11,9 @@ multiplying in fp32 (a bf16 x bf16 product is exact in fp32) and summing each ro
 x's rows as its N, 16 weight rows a program, so that the grid still has N / 16 programs (cuBLAS's tiles
 at these shapes leave most SMs idle or split K and add a reduction kernel). Products in fp32 as cuBLAS
 does; the sums run in another order, so results differ from ``F.linear`` by fp32 rounding before the
-final conversion.
+final conversion. Other dtypes (the fp32 router) against a weight of at most 256 KiB: the one-row kernel
+once per row, the weight read from L2 after the first; fp32 products on tensor cores would be TF32, and
+without them the tile kernel is three times slower than cuBLAS's SIMT sgemm.
 
 Both are bound by the launch and one DRAM round trip at these sizes, which is why, on sm_90, the kernels
 launch as programmatic dependents (``ops/_pdl.py``): a program loads its first weight tile, then waits
@@ -32,6 +34,12 @@ from .reference import check_linear, check_linear_sum
 # prefill, where cuBLAS's large tiles fill the GPU.
 TILE_MAX_ROWS = 64
 TILE_DTYPES = (torch.bfloat16, torch.float16)
+# Other dtypes (the fp32 router) at 2 to TILE_MAX_ROWS rows take the matrix-vector kernel once per row when the
+# weight is this small: it stays in L2 after the first row's programs, and cuBLAS runs these shapes as SIMT
+# sgemms with a split-K reduction (tensor-core fp32 products would be TF32). Measured at the small config's
+# router (64 x 1024 in fp32); larger weights stay with cuBLAS until measured.
+ROWS_MAX_WEIGHT_BYTES = 256 << 10
+_TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)  # other inputs are multiplied in fp32 (no TF32)
 
 
 @triton.jit
@@ -61,8 +69,12 @@ def _rows_dot(acc, x_ptr, w_ptr, rows, row_ok, K, stride_wn, stride_wk, BLOCK_K:
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, stride_wk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PDL: tl.constexpr):
+    """out[m] = W @ x[m] for the row m = program_id(1) of a contiguous x."""
     if PDL:
         gdc_launch_dependents()
+    m = tl.program_id(1).to(tl.int64)
+    x_ptr += m * K
+    out_ptr += m * N
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     acc = _rows_dot(tl.zeros((BLOCK_N, BLOCK_K), tl.float32), x_ptr, w_ptr, rows, row_ok, K, stride_wn, stride_wk,
@@ -95,7 +107,7 @@ def _tile_step(acc, x_ptr, w_ptr, rows, row_ok, t, t_ok, k0, K, stride_xm, strid
         gdc_wait()
     x_t = tl.load(x_ptr + t[None, :].to(tl.int64) * stride_xm + k[:, None], mask=k_ok[:, None] & t_ok[None, :],
                   other=0.0)
-    if IEEE:  # the interpreter, whose bf16 dot is wrong
+    if IEEE:
         return tl.dot(w.to(tl.float32), x_t.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(w, x_t, acc)
 
@@ -147,7 +159,7 @@ def _tile_config(M: int, on_gpu: bool) -> tuple[int, int, int, int, int]:
     block_m = max(16, triton.next_power_of_2(M))
     if not on_gpu:
         return block_m, 16, 32, 4, 1
-    return block_m, 16, 256, 4, 3
+    return block_m, 16, 128, 2, 4
 
 
 def _rows_of(x: torch.Tensor, K: int) -> int:
@@ -163,26 +175,29 @@ def _tile_launch(x1, w1, x2, w2, M, N, K1, K2) -> torch.Tensor:
     x1 = x1.reshape(M, K1).contiguous()
     x2, w2, K2 = (x2.reshape(M, K2).contiguous(), w2, K2) if two else (x1, w1, K1)
     extra = dict(num_stages=stages) if on_gpu else {}
+    ieee = not on_gpu or x1.dtype not in _TENSOR_CORE_DTYPES  # the interpreter's bf16 dot is wrong
     _tile_kernel[(triton.cdiv(N, block_n),)](x1, w1, x2, w2, out, M, N, K1, K2, w1.stride(0), w1.stride(1),
                                              w2.stride(0), w2.stride(1), TWO=two, BLOCK_M=block_m, BLOCK_N=block_n,
-                                             BLOCK_K=block_k, IEEE=not on_gpu, PDL=on,
+                                             BLOCK_K=block_k, IEEE=ieee, PDL=on,
                                              num_warps=warps, **extra, **launch_options(on))
     return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T -> [..., N]: the matrix-vector kernel for one row of x, the tile kernel for
-    2 to ``TILE_MAX_ROWS`` rows in bf16 or fp16, ``F.linear`` otherwise."""
+    2 to ``TILE_MAX_ROWS`` rows in bf16 or fp16, the matrix-vector kernel per row for as many rows of other
+    dtypes against a weight of at most ``ROWS_MAX_WEIGHT_BYTES``, ``F.linear`` otherwise."""
     K, N = check_linear(x, weight)
     M = _rows_of(x, K)
     if M > 1 and M <= TILE_MAX_ROWS and x.dtype in TILE_DTYPES:
         return _tile_launch(x, weight, None, None, M, N, K, 0)
-    if M != 1 or x.dtype == torch.float64:
+    small = weight.numel() * weight.element_size() <= ROWS_MAX_WEIGHT_BYTES
+    if x.dtype == torch.float64 or not (M == 1 or (M <= TILE_MAX_ROWS and small)):
         return F.linear(x, weight)
     out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     block_n, block_k, warps = _tiles(N, K)
     on = pdl(x.device)
-    _gemv_kernel[(triton.cdiv(N, block_n),)](x.contiguous(), weight, out, N, K, weight.stride(0), weight.stride(1),
+    _gemv_kernel[(triton.cdiv(N, block_n), M)](x.contiguous(), weight, out, N, K, weight.stride(0), weight.stride(1),
                                             BLOCK_N=block_n, BLOCK_K=block_k, PDL=on, num_warps=warps,
                                             **launch_options(on))
     return out
