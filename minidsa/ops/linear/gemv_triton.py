@@ -12,8 +12,8 @@ x's rows as its N, 16 weight rows a program, so that the grid still has N / 16 p
 at these shapes leave most SMs idle or split K and add a reduction kernel). Products in fp32 as cuBLAS
 does; the sums run in another order, so results differ from ``F.linear`` by fp32 rounding before the
 final conversion. Other dtypes (the fp32 router) against a weight of at most 256 KiB: the one-row kernel
-once per row, the weight read from L2 after the first; fp32 products on tensor cores would be TF32, and
-without them the tile kernel is three times slower than cuBLAS's SIMT sgemm.
+once per row, the weight read from L2 after the first; fp32 products on tensor cores would be TF32, which
+can flip a routing choice.
 
 Both are bound by the launch and one DRAM round trip at these sizes, which is why, on sm_90, the kernels
 launch as programmatic dependents (``ops/_pdl.py``): a program loads its first weight tile, then waits
@@ -36,10 +36,9 @@ TILE_MAX_ROWS = 64
 TILE_DTYPES = (torch.bfloat16, torch.float16)
 # Other dtypes (the fp32 router) at 2 to TILE_MAX_ROWS rows take the matrix-vector kernel once per row when the
 # weight is this small: it stays in L2 after the first row's programs, and cuBLAS runs these shapes as SIMT
-# sgemms with a split-K reduction (tensor-core fp32 products would be TF32). Measured at the small config's
-# router (64 x 1024 in fp32); larger weights stay with cuBLAS until measured.
+# sgemms with a split-K reduction (tensor-core fp32 products would be TF32). The limit is the small config's
+# router (64 x 1024 in fp32), the shape this was tuned on; larger weights keep cuBLAS.
 ROWS_MAX_WEIGHT_BYTES = 256 << 10
-_TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)  # other inputs are multiplied in fp32 (no TF32)
 
 
 @triton.jit
@@ -173,9 +172,13 @@ def _tile_launch(x1, w1, x2, w2, M, N, K1, K2) -> torch.Tensor:
     on = pdl(x1.device)
     two = x2 is not None
     x1 = x1.reshape(M, K1).contiguous()
-    x2, w2, K2 = (x2.reshape(M, K2).contiguous(), w2, K2) if two else (x1, w1, K1)
+    if two:
+        x2 = x2.reshape(M, K2).contiguous()
+    else:  # TWO=False reads none of them
+        x2, w2, K2 = x1, w1, K1
     extra = dict(num_stages=stages) if on_gpu else {}
-    ieee = not on_gpu or x1.dtype not in _TENSOR_CORE_DTYPES  # the interpreter's bf16 dot is wrong
+    # fp32 inputs (a tuning sweep) are multiplied in fp32, not TF32; the interpreter's bf16 dot is wrong
+    ieee = not on_gpu or x1.dtype not in TILE_DTYPES
     _tile_kernel[(triton.cdiv(N, block_n),)](x1, w1, x2, w2, out, M, N, K1, K2, w1.stride(0), w1.stride(1),
                                              w2.stride(0), w2.stride(1), TWO=two, BLOCK_M=block_m, BLOCK_N=block_n,
                                              BLOCK_K=block_k, IEEE=ieee, PDL=on,
@@ -189,10 +192,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     dtypes against a weight of at most ``ROWS_MAX_WEIGHT_BYTES``, ``F.linear`` otherwise."""
     K, N = check_linear(x, weight)
     M = _rows_of(x, K)
-    if M > 1 and M <= TILE_MAX_ROWS and x.dtype in TILE_DTYPES:
+    few = 1 < M <= TILE_MAX_ROWS
+    if few and x.dtype in TILE_DTYPES:
         return _tile_launch(x, weight, None, None, M, N, K, 0)
-    small = weight.numel() * weight.element_size() <= ROWS_MAX_WEIGHT_BYTES
-    if x.dtype == torch.float64 or not (M == 1 or (M <= TILE_MAX_ROWS and small)):
+    if x.dtype == torch.float64 or not (M == 1 or (few and weight.nbytes <= ROWS_MAX_WEIGHT_BYTES)):
         return F.linear(x, weight)
     out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     block_n, block_k, warps = _tiles(N, K)
@@ -204,11 +207,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear_sum(x1: torch.Tensor, w1: torch.Tensor, x2: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """x1 @ w1^T + x2 @ w2^T -> [..., N]: one kernel for up to ``TILE_MAX_ROWS`` rows (one row in fp32 and wider
-    types too; the sum in fp32, rounded once), two ``F.linear`` calls and an add otherwise."""
+    """x1 @ w1^T + x2 @ w2^T -> [..., N]: one kernel (the sum in fp32, rounded once) for one row of any dtype but
+    fp64 and for 2 to ``TILE_MAX_ROWS`` rows in bf16 or fp16; two ``F.linear`` calls and an add otherwise."""
     K1, K2, N = check_linear_sum(x1, w1, x2, w2)
     M = _rows_of(x1, K1)
-    if M > 1 and M <= TILE_MAX_ROWS and x1.dtype in TILE_DTYPES:
+    if 1 < M <= TILE_MAX_ROWS and x1.dtype in TILE_DTYPES:
         return _tile_launch(x1, w1, x2, w2, M, N, K1, K2)
     if M != 1 or x1.dtype == torch.float64:
         return F.linear(x1, w1) + F.linear(x2, w2)
