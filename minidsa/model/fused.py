@@ -12,6 +12,12 @@ loading, saving, ``state_dict`` and optimisers see the same tensors as before an
 parameter writes the stacked matrix. Anything that gives a parameter new storage (``model.to``, a new
 ``nn.Parameter``, ``copy.deepcopy``) is noticed on the next call, which stacks the rows again.
 
+Moving a parameter frees its old storage, and a captured CUDA graph keeps reading the address it
+recorded: a stack built lazily by the first prefill, after the decode graphs were captured, left every
+replay reading freed memory (NaN logits from a fresh server). So the model stacks every group when its
+weights are placed (``fuse_all``, from ``MiniDSA``'s constructor and ``_apply``), no forward moves a
+parameter, and ``moves()`` counts the moves that do happen so that a graph can notice them.
+
 Weights of different dtypes (a bf16 model keeps its router and the indexer weights in fp32) form one
 product per dtype, each reading the input cast to that dtype, which is what the separate layers do.
 Under autograd (a weight needs a gradient and grad mode is on) the stack is ``torch.cat`` of the live
@@ -26,6 +32,32 @@ from torch import nn
 
 from .. import ops
 from ..ops import cast
+
+_MOVES = [0]  # parameter moves by any RowStack of the process (one int: a graph replay reads it per step)
+
+
+def moves() -> int:
+    """How many times a stack has moved parameters into new storage in this process (any model)."""
+    return _MOVES[0]
+
+
+def _groups_of(module: nn.Module) -> list:
+    """Every FusedLinears and RowStack held by ``module`` or its submodules (plain attributes, not submodules)."""
+    return [v for m in module.modules() for v in vars(m).values() if isinstance(v, (FusedLinears, RowStack))]
+
+
+def fuse_all(module: nn.Module) -> None:
+    """Stack every group of ``module`` now, so that no later forward moves a parameter (module docstring)."""
+    for group in _groups_of(module):
+        group.fuse() if isinstance(group, FusedLinears) else group.stacked()
+
+
+def stack_tensors(module: nn.Module) -> list[torch.Tensor | None]:
+    """The stacks ``module``'s groups hold now (None: not built); identity changes when parameters moved."""
+    out: list[torch.Tensor | None] = []
+    for group in _groups_of(module):
+        out += group.stacks() if isinstance(group, FusedLinears) else [group._stack]
+    return out
 
 
 class RowStack:
@@ -50,14 +82,23 @@ class RowStack:
         weights = [m.weight for m in self.modules]
         if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
             return self._cat(weights)
+        return self.stacked()
+
+    def stacked(self) -> torch.Tensor:
+        """The stack, built now if missing or stale, whatever the grad mode (``fuse_all`` calls it)."""
+        weights = [m.weight for m in self.modules]
         if self._stack is not None and (torch.compiler.is_compiling() or self._key(weights) == self._seen):
             return self._stack
+        if weights[0].device.type == "meta":  # nothing to move yet: to_empty gives the real storage later
+            return self._cat(weights)
         with torch.no_grad(), torch.inference_mode(False):  # a normal tensor, kept across forwards
             stack = self._cat([w.detach() for w in weights])
             start = 0
             for w in weights if not self.k_major else ():
                 w.data = stack[start: start + w.shape[0]]
                 start += w.shape[0]
+        if not self.k_major:
+            _MOVES[0] += 1
         self._stack, self._seen = stack, self._key(weights)
         return stack
 
@@ -103,9 +144,13 @@ class FusedLinears:
         return self._groups
 
     def fuse(self) -> None:
-        """Stack the rows now (before ``torch.compile`` traces a forward, say); calls do it when needed."""
+        """Stack the rows now, in any grad mode (``fuse_all``); calls do it when needed."""
         for stack, _, _ in self._stacks():
-            stack.tensor()
+            stack.stacked()
+
+    def stacks(self) -> list[torch.Tensor | None]:
+        """The current stacks (None where not built), without building any: what ``moves`` watchers compare."""
+        return [stack._stack for stack, _, _ in self._groups or ()]
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * len(self.parts)

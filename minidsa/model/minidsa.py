@@ -26,6 +26,7 @@ from ..formats.dtypes import disk_dtype, memory_dtype
 from ..ops._checks import on_host
 from ..tokenizer import ByteTokenizer
 from .decoder import LanguageModel
+from .fused import fuse_all
 from .initialization import init_weights
 from .moe import ExpertWorkspace, LatentMoE, expert_stats
 from .trace import ForwardTrace
@@ -60,8 +61,16 @@ class MiniDSA(nn.Module):
         for name, p in self.named_parameters():  # an fp32 copy of a BF16-on-disk weight holds bf16 values, so
             stored = disk_dtype(name, p, cfg.torch_dtype)  # save -> load is exact (docs/design.md §9)
             p.data = p.data.to(stored).to(memory_dtype(name, cfg.torch_dtype))
+        fuse_all(self)  # where the weights now lie, for good: no forward may move one (model/fused.py)
         if cfg.moe.offline_experts and init and str(device) != "meta":
             self.set_expert_mode("offline")
+
+    def _apply(self, fn, recurse=True):
+        """``to``, ``to_empty``, ``half``, ... give the parameters new storage: stack the fused groups there now,
+        not in the first forward, which may come after a CUDA graph recorded the addresses (model/fused.py)."""
+        out = super()._apply(fn, recurse)
+        fuse_all(self)
+        return out
 
     @property
     def device(self) -> torch.device:

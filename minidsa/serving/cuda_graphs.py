@@ -11,6 +11,11 @@ Every buffer the graph reads is static: the step's values are copied into it bef
 same padded context runs eagerly on any device (``padded_decode_context``), which is how the CPU tests
 check that padding changes nothing.
 
+A graph also records the address of every weight it reads, so a weight must not move after capture: the
+model stacks its fused projections when its weights are placed (model/fused.py), and should a parameter
+move anyway (``model.to``, a parameter given new storage), ``run`` notices it from ``fused.moves()`` and
+captures again rather than replay reads of freed memory.
+
 With ``compile=True`` each bucket's step is first ``torch.compile``d (fullgraph, static shapes: one
 specialisation per bucket) and the compiled step is what the graph captures: Inductor fuses the
 elementwise glue between the kernels, which are custom ops (ops/_library.py) it calls as they are. It
@@ -24,6 +29,7 @@ import torch
 
 from .. import ops
 from ..cache import CacheContext, PagedKVCache
+from ..model import fused
 from ..model.minidsa import MiniDSA
 
 
@@ -96,11 +102,24 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, CacheContext, torch.Tensor]] = {}
         self.pool = None
         self.replays = 0
+        self._moves, self._stacks = -1, []  # fused.moves() and the stacks' addresses the graphs recorded
 
     def capture(self) -> None:
         """Capture every bucket, largest first (its memory is then reused by the smaller ones)."""
+        self._weights_moved()
         for rows in sorted(self.buckets, reverse=True):
             self._capture(rows)
+
+    def _weights_moved(self) -> bool:
+        """Whether the model's fused weights lie elsewhere than when the graphs were captured (one int compare
+        per step while nothing moved anywhere in the process); stacks every group first."""
+        if fused.moves() == self._moves:
+            return False
+        fused.fuse_all(self.model)
+        stacks = [0 if t is None else t.data_ptr() for t in fused.stack_tensors(self.model)]
+        moved = stacks != self._stacks
+        self._moves, self._stacks = fused.moves(), stacks
+        return moved
 
     def _capture(self, rows: int) -> None:
         dev = self.model.device
@@ -132,6 +151,8 @@ class DecodeGraphs:
     def run(self, seq_ids: list[int], tokens: list[int]) -> torch.Tensor:
         """Replay the decode step of ``seq_ids`` (each fed its token; blocks reserved) -> logits [B, 1, V]."""
         rows = next(b for b in self.buckets if b >= len(seq_ids))
+        if self._weights_moved():
+            self.graphs.clear()  # each recorded the old addresses; capture again, bucket by bucket
         if rows not in self.graphs:
             self._capture(rows)
         graph, ids, ctx, logits = self.graphs[rows]

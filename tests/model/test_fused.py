@@ -82,3 +82,32 @@ def test_a_wide_cpu_stack_is_a_k_major_copy_that_follows_writes():
         assert a.weight.is_contiguous() and b.weight.is_contiguous()  # the parameters keep their storage
         a.weight.mul_(2)  # an optimiser step writes in place: the copy must not go stale
         torch.testing.assert_close(fused(x)[0], x @ a.weight.t(), rtol=0, atol=1e-12)
+
+
+def _addresses(model):
+    return {name: p.data_ptr() for name, p in model.named_parameters()}
+
+
+def test_no_forward_moves_a_parameter_of_a_fresh_model():
+    """A CUDA graph records weight addresses: a stack built by the first prefill, after the decode graphs were
+    captured, freed the storage every replay read (NaN logits from a fresh server). Every path of a freshly
+    built and a freshly loaded model must therefore leave each parameter where construction put it."""
+    for model in (minidsa.MiniDSA("tiny"), minidsa.load("default", progress=False)):
+        before = _addresses(model)
+        cache = model.new_cache()
+        sid = cache.add_sequence()
+        with torch.inference_mode():
+            model(torch.tensor([[256, 104]]), cache=cache, seq_ids=[sid])  # cached prefill
+            model(torch.tensor([[105]]), cache=cache, seq_ids=[sid])  # cached decode
+            model(torch.tensor([[256, 104, 105]]))  # no cache: the reference path
+            model(torch.tensor([[7]]))  # one token without a cache
+        moved = sorted(n for n, ptr in _addresses(model).items() if ptr != before[n])
+        assert not moved, f"{len(moved)} parameters moved in a forward, e.g. {moved[:3]}"
+
+
+def test_fuse_stacks_under_grad_mode_too():
+    a, b, c = _layers()
+    fused = FusedLinears(a, b, c)
+    assert torch.is_grad_enabled() and a.weight.requires_grad
+    fused.fuse()  # an explicit fuse must place the rows even where a forward would only torch.cat them
+    assert a.weight.data_ptr() == fused.stacks()[0].data_ptr()

@@ -1,6 +1,12 @@
 """The padded decode step a CUDA graph captures, run eagerly on the CPU: padding rows (position -1, slot -1,
 context length 0, a read-only state slot) change nothing, and the real rows equal the unpadded step.
-Capture and replay themselves need a GPU (benchmarks/bench_serving.py checks graphed == eager there)."""
+Capture and replay themselves need a GPU: the first engine of a fresh process is checked against eager
+steps in a subprocess where CUDA is present."""
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -74,3 +80,71 @@ def test_compile_decode_needs_captured_graphs(tiny_model):
         minidsa.Engine(tiny_model, compile_decode=True)
     with pytest.raises(ValueError, match="cuda_graphs='off'"):
         minidsa.Engine(tiny_model, cuda_graphs="off", compile_decode=True)
+
+
+def test_a_fresh_model_decodes_first_as_a_graph_captures_it():
+    """The CPU form of the fresh-process check: a freshly built model's first forward is the all-padding decode
+    step a graph capture runs; then a prefill, then the padded step of the real sequence, which must equal the
+    eager decode and read the weights where the capture found them."""
+    model = minidsa.MiniDSA(minidsa.load_config("tiny").replace(dtype="float64"))
+    cache = model.new_cache()
+    max_blocks = -(-model.config.max_seq_len // cache.block_size)
+    placed = {n: p.data_ptr() for n, p in model.named_parameters()}  # no forward may move them (model/fused.py)
+    with torch.inference_mode():
+        run_padded(model, torch.zeros(4, 1, dtype=torch.long), padded_decode_context(cache, [], 4, max_blocks, "cpu"))
+        sid, twin = cache.add_sequence(), cache.add_sequence()
+        prompt = torch.randint(0, 256, (1, 37), generator=torch.Generator().manual_seed(0))
+        model(torch.cat([prompt, prompt]), cache=cache, seq_ids=[sid, twin])
+        want = model(torch.tensor([[42]]), cache=cache, seq_ids=[twin])
+        cache.reserve({sid: 38})
+        ctx = padded_decode_context(cache, [sid], 4, max_blocks, "cpu")
+        got = run_padded(model, torch.tensor([[42], [0], [0], [0]]), ctx)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == placed  # where a captured graph reads them
+    torch.testing.assert_close(got[:1].double(), want.double(), rtol=0, atol=1e-12)  # fp64, the same sums
+
+
+FRESH_ENGINE = textwrap.dedent("""
+    import sys, torch, minidsa
+    config, backend = sys.argv[1], sys.argv[2]
+    model = minidsa.MiniDSA(minidsa.load_config(config).replace(dtype="float32"), device="cuda").set_backend(backend)
+    addresses = {n: p.data_ptr() for n, p in model.named_parameters()}
+    engine = minidsa.Engine(model, max_num_seqs=4)  # the first thing this process does on the GPU
+    prompts = ["the pass key of kqz is 40271. Q: pass key of kqz?\\nA: ", "a", "hello there " * 9]
+    greedy = minidsa.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    graphed = engine.generate(prompts, greedy, progress=False)
+    assert engine.stats()["cuda_graph_replays"] > 0
+    eager = minidsa.Engine(model, max_num_seqs=4, cuda_graphs="off").generate(prompts, greedy, progress=False)
+    for g, e in zip(graphed, eager):
+        assert g.finish_reason == e.finish_reason == "length", (g.finish_reason, g.error, e.finish_reason, e.error)
+        assert g.token_ids == e.token_ids, (g.token_ids, e.token_ids)
+    moved = [n for n, p in model.named_parameters() if p.data_ptr() != addresses[n]]
+    assert not moved, moved[:3]
+    print("fresh engine OK")
+""")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("config,backend", [("tiny", "triton"), ("laptop", "triton"), ("tiny", "torch")])
+def test_first_engine_of_a_fresh_process_replays_what_eager_steps_give(config, backend):
+    """The engine captures its graphs before any forward has run in the process, as ``serve`` does; its greedy
+    tokens must equal eager steps' (fp32: no near-tie flips a choice between the two, they run the same
+    kernels). A test that warms anything first would hide exactly this path."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, "-c", FRESH_ENGINE, config, backend], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0 and "fresh engine OK" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graphs_capture_again_when_a_weight_moves():
+    model = minidsa.MiniDSA(minidsa.load_config("tiny").replace(dtype="float32"), device="cuda")
+    greedy = minidsa.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine = minidsa.Engine(model, max_num_seqs=2)
+    first = engine.generate(["hello"], greedy, progress=False)[0].token_ids
+    kda = next(layer.self_attn for layer in model.language_model.model.layers if hasattr(layer.self_attn, "f_b_proj"))
+    kda.f_b_proj.weight.data = kda.f_b_proj.weight.data.clone()  # new storage: the graphs' address is stale
+    again = engine.generate(["hello"], greedy, progress=False)[0].token_ids
+    assert again == first
+    assert engine.graphs.graphs  # captured again
