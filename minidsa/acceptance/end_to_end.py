@@ -6,8 +6,14 @@ the alone runs record their DSA selections and routed experts and the batch repl
 eager steps, since a CUDA graph replay runs no Python to hold them with.
 Rung 6 sends an image request and a video request through the engine and checks every greedy token
 against one full forward over the prompt's embeddings (vision tower included) and the output.
-Rung 7 starts the server in-process on a free local port and sends one plain and one streamed
-completion over real HTTP (urllib), which must return the engine's text; ``/metrics`` must count them.
+Rung 5 also runs the engine's decode steps as CUDA graph replays and checks each against the same
+padded step run eagerly on the same cache just before it (on the CPU, the padded step a graph would
+replay against the unpadded eager step): a graph that recorded something not ready, or memory that
+moved since, gives other numbers than the eager step.
+Rung 7 starts ``python -m minidsa serve`` as a fresh process on the model's device and backend, as a user
+does, and sends one plain and one streamed completion over real HTTP (urllib), which must return the
+text of the eager engine (no graphs) in this process; ``/metrics`` must count them. An in-process
+server would share this process's state, which the earlier rungs have warmed up.
 
 Greedy tokens from two paths may part where the two best logits nearly tie: rounding decides which wins,
 and everything after differs. Such a parting is accepted when the two tokens' logits in a full forward
@@ -18,14 +24,22 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import queue
+import re
+import subprocess
+import sys
+import tempfile
+import threading
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
 from ..model.minidsa import MiniDSA
-from ..server import start_server
+from ..serving.cuda_graphs import DecodeGraphs, padded_decode_context, run_padded
 from ..serving.engine import Engine
 from ..serving.params import SamplingParams
 from ..serving.requests import encode_prompts
@@ -139,27 +153,111 @@ def check_media(model: MiniDSA, tol: float, hold: bool) -> tuple[bool, list[str]
     return ok, lines
 
 
+def check_graphs(model: MiniDSA, tol: float) -> tuple[bool, list[str]]:
+    """(ok, lines): a batch through an engine whose decode steps replay CUDA graphs (eager padded steps on a
+    CPU), each step against the eager step on the same cache. Relative logit differences within ``tol``."""
+    engine = Engine(model, max_num_seqs=4, enable_prefix_caching=False)
+    graphs = engine.graphs
+    if graphs is None:  # no GPU: the padded steps a graph would replay, run as they are
+        graphs = engine.graphs = DecodeGraphs(model, engine.cache, engine.scheduler.max_num_seqs, eager=True)
+    replay, worst, steps = graphs.run, [0.0], [0]
+
+    def compared(seq_ids: list[int], tokens: list[int]) -> torch.Tensor:
+        B = len(seq_ids)
+        rows = B if graphs.eager else next(b for b in graphs.buckets if b >= B)  # a GPU: the graph's own rows
+        ids = torch.zeros(rows, 1, dtype=torch.long)
+        ids[:B, 0] = torch.tensor(tokens)
+        ctx = padded_decode_context(engine.cache, seq_ids, rows, graphs.max_blocks, model.device)
+        want = run_padded(model, ids.to(model.device), ctx)[:B].float()  # nothing published: ctx is dropped
+        got = replay(seq_ids, tokens)
+        scale = want.abs().max().clamp_min(1e-30)
+        gap = ((got - want).abs().max() / scale).item() if bool(torch.isfinite(got).all()) else float("inf")
+        worst[0], steps[0] = max(worst[0], gap), steps[0] + 1
+        return got
+    graphs.run = compared
+    try:
+        outs = engine.generate(prompts(model), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                               progress=False)
+    finally:
+        del graphs.run  # the instance attribute goes; the class's run shows through again
+    done = all(o.finish_reason == "length" for o in outs)
+    kind = "eager padded steps (no GPU)" if graphs.eager else "CUDA graph replays"
+    ok = done and steps[0] > 0 and worst[0] <= tol
+    return ok, [f"{steps[0]} decode steps as {kind} against the eager step on the same cache: worst logits "
+                f"{worst[0]:.1e} of the scale; finish reasons {sorted({str(o.finish_reason) for o in outs})}"]
+
+
 def _post(url: str, body: dict) -> bytes:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
+    with urllib.request.urlopen(req, timeout=300) as r:
         return r.read()
 
 
-def check_service(model: MiniDSA) -> tuple[bool, list[str]]:
-    """(ok, lines): one plain and one streamed completion over HTTP against the engine's text; /metrics."""
+STARTUP_SECONDS = 600  # a fresh process imports torch, builds or loads the model and captures its graphs
+
+
+@contextlib.contextmanager
+def serve_process(source, backend: str, device: str, max_num_seqs: int = 2):
+    """``python -m minidsa serve`` of ``source`` in a fresh process on a free port -> its base URL; stopped
+    (Ctrl-C, then killed) on exit. RuntimeError with the end of its stderr when it does not come up."""
+    env = dict(os.environ)
+    if backend == "triton" and device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    root = str(Path(__file__).resolve().parents[2])  # this copy of minidsa, also when run from a source tree
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "minidsa", "serve", "--checkpoint", str(source), "--device", device,
+           "--backend", backend, "--port", "0", "--max-num-seqs", str(max_num_seqs)]
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)],
+                         daemon=True).start()
+        try:
+            url = None
+            while url is None:
+                try:
+                    line = lines.get(timeout=STARTUP_SECONDS)
+                except queue.Empty:
+                    line = None
+                if line is None:
+                    err.seek(0)
+                    raise RuntimeError(f"`{' '.join(cmd[1:])}` did not start serving (exit code {proc.poll()}): "
+                                       f"{err.read()[-1500:].strip()}")
+                found = re.search(r" at (http://\S+)/v1", line)
+                url = found and found.group(1)
+            yield url
+        finally:
+            proc.send_signal(2)  # SIGINT: serve stops on Ctrl-C
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def check_service(model: MiniDSA, source, backend: str, device: str) -> tuple[bool, list[str]]:
+    """(ok, lines): a fresh ``serve`` process answers one plain and one streamed completion with the text of the
+    eager engine (graphs off) here; its /metrics counts them."""
     text = prompts(model, 2)[1]
-    want = Engine(model, max_num_seqs=2).generate([text], SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
-                                                   progress=False)[0].text
-    body = {"prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0}
-    with start_server(model, port=0, max_num_seqs=2) as server:
-        plain = json.loads(_post(server.url + "/v1/completions", body))["choices"][0]["text"]
-        events = _post(server.url + "/v1/completions", body | {"stream": True}).decode().split("\n\n")
-        chunks = [json.loads(e[6:]) for e in events if e.startswith("data: ") and e != "data: [DONE]"]
-        streamed = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
-        with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
-            metrics = r.read().decode()
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = Engine(model, max_num_seqs=2, cuda_graphs="off").generate([text], params, progress=False)[0]
+    body = {"prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    try:
+        with serve_process(source, backend, device) as url:
+            plain = json.loads(_post(url + "/v1/completions", body))["choices"][0]
+            events = _post(url + "/v1/completions", body | {"stream": True}).decode().split("\n\n")
+            with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+                metrics = r.read().decode()
+    except (RuntimeError, OSError, ValueError, KeyError) as e:  # it did not start, or answered an error
+        detail = e.read().decode(errors="replace")[:500] if hasattr(e, "read") else ""
+        return False, [f"the service failed: {type(e).__name__}: {' '.join(str(e).split())[:1500]} {detail}".rstrip()]
+    chunks = [json.loads(e[6:]) for e in events if e.startswith("data: ") and e != "data: [DONE]"]
+    streamed = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
     generated = next((float(line.split()[-1]) for line in metrics.splitlines()
                       if line.startswith("minidsa:generation_tokens_total")), 0.0)
-    ok = plain == want and streamed == want and generated >= 2  # two requests, at least one token each
-    return ok, [f"plain {plain!r}, streamed {streamed!r}, engine {want!r}",
+    ok = (plain["text"] == want.text and streamed == want.text and plain["finish_reason"] == want.finish_reason
+          and generated >= 2 * len(want.token_ids))
+    return ok, [f"fresh `python -m minidsa serve --checkpoint {source} --device {device} --backend {backend}`",
+                f"plain {plain['text']!r} ({plain['finish_reason']}), streamed {streamed!r}, eager engine "
+                f"{want.text!r} ({want.finish_reason})",
                 f"/metrics: {len(metrics.splitlines())} lines, minidsa:generation_tokens_total {generated:.0f}"]

@@ -10,13 +10,16 @@ The rungs, each a gate with its tolerance and the reason for it (docs/design.md 
 2. single operators: each op as the backend runs it against its fp64 reference, on the model's shapes;
 3. single layers: each layer type's cached prefill + decode against its full forward;
 4. single request: greedy prefill then decode against the full forward, prefill and decode timed;
-5. batched requests: rows of a batch through the engine against the same prompts alone;
+5. batched requests: rows of a batch through the engine against the same prompts alone, and the engine's
+   CUDA graph replays against eager steps on the same cache;
 6. multimodal: an image request and a video request end to end;
-7. the service: the server on a free local port, a plain and a streamed request, /metrics.
+7. the service: ``python -m minidsa serve`` started fresh on a free local port, a plain and a streamed
+   request against the eager engine's text, /metrics.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -68,7 +71,8 @@ def doctor(checkpoint_or_preset="default", *, backend: str = "auto", device: str
     dtype = model.config.torch_dtype
     report.dtype = str(dtype).replace("torch.", "")
     report.held_choices = dtype not in (torch.float32, torch.float64) if hold_choices is None else bool(hold_choices)
-    for rung in (_operators, _layers, _request, _batch, _media, _service):
+    service = functools.partial(_service, source=checkpoint_or_preset, backend=backend, device=device)
+    for rung in (_operators, _layers, _request, _batch, _media, service):
         t0 = time.perf_counter()
         gate = rung(model, report.held_choices)
         gate.seconds = time.perf_counter() - t0
@@ -128,10 +132,19 @@ def _token_gate(model: MiniDSA, hold: bool, rung: int, name: str, check, measure
 
 
 def _batch(model: MiniDSA, hold: bool) -> Gate:
-    return _token_gate(model, hold, 5, "batched requests", end_to_end.check_batch,
-                       f"4 prompts as one engine batch against each alone, {end_to_end.MAX_TOKENS} greedy tokens",
+    gate = _token_gate(model, hold, 5, "batched requests", end_to_end.check_batch,
+                       f"4 prompts as one engine batch against each alone, {end_to_end.MAX_TOKENS} greedy tokens; "
+                       f"the decode steps as CUDA graph replays against eager steps",
                        "rows that see each other: padding rows (position -1, slot -1, block table -1), the block "
                        "tables and KDA state slots of a batch (serving/scheduler.py, cache/paged.py)")
+    tol = layers.logits_tolerance(model.config.torch_dtype).value
+    ok, lines = end_to_end.check_graphs(model, tol)
+    gate.details += lines
+    if not ok:
+        gate.status = "FAIL"
+        gate.look_at = ("a replayed step that differs from the eager one: what the capture recorded "
+                        "(serving/cuda_graphs.py: static buffers, weights that moved since, lazily built state)")
+    return gate
 
 
 def _media(model: MiniDSA, hold: bool) -> Gate:
@@ -141,11 +154,13 @@ def _media(model: MiniDSA, hold: bool) -> Gate:
                        "the vision tower's preprocessing (model/vision.py)")
 
 
-def _service(model: MiniDSA, hold: bool) -> Gate:
-    ok, lines = end_to_end.check_service(model)
+def _service(model: MiniDSA, hold: bool, source, backend: str, device: str) -> Gate:
+    ok, lines = end_to_end.check_service(model, source, backend, device)
     gate = Gate(7, "the service", "PASS" if ok else "FAIL",
-                "server on a free 127.0.0.1 port: a plain and a streamed completion over HTTP equal the engine's "
-                "text; /metrics counts them", details=lines)
+                "`serve` as a fresh process on a free 127.0.0.1 port: a plain and a streamed completion over HTTP "
+                "equal the eager engine's text; /metrics counts them", details=lines)
     if not ok:
-        gate.look_at = "minidsa/server/ (request parsing, the engine thread, server-sent events, metrics)"
+        gate.look_at = ("what a fresh process does first (the engine captures its graphs before any forward: "
+                        "serving/cuda_graphs.py), then minidsa/server/ (request parsing, the engine thread, "
+                        "server-sent events, metrics)")
     return gate

@@ -93,10 +93,14 @@ def publish_rows(ctx: CacheContext, num_rows: int) -> None:
 
 
 class DecodeGraphs:
-    """One captured decode step per bucket, sharing one memory pool; ``run`` replays the right one."""
+    """One captured decode step per bucket, sharing one memory pool; ``run`` replays the right one.
 
-    def __init__(self, model: MiniDSA, cache: PagedKVCache, max_num_seqs: int, compile: bool = False) -> None:
-        self.model, self.cache, self.compile = model, cache, compile
+    ``eager=True`` captures nothing: ``run`` runs the padded step of the bucket as it is, so the steps a graph
+    would replay can be checked where there is no GPU (the doctor's engine rung on the CPU)."""
+
+    def __init__(self, model: MiniDSA, cache: PagedKVCache, max_num_seqs: int, compile: bool = False,
+                 eager: bool = False) -> None:
+        self.model, self.cache, self.compile, self.eager = model, cache, compile, eager
         self.max_blocks = -(-model.config.max_seq_len // cache.block_size)
         self.buckets = buckets(max_num_seqs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, CacheContext, torch.Tensor]] = {}
@@ -107,6 +111,8 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first (its memory is then reused by the smaller ones)."""
         self._weights_moved()
+        if self.eager:
+            return
         for rows in sorted(self.buckets, reverse=True):
             self._capture(rows)
 
@@ -151,16 +157,20 @@ class DecodeGraphs:
     def run(self, seq_ids: list[int], tokens: list[int]) -> torch.Tensor:
         """Replay the decode step of ``seq_ids`` (each fed its token; blocks reserved) -> logits [B, 1, V]."""
         rows = next(b for b in self.buckets if b >= len(seq_ids))
-        if self._weights_moved():
-            self.graphs.clear()  # each recorded the old addresses; capture again, bucket by bucket
-        if rows not in self.graphs:
-            self._capture(rows)
-        graph, ids, ctx, logits = self.graphs[rows]
         padded = torch.zeros(rows, 1, dtype=torch.long)
         padded[: len(tokens), 0] = torch.tensor(tokens, dtype=torch.long)
-        ids.copy_(padded, non_blocking=True)
-        padded_decode_context(self.cache, seq_ids, rows, self.max_blocks, ids.device, into=ctx)
-        graph.replay()
+        if self.eager:
+            ctx = padded_decode_context(self.cache, seq_ids, rows, self.max_blocks, self.model.device)
+            logits = run_padded(self.model, padded.to(self.model.device), ctx)
+        else:
+            if self._weights_moved():
+                self.graphs.clear()  # each recorded the old addresses; capture again, bucket by bucket
+            if rows not in self.graphs:
+                self._capture(rows)
+            graph, ids, ctx, logits = self.graphs[rows]
+            ids.copy_(padded, non_blocking=True)
+            padded_decode_context(self.cache, seq_ids, rows, self.max_blocks, ids.device, into=ctx)
+            graph.replay()
         self.replays += 1
         publish_rows(ctx, len(seq_ids))
         return logits[: len(seq_ids)].float()

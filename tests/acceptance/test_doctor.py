@@ -173,3 +173,28 @@ def test_cli_exit_codes_and_json(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] and data["gates"][0]["status"] == "SKIP"
     assert main(["doctor", "--device", "tpu"]) == 2
+
+
+def test_the_service_rung_serves_from_a_fresh_process():
+    """The served text comes from `python -m minidsa serve` in its own process: given another checkpoint than the
+    model in hand, the texts part and the rung fails; a checkpoint it cannot start names why."""
+    from minidsa.acceptance import end_to_end
+    shipped = minidsa.load("default", progress=False)
+    ok, lines = end_to_end.check_service(shipped, "default", "torch", "cpu")
+    assert ok and "fresh `python -m minidsa serve --checkpoint default" in lines[0]
+    ok, lines = end_to_end.check_service(shipped, "tiny", "torch", "cpu")  # random weights serve other text
+    assert not ok
+    ok, lines = end_to_end.check_service(shipped, "no-such-checkpoint", "torch", "cpu")
+    assert not ok and "did not start serving" in lines[0]
+
+
+def test_the_engine_rung_fails_a_replay_that_differs_from_the_eager_step(monkeypatch):
+    from minidsa.acceptance import end_to_end
+    from minidsa.serving.cuda_graphs import DecodeGraphs
+    model = minidsa.load("default", progress=False)
+    ok, lines = end_to_end.check_graphs(model, 1e-4)
+    assert ok and "decode steps as eager padded steps" in lines[0]
+    replay = DecodeGraphs.run
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, sids, toks: replay(self, sids, toks) * 1.01)  # stale memory
+    ok, lines = end_to_end.check_graphs(model, 1e-4)
+    assert not ok and "worst logits 1.0e-02" in lines[0] or "worst logits 9.9" in lines[0]

@@ -1,0 +1,94 @@
+"""A fresh ``python -m minidsa serve`` driven by the ``openai`` client, as a user starts and calls it, against
+the eager engine (no CUDA graphs) of a model loaded here:
+
+    PYTHONPATH=. python benchmarks/serve_check.py --checkpoint small --device cuda --backend triton
+
+Three requests, one PASS/FAIL line each, exit 1 on any failure:
+- a greedy completion: its text must equal the eager engine's (where both decode to clean text and part,
+  the parting passes at a near-tie of the two tokens' logits, as the doctor judges);
+- a streamed chat completion: the concatenated deltas equal the eager engine's answer to the same prompt;
+- a chat with an image (a drawn green triangle as a data URL): equal to the eager engine's answer.
+The server is a separate process, so nothing this process has run warms it up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import sys
+
+import torch
+from PIL import Image
+
+import minidsa
+from minidsa.acceptance.end_to_end import drawn_image, parting, serve_process
+from minidsa.acceptance.layers import logits_tolerance
+from minidsa.server.chat import render
+
+PASS_KEY = ("the river runs past old town where people walk slowly The pass key of kqz is 40271. "
+            "birds sing of morning light on hills far away and the sky is blue\nQ: pass key of kqz?\nA: ")
+MAX_TOKENS = 16
+
+
+def _data_url(image) -> str:
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _judge(model, prompt: str, got: str, want: str, tol: float) -> tuple[bool, str]:
+    """Equal texts, or a parting at a near-tie when both are clean text (byte tokens can then be recovered)."""
+    if got == want:
+        return True, "equal"
+    if "\ufffd" in got + want:
+        return False, "texts differ (not clean UTF-8: no token ids to judge a near-tie with)"
+    tok = model.tokenizer
+    ids = tok.encode(prompt)
+    a, b = list(got.encode()), list(want.encode())
+    embeds = lambda seq: model.language_model.model.embed_tokens(torch.tensor([seq], device=model.device))
+    why = parting(model, embeds, ids, a, b, tol)
+    return why is not None and why.startswith("near-tie"), why or "equal"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", default="default", help="what `serve --checkpoint` gets (default: default)")
+    ap.add_argument("--device", default="cuda", help="torch device of both processes (default: cuda)")
+    ap.add_argument("--backend", default="triton", choices=("torch", "triton", "auto"), help="(default: triton)")
+    args = ap.parse_args()
+    import openai  # the client users call the service with (the test extra)
+
+    model = minidsa.load(args.checkpoint, progress=False, device=args.device).set_backend(args.backend)
+    tol = logits_tolerance(model.config.torch_dtype).value
+    eager = minidsa.Engine(model, max_num_seqs=2, cuda_graphs="off")
+    greedy = minidsa.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    chat = [{"role": "user", "content": "pass key of kqz?"}]
+    image_chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(drawn_image())}},
+                                               {"type": "text", "text": "colour and shape?"}]}]
+    failed = 0
+    with serve_process(args.checkpoint, args.backend, args.device) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=300, max_retries=0)
+        name = client.models.list().data[0].id
+        cases = []
+        got = client.completions.create(model=name, prompt=PASS_KEY, max_tokens=MAX_TOKENS, temperature=0)
+        cases.append(("completion", PASS_KEY, [], got.choices[0].text))
+        prompt, images = render(chat)
+        stream = client.chat.completions.create(model=name, messages=chat, max_tokens=MAX_TOKENS, temperature=0,
+                                                stream=True)
+        cases.append(("streamed chat", prompt, images, "".join(c.choices[0].delta.content or "" for c in stream
+                                                                 if c.choices)))
+        prompt, images = render(image_chat)
+        got = client.chat.completions.create(model=name, messages=image_chat, max_tokens=MAX_TOKENS, temperature=0)
+        cases.append(("image chat", prompt, images, got.choices[0].message.content))
+    for what, prompt, images, text in cases:
+        want = eager.generate([prompt], greedy, images=[images] if images else None, progress=False)[0]
+        ok, why = _judge(model, prompt, text, want.text, tol)
+        failed += not ok
+        print(f"[{'PASS' if ok else 'FAIL'}] serve {args.checkpoint} {what}: served {text!r}, eager engine "
+              f"{want.text!r} ({why})", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
