@@ -197,4 +197,4 @@ def test_the_engine_rung_fails_a_replay_that_differs_from_the_eager_step(monkeyp
     replay = DecodeGraphs.run
     monkeypatch.setattr(DecodeGraphs, "run", lambda self, sids, toks: replay(self, sids, toks) * 1.01)  # stale memory
     ok, lines = end_to_end.check_graphs(model, 1e-4)
-    assert not ok and "worst logits 1.0e-02" in lines[0] or "worst logits 9.9" in lines[0]
+    assert not ok and ("worst logits 1.0e-02" in lines[0] or "worst logits 9.9" in lines[0])
