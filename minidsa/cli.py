@@ -1,8 +1,9 @@
 """Command line: ``python -m minidsa generate "prompt" [--config laptop] ...``, ``python -m minidsa params NAME``,
-``python -m minidsa check-checkpoint DIR [--config NAME]``, ``python -m minidsa train [--config tiny] --out DIR``
+``python -m minidsa check-checkpoint DIR|default [--config NAME]``, ``python -m minidsa train [--config tiny] --out DIR``
 (``--resume`` continues a run in legs), ``python -m minidsa eval [--checkpoint DIR] [--seed N] [--n N]`` and
 ``python -m minidsa doctor [--checkpoint DIR|default|PRESET] [--backend B] [--device D]`` (the Day-0 ladder).
-``python -m minidsa serve [--checkpoint DIR] [--host H] [--port N]`` runs the OpenAI-compatible HTTP service.
+``python -m minidsa serve [--checkpoint DIR] [--host H] [--port N]`` runs the OpenAI-compatible HTTP service,
+serving the model under the --checkpoint value as given (and its config's name).
 
 Every command runs on ``--threads`` CPU threads (default 1, see DEFAULT_THREADS). A user error (a bad
 argument, an unreadable file, a damaged checkpoint) prints one line, ``error: ...``, and exits with
@@ -58,40 +59,24 @@ def _parser() -> argparse.ArgumentParser:
                              f"on cores nothing else uses)")
     parser = _Parser(prog="python -m minidsa", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    g = sub.add_parser("generate", parents=[common], help="continue a prompt (default: the shipped trained model)")
-    g.add_argument("prompt", help="text to continue ('' starts from bos alone)")
-    g.add_argument("--config", default=DEFAULT_MODEL, help="'default' (the shipped trained checkpoint), a preset "
-                                                           "name (seeded, untrained), a config JSON path or a "
-                                                           f"checkpoint directory (default: {DEFAULT_MODEL})")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--image", action="append", default=None, metavar="PATH",
-                   help="a PNG/JPEG image for the prompt (repeatable); placed before the text unless the prompt "
-                        "marks its place with <|media_begin|>image<|media_content|><|media_pad|><|media_end|>")
-    g.add_argument("--no-progress", action="store_true",
-                   help="hide the progress bars (loading; generation shows one only when stdout is not a terminal)")
-    g.add_argument("--ignore-eos", action="store_true",
-                   help="always generate --max-new-tokens (the untrained model samples eos at random)")
-    g.add_argument("--tp", type=_positive_int, default=None, help="tensor-parallel degree (under torchrun)")
-    g.add_argument("--ep", type=_positive_int, default=None, help="expert-parallel degree (under torchrun)")
+    _generate_parser(sub, common)
     _params_parser(sub, common)
     k = sub.add_parser("check-checkpoint", parents=[common],
                        help="check a checkpoint's names, shapes and dtypes from its headers alone")
-    k.add_argument("directory", help="checkpoint directory (config.json, index JSON, shards)")
+    k.add_argument("directory", help="checkpoint directory (config.json, index JSON, shards) or 'default' (the "
+                                     "shipped model's)")
     k.add_argument("--config", default=None, help="'default' (the shipped model's config), a preset name or a "
                                                    "config JSON to check against (default: the directory's "
                                                    "config.json)")
-    k.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    k.add_argument("--no-progress", action="store_true", help="hide the progress bar (default: shown)")
     _train_parser(sub, common)
     _bench_parser(sub, common)
     _serve_parser(sub, common)
     _doctor_parser(sub, common)
     e = sub.add_parser("eval", parents=[common], help="accuracy, random-selection baseline and indexer recall on "
                                                       "held-out seeds of the synthetic tasks (one 'name: value' a line)")
-    e.add_argument("--checkpoint", default=DEFAULT_MODEL, help=f"checkpoint directory or preset (default: "
-                                                                f"{DEFAULT_MODEL})")
+    e.add_argument("--checkpoint", default=DEFAULT_MODEL, help=f"checkpoint directory, 'default' (the shipped "
+                                                                f"model) or a preset name (default: {DEFAULT_MODEL})")
     e.add_argument("--seed", type=int, default=0, help="seed of the held-out evaluation split (default: 0)")
     e.add_argument("--n", type=_positive_int, default=64, help="samples per task (default: 64)")
     e.add_argument("--context", type=_positive_int, default=None, help="retrieval context in tokens "
@@ -101,6 +86,39 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _generate_parser(sub, common) -> None:
+    """``generate``: sample a continuation (serving/generation.py)."""
+    g = sub.add_parser("generate", parents=[common], help="continue a prompt (default: the shipped trained model)")
+    g.add_argument("prompt", help="text to continue ('' starts from bos alone)")
+    g.add_argument("--config", default=DEFAULT_MODEL, help="'default' (the shipped trained checkpoint), a preset "
+                                                           "name (seeded, untrained), a config JSON path or a "
+                                                           f"checkpoint directory (default: {DEFAULT_MODEL})")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate; fewer when eos comes first "
+                                                                   "(default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass in (0, 1]; 1 keeps every token "
+                                                             "(default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampler (default: %(default)s)")
+    g.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="a PNG/JPEG image for the prompt (repeatable; default: none); placed before the text unless "
+                        "the prompt marks its place with <|media_begin|>image<|media_content|><|media_pad|><|media_end|>")
+    g.add_argument("--no-progress", action="store_true",
+                   help="hide the progress bars (loading; generation shows one only when stdout is not a terminal) "
+                        "(default: shown)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="always generate --max-new-tokens (the untrained model samples eos at random) "
+                        "(default: off, stop at eos)")
+    g.add_argument("--device", default="cpu", help="torch device of the model, e.g. cuda (default: %(default)s; with "
+                                                   "--tp/--ep each rank's model is on the CPU)")
+    g.add_argument("--backend", default="auto", choices=("torch", "triton", "auto"),
+                   help="the ops' backend; 'auto' takes the Triton kernels on a GPU (default: %(default)s)")
+    g.add_argument("--tp", type=_positive_int, default=None, help="tensor-parallel degree, under torchrun (default: "
+                                                                   "none: one process holds the whole model; 1 when "
+                                                                   "only --ep is given)")
+    g.add_argument("--ep", type=_positive_int, default=None, help="expert-parallel degree, under torchrun (default: "
+                                                                   "none; 1 when only --tp is given)")
+
+
 def _params_parser(sub, common) -> None:
     c = sub.add_parser("params", parents=[common],
                        help="count total and active parameters of a config (meta device, no memory); with --tp / "
@@ -108,8 +126,12 @@ def _params_parser(sub, common) -> None:
     c.add_argument("config", help="'default' (the shipped model's config), a preset name, a config JSON path or a "
                                   "checkpoint directory")
     c.add_argument("--tp", type=_positive_int, default=None, help="tensor-parallel degree (attention heads, shared "
-                                                                   "expert, dense MLP)")
-    c.add_argument("--ep", type=_positive_int, default=None, help="expert-parallel degree (routed experts)")
+                                                                   "expert, dense MLP) for the per-rank table "
+                                                                   "(default: none: no table; 1 when only --ep is "
+                                                                   "given)")
+    c.add_argument("--ep", type=_positive_int, default=None, help="expert-parallel degree (routed experts) for the "
+                                                                   "per-rank table (default: none: no table; 1 when "
+                                                                   "only --tp is given)")
 
 
 TRAIN_INT_OPTIONS = ("seed", "dense_steps", "warmup_steps", "sparse_steps", "batch_size", "mm_batch_size", "context",
@@ -124,20 +146,30 @@ def _bench_parser(sub, common) -> None:
     b = sub.add_parser("bench", parents=[common], help="offline serving benchmark: seeded requests through the "
                                                        "engine, vllm-bench-serve figures, vs a sequential loop")
     b.add_argument("--config", default="laptop", help="checkpoint or preset (default: laptop, seeded weights)")
-    b.add_argument("--num-requests", type=_positive_int, default=32)
-    b.add_argument("--input-len", type=_positive_int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
-    b.add_argument("--output-len", type=_positive_int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
-    b.add_argument("--shared-prefix", type=int, default=0, metavar="N", help="tokens every prompt starts with")
-    b.add_argument("--images", type=int, default=0, metavar="K", help="random 32x32 images per prompt")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--max-num-seqs", type=_positive_int, default=None)
-    b.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
-    b.add_argument("--no-prefix-caching", action="store_true")
-    b.add_argument("--no-chunked-prefill", action="store_true")
-    b.add_argument("--no-sequential", action="store_true", help="skip the sequential generate() baseline")
+    b.add_argument("--num-requests", type=_positive_int, default=32, help="requests in the run (default: "
+                                                                          "%(default)s)")
+    b.add_argument("--input-len", type=_positive_int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"),
+                   help="prompt lengths in tokens, drawn uniformly from [MIN, MAX] (default: 32 512)")
+    b.add_argument("--output-len", type=_positive_int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"),
+                   help="tokens to generate per request, drawn uniformly from [MIN, MAX] (default: 16 128)")
+    b.add_argument("--shared-prefix", type=int, default=0, metavar="N", help="tokens every prompt starts with "
+                                                                             "(default: %(default)s)")
+    b.add_argument("--images", type=int, default=0, metavar="K", help="random 32x32 images per prompt "
+                                                                      "(default: %(default)s)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the requests' lengths, tokens and sampling "
+                                                       "(default: %(default)s)")
+    b.add_argument("--max-num-seqs", type=_positive_int, default=None, help="requests decoded together "
+                                                                            "(default: the config's max_sequences)")
+    b.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                   help="token budget of one engine step (default: the config's max_seq_len, at least 512)")
+    b.add_argument("--no-prefix-caching", action="store_true", help="turn off prompt-prefix reuse (default: on)")
+    b.add_argument("--no-chunked-prefill", action="store_true", help="prefill each prompt whole in one step "
+                                                                     "(default: chunked under the token budget)")
+    b.add_argument("--no-sequential", action="store_true", help="skip the sequential generate() baseline "
+                                                                "(default: run it)")
     b.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     b.add_argument("--compile-decode", action="store_true", help="torch.compile the decode step each CUDA graph "
-                   "captures (CUDA only; a compile per batch bucket at start)")
+                   "captures (CUDA only; a compile per batch bucket at start) (default: off)")
 
 
 def _doctor_parser(sub, common) -> None:
@@ -148,17 +180,22 @@ def _doctor_parser(sub, common) -> None:
     d.add_argument("--checkpoint", default=DEFAULT_MODEL, help=f"checkpoint directory, 'default' (the shipped model) "
                                                                 f"or a preset name (default: {DEFAULT_MODEL})")
     d.add_argument("--backend", default="auto", choices=("torch", "triton", "auto"),
-                   help="the ops' backend; 'triton' on the CPU runs the kernels in Triton's interpreter (slow)")
-    d.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    d.add_argument("--json", action="store_true", help="print the report as JSON instead of one line per gate")
+                   help="the ops' backend; 'triton' on the CPU runs the kernels in Triton's interpreter (slow) "
+                        "(default: %(default)s)")
+    d.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="torch device (default: %(default)s)")
+    d.add_argument("--json", action="store_true", help="print the report as JSON instead of one line per gate "
+                                                       "(default: one line per gate)")
 
 
 def _serve_parser(sub, common) -> None:
     """``serve``: the OpenAI-compatible HTTP service (server/app.py)."""
     s = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP service: /v1/completions, "
                                                        "/v1/chat/completions, /v1/models, /health, /metrics")
-    s.add_argument("--checkpoint", default=DEFAULT_MODEL, help=f"checkpoint directory, 'default' (the shipped "
-                                                                f"model) or a preset name (default: {DEFAULT_MODEL})")
+    s.add_argument("--checkpoint", default=DEFAULT_MODEL, help="checkpoint directory, 'default' (the shipped "
+                                                                "model) or a preset name; served under this value as "
+                                                                "given (a directory: its path as typed, e.g. "
+                                                                "runs/tiny) and under its config's name "
+                                                                "(default: %(default)s)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1; the server has no "
                                                       "authentication, so widen it only on a trusted network)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0 picks a free one)")
@@ -167,8 +204,10 @@ def _serve_parser(sub, common) -> None:
                                                                                         "(default: auto)")
     s.add_argument("--max-num-seqs", type=_positive_int, default=None, help="requests decoded together "
                                                                             "(default: the config's max_sequences)")
-    s.add_argument("--served-model-name", default=None, help="the name clients pass as 'model' (default: the "
-                                                              "config's name)")
+    s.add_argument("--served-model-name", default=None, help="the name /v1/models lists and clients pass as "
+                                                              "'model', in place of --checkpoint's value (the "
+                                                              "config's name is accepted too) (default: the "
+                                                              "--checkpoint value)")
 
 
 def _train_parser(sub, common) -> None:
@@ -179,20 +218,28 @@ def _train_parser(sub, common) -> None:
     t.add_argument("--config", default=None, help=f"model preset or config JSON (default: {d.model})")
     t.add_argument("--out", default=d.out_dir, help=f"checkpoint directory of the run (default: {d.out_dir})")
     t.add_argument("--resume", action="store_true", help="continue the run in --out with its own options; only "
-                                                          "leg options (--max-minutes, --leg-steps, ...) may be given")
-    t.add_argument("--overwrite", action="store_true", help="start over in an --out that holds a run")
+                                                          "leg options (--max-minutes, --leg-steps, ...) may be given "
+                                                          "(default: off, a new run)")
+    t.add_argument("--overwrite", action="store_true", help="start over in an --out that holds a run (default: off, "
+                                                             "such an --out is refused)")
     t.add_argument("--recipe", default="shipped", choices=sorted(training_loop.RECIPES),
                    help="the field defaults: 'shipped' (the run behind the shipped model, about 65 min on 2 "
-                        "cores) or 'quick' (pass-key retrieval learned in under 2 min on one thread)")
-    # None = the recipe's value; the help shows the shipped recipe's
-    for name in TRAIN_INT_OPTIONS:
-        t.add_argument("--" + name.replace("_", "-"), type=int, default=None, metavar="N",
-                       help=f"(shipped: {getattr(d, name)})")
-    for name in TRAIN_FLOAT_OPTIONS:
-        t.add_argument("--" + name.replace("_", "-"), type=float, default=None, metavar="X",
-                       help=f"(shipped: {getattr(d, name)})")
+                        "cores) or 'quick' (pass-key retrieval learned in under 2 min on one thread) "
+                        "(default: %(default)s)")
+    # None = the recipe's value (with --resume, the run's own)
+    for names, kind, metavar in ((TRAIN_INT_OPTIONS, int, "N"), (TRAIN_FLOAT_OPTIONS, float, "X")):
+        for name in names:
+            t.add_argument("--" + name.replace("_", "-"), type=kind, default=None, metavar=metavar,
+                           help=_recipe_defaults(name))
     t.add_argument("--device", default=d.device, help=f"torch device (default: {d.device})")
-    t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    t.add_argument("--no-progress", action="store_true", help="hide the progress bar (default: shown)")
+
+
+def _recipe_defaults(name: str) -> str:
+    """'(default: the --recipe's value: shipped 4400, quick 400)': each recipe's value of a TrainConfig field."""
+    values = ", ".join(f"{recipe} {getattr(training_loop.TrainConfig.from_recipe(recipe), name)}"
+                       for recipe in training_loop.RECIPES)
+    return f"(default: the --recipe's value: {values})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,10 +278,13 @@ def _generate(args) -> int:
     _check_utf8(args.prompt, "prompt")
     rank = 0
     if args.tp is not None or args.ep is not None:  # one rank of a torchrun job: its slices of the model
+        if args.device != "cpu":
+            raise ValueError(f"--device {args.device} with --tp/--ep: the ranks run on the CPU; drop --device")
         par, rank, comm = init_from_env(args.tp or 1, args.ep or 1)
         model = load_rank(args.config, par, rank, comm)
     else:
-        model = load(args.config, progress=not args.no_progress)
+        model = load(args.config, progress=not args.no_progress, device=args.device)
+    model.set_backend(args.backend)
     if rank != 0:  # the other ranks step in lock-step with rank 0 and print nothing
         for _ in generate(args.prompt, model, images=args.image, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_p=args.top_p, seed=args.seed, stream=True,
@@ -340,6 +390,7 @@ def _resumed_config(args, given: dict, run: dict) -> "training_loop.TrainConfig"
 
 
 def _bench(args) -> int:
+    """The report, then exit 1 naming the requests that did not reach their output length (if any)."""
     model = load(args.config, progress=False, device=args.device)
     result = bench.benchmark(model, args.num_requests, tuple(args.input_len), tuple(args.output_len), args.seed,
                              args.shared_prefix, args.images, not args.no_sequential,
@@ -348,7 +399,10 @@ def _bench(args) -> int:
                              enable_chunked_prefill=not args.no_chunked_prefill,
                              compile_decode=args.compile_decode)
     print(bench.format_report(result))
-    return 0
+    failed = bench.failure(result)
+    if failed:
+        print("FAILED: " + failed, file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _doctor(args) -> int:
@@ -363,7 +417,9 @@ def _serve(args) -> int:
     """Serve until Ctrl-C; one line says where, once listening."""
     model = load(args.checkpoint, progress=False, device=args.device).set_backend(args.backend)
     engine_kw = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
-    with start_server(model, args.host, args.port, args.served_model_name, **engine_kw) as server:
+    # vLLM's rule: the model is served under what the user passed, so a client can name it the same way
+    name = args.checkpoint if args.served_model_name is None else args.served_model_name
+    with start_server(model, args.host, args.port, name, **engine_kw) as server:
         print(f"serving {server.model_name} at {server.url}/v1 (also /health, /metrics; Ctrl-C stops)", flush=True)
         try:
             server.wait()

@@ -62,6 +62,11 @@ def bash_commands(text: str) -> list[str]:
     return [line.split("#")[0].strip() for line in block.splitlines() if line.split("#")[0].strip()]
 
 
+def section_tests_commands(text: str) -> list[str]:
+    """Commands of the bash block of the README's Tests section, comments dropped."""
+    return bash_commands(text[text.index("\n## Tests\n"):])
+
+
 def before_first_block(text: str) -> str:
     return text[: text.index("```bash")]
 
@@ -70,8 +75,11 @@ INSTALL_ORDER = [  # what a CPU-only user following the README top to bottom mus
     ("the first command installs the CPU build of torch",
      lambda: re.fullmatch(r"pip install torch --index-url https://download\.pytorch\.org/whl/cpu",
                           bash_commands(README)[0])),
-    ("minidsa is installed right after it",
-     lambda: bash_commands(README)[1] == 'pip install -e ".[test]"'),
+    ("minidsa alone is installed right after it: a first run needs no test extras (they pull triton, 1 GB)",
+     lambda: bash_commands(README)[1] == "pip install -e ."),
+    ("the Tests section installs the test extras before its first pytest command",
+     lambda: section_tests_commands(README)[0] == 'pip install -e ".[test]"'
+     and section_tests_commands(README)[1].startswith("python -m pytest")),
     ("that block is the README's first code block", lambda: "```" not in before_first_block(README)),
     ("what a GPU machine runs instead is said before the commands",
      lambda: "GPU run `pip install torch` instead" in " ".join(before_first_block(README).split())),

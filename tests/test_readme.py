@@ -1,7 +1,13 @@
 """The README's usage example runs as written."""
 
+import inspect
 import re
 from pathlib import Path
+
+import pytest
+
+import minidsa
+from minidsa.server import start_server
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -36,3 +42,33 @@ def test_readme_engine_example_runs(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-2].split()[1] == "True" and lines[-1] == "0 0"  # the last step finishes it; no preemption, no hit
     assert all(line.split()[1] == "False" for line in lines[:-2])
+
+
+def test_readme_generate_signature_is_the_real_one():
+    """The one-line signature in the README names every parameter of minidsa.generate, in order, with the
+    defaults it states."""
+    text = " ".join(README.read_text().split())
+    line = re.search(r"`generate\((.*?)\)` takes", text).group(1)
+    line = re.sub(r"\s*\([^)]*\)", "", line)  # the inline notes, e.g. "(0 = greedy)"
+    stated = [p.strip() for p in line.split(",") if p.strip() != "*"]
+    params = inspect.signature(minidsa.generate).parameters
+    assert [p.split("=")[0] for p in stated] == list(params), stated
+    for p in stated:
+        if "=" in p:
+            name, value = p.split("=")
+            assert repr(params[name].default) == value, (name, value, params[name].default)
+
+
+def test_readme_openai_client_line_works_against_the_server(monkeypatch):
+    """The README's ``OpenAI(...)`` call, pointed at a server on a free port, answers: the openai client
+    refuses to start without a key (unless the environment holds one), so the line must carry one."""
+    openai = pytest.importorskip("openai")
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    call = re.search(r"`OpenAI\((.*?)\)`", " ".join(README.read_text().split())).group(1)
+    kwargs = eval(f"dict({call})")  # noqa: S307 -- the README's own literal keyword arguments
+    assert kwargs["base_url"] == "http://127.0.0.1:8000/v1" and kwargs.get("api_key"), kwargs
+    with start_server(minidsa.load("default", progress=False), port=0) as server:
+        kwargs["base_url"] = server.url + "/v1"
+        client = openai.OpenAI(**kwargs, timeout=30, max_retries=0)
+        r = client.completions.create(model=server.model_name, prompt="hello", max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2 or r.choices[0].finish_reason == "stop"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import ModelConfig, load_config
+from ..config import ModelConfig, load_config, preset_names
 from ..formats.dtypes import SAFETENSORS_NAMES, disk_dtype
 from ..model.minidsa import MiniDSA
 from ..model.moe import expert_shapes
@@ -32,7 +32,28 @@ def resolve_config(name_or_config) -> ModelConfig:
     names ``load`` takes. The config layer knows presets only; shipped checkpoints live up here."""
     if isinstance(name_or_config, str) and name_or_config in PRETRAINED:
         return load_config(pretrained_dir(name_or_config) / "config.json")
+    if isinstance(name_or_config, (str, Path)) and str(name_or_config).strip() and not Path(name_or_config).exists():
+        check_known_name(str(name_or_config))
     return load_config(name_or_config)
+
+
+def looks_like_path(text: str) -> bool:
+    """Whether a name that matches no file was meant as a path (a directory or a JSON file), not a preset."""
+    return text.endswith(".json") or "/" in text or "\\" in text or text.startswith(("~", "."))
+
+
+def check_known_name(text: str) -> None:
+    """Raise for ``text`` that names no file: FileNotFoundError for a path, ValueError for a name that is
+    neither a shipped checkpoint nor a preset. Each says what was passed and what would be accepted, where
+    the config layer alone could only say that no config file is there."""
+    accepted = (f"an existing checkpoint directory (save_pretrained's output), a config JSON path, "
+                f"{' or '.join(map(repr, PRETRAINED))} (the shipped model) or a preset name ({', '.join(preset_names())})")
+    if looks_like_path(text):
+        what = "config file" if text.endswith(".json") else "checkpoint directory"
+        raise FileNotFoundError(f"{what} {text!r} does not exist; pass {accepted}")
+    if text not in preset_names():
+        raise ValueError(f"unknown config name {text!r}: no directory of that name, not a shipped checkpoint and "
+                         f"not a preset; pass {accepted}")
 
 
 def checkpoint_manifest(name_or_config) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -20,8 +20,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..config import preset_names
 from ..formats import shards
-from .manifest import checkpoint_manifest, resolve_config
+from .manifest import PRETRAINED, checkpoint_manifest, pretrained_dir, resolve_config
 
 INDEX_SHARD = "(index)"  # where findings about names the index does not list are filed
 MAX_PRINTED = 20  # findings printed per shard; the rest are counted
@@ -64,15 +65,12 @@ class CheckReport:
 
 
 def check_checkpoint(directory: str | os.PathLike, config=None, *, progress: bool = True) -> CheckReport:
-    """Check ``directory`` against the manifest of ``config``: a preset name, ``"default"`` (the shipped
-    model's config), a config JSON path or a ModelConfig; None (the default) is the directory's own
-    config.json."""
+    """Check ``directory`` (a checkpoint directory, or ``"default"``: the shipped one) against the manifest of
+    ``config``: a preset name, ``"default"`` (the shipped model's config), a config JSON path or a
+    ModelConfig; None (the default) is the directory's own config.json. A directory that does not exist
+    is a FileNotFoundError."""
     start = time.perf_counter()
-    if not str(directory).strip():  # Path("") would be the working directory
-        raise ValueError("checkpoint directory '' is empty; pass the directory save_pretrained wrote")
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ValueError(f"checkpoint directory {str(directory)!r} does not exist")
+    directory = checkpoint_directory(directory)
     cfg = resolve_config(config if config is not None else directory)
     manifest = checkpoint_manifest(cfg)
     weight_map = shards.read_index(directory).weight_map
@@ -84,6 +82,28 @@ def check_checkpoint(directory: str | os.PathLike, config=None, *, progress: boo
     for fname in tqdm(sorted(by_shard), unit="shard", desc="checking", disable=not progress, leave=False):
         findings += shard_findings(directory / fname, by_shard[fname], manifest, cfg.name)
     return CheckReport(directory, cfg.name, len(manifest), len(by_shard), time.perf_counter() - start, findings)
+
+
+def checkpoint_directory(directory: str | os.PathLike) -> Path:
+    """The directory to check: a path, or the name of a shipped checkpoint ("default"). A preset name has no
+    files (ValueError saying how to get some); a path that is no directory is a FileNotFoundError."""
+    if isinstance(directory, str) and directory in PRETRAINED:
+        return pretrained_dir(directory)
+    text = str(directory)
+    if not text.strip():  # Path("") would be the working directory
+        raise ValueError("checkpoint directory '' is empty; pass the directory save_pretrained wrote")
+    path = Path(directory)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"{text!r} is a file, not a checkpoint directory; pass the directory that holds "
+                         f"config.json, {shards.INDEX_NAME} and the shards")
+    if not path.is_absolute() and text in preset_names():
+        raise ValueError(f"{text!r} is a preset: its seeded weights are built in memory, so there are no files to "
+                         f"check; save them first (minidsa.load({text!r}).save_pretrained(DIR)) and check DIR, "
+                         f"or check {', '.join(map(repr, PRETRAINED))} (the shipped model)")
+    raise FileNotFoundError(f"checkpoint directory {text!r} does not exist; pass the directory save_pretrained wrote "
+                            f"or {', '.join(map(repr, PRETRAINED))} (the shipped model)")
 
 
 def shard_findings(path: Path, names: list[str], manifest: dict, config_name: str) -> list[Finding]:

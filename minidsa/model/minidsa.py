@@ -65,11 +65,9 @@ class MiniDSA(nn.Module):
         if cfg.moe.offline_experts and init and str(device) != "meta":
             self.set_expert_mode("offline")
 
-    def _apply(self, fn, recurse=True):
-        """``to``, ``to_empty``, ``half``, ... give the parameters new storage: stack the fused groups there now,
-        not in the first forward, which may come after a CUDA graph recorded the addresses (model/fused.py)."""
+    def _apply(self, fn, recurse=True):  # to, to_empty, half...: new storage, stacked now, not in a forward
         out = super()._apply(fn, recurse)
-        fuse_all(self)
+        fuse_all(self)  # a CUDA graph captured before the first forward must see the final addresses
         return out
 
     @property
@@ -107,15 +105,11 @@ class MiniDSA(nn.Module):
         if mode not in ("online", "offline"):
             raise ValueError(f"expert mode {mode!r}; use 'online' or 'offline'")
         for moe in self.moe_layers():
-            if mode == "offline":
-                moe.convert_all()
-            else:
-                moe.offline = None
+            moe.convert_all() if mode == "offline" else setattr(moe, "offline", None)
         return self
 
     def expert_stats(self) -> dict[str, int]:
-        """Expert storage, workspace and offline bytes; routed experts converted since the last reset and
-        in the last forward (see moe.expert_stats)."""
+        """Expert, workspace and offline bytes; routed experts converted since the reset and in the last forward."""
         return expert_stats(self.moe_layers(), self._workspace)
 
     def reset_expert_stats(self) -> None:
@@ -124,15 +118,13 @@ class MiniDSA(nn.Module):
 
     # ---------------------------------------------------------------- cache
     def cache_layout(self, num_blocks: int | None = None) -> CacheLayout:
-        cfg = self.config
-        return self.language_model.model.cache_layout(cfg.kv_num_blocks if num_blocks is None else num_blocks,
-                                                      cfg.kv_block_size, cfg.max_sequences,
-                                                      self.language_model.lm_head.weight.dtype)
+        cfg, dtype = self.config, self.language_model.lm_head.weight.dtype
+        n = cfg.kv_num_blocks if num_blocks is None else num_blocks
+        return self.language_model.model.cache_layout(n, cfg.kv_block_size, cfg.max_sequences, dtype)
 
     def new_cache(self, num_blocks: int | None = None) -> PagedKVCache:
         """A fresh paged cache for this model (``num_blocks`` defaults to config.kv_num_blocks)."""
-        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
-                                       or num_blocks < 1):
+        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
             raise ValueError(f"num_blocks = {num_blocks!r} must be a positive int")
         return PagedKVCache(self.cache_layout(num_blocks), self.device)
 
@@ -187,10 +179,9 @@ class MiniDSA(nn.Module):
             raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {tuple(input_ids.shape)}")
         if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
             raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
-        if on_host(input_ids):
-            lo, hi = int(input_ids.min()), int(input_ids.max())
-            if lo < 0 or hi >= self.config.vocab_size:
-                raise ValueError(f"input_ids hold {lo if lo < 0 else hi}, outside [0, {self.config.vocab_size})")
+        lo, hi = (int(input_ids.min()), int(input_ids.max())) if on_host(input_ids) else (0, 0)
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"input_ids hold {lo if lo < 0 else hi}, outside [0, {self.config.vocab_size})")
 
     def _cache_context(self, cache, seq_ids, B: int, T: int, device) -> CacheContext | None:
         if cache is None:

@@ -5,7 +5,9 @@
     server.close()
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with ``stream``), GET /v1/models,
-GET /health and GET /metrics. A connection is one thread (``ThreadingHTTPServer``, which parses HTTP);
+GET /health and GET /metrics; HEAD answers each GET route with the GET's status and headers and no body.
+Requests may name the model by the served name (``model_name``, the one /v1/models lists) or by its
+config's name. A connection is one thread (``ThreadingHTTPServer``, which parses HTTP);
 the engine is stepped by one more (worker.py); a request waits on its own queue.
 
 Streams are ``text/event-stream``, one ``data: {json}`` event per engine step that produced text, then
@@ -52,7 +54,10 @@ class ClientGone(Exception):
 
 
 class Server:
-    """An OpenAI-compatible HTTP server over one ``Engine`` of ``model``; a context manager."""
+    """An OpenAI-compatible HTTP server over one ``Engine`` of ``model``; a context manager.
+
+    ``model_name`` is the served name, the one /v1/models lists and answers carry (None: the config's
+    name); requests may also name the config (``model_names`` holds both)."""
 
     def __init__(self, model: MiniDSA, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
                  max_waiting_requests: int | None = None, **engine_kw) -> None:
@@ -64,6 +69,7 @@ class Server:
             raise ValueError(f"port = {port!r} must be an int in [0, 65535] (0 picks a free port)")
         self.model, self.engine = model, Engine(model, **engine_kw)
         self.model_name = model.config.name if model_name is None else model_name
+        self.model_names = tuple(dict.fromkeys((self.model_name, model.config.name)))  # the listed one first
         limit = WAITING_PER_SEQ * self.engine.max_num_seqs if max_waiting_requests is None else max_waiting_requests
         check_positive_int("max_waiting_requests", limit)
         self.worker = Worker(self.engine, limit)
@@ -192,6 +198,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self._route("GET")
 
+    def do_HEAD(self) -> None:
+        self._route("HEAD")
+
     def do_POST(self) -> None:
         self._route("POST")
 
@@ -216,6 +225,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _route(self, method: str) -> None:
         self._sent = False  # whether a status line has gone out (after that, errors end a stream instead)
+        self._head = method == "HEAD"  # headers as GET would send them, never a body (RFC 9110 9.3.2)
         self._polled = time.monotonic()  # when the client's socket was last checked
         self._unread = self.headers.get("Content-Length", "0") != "0"  # a body not read yet
         path = urlsplit(self.path).path.rstrip("/") or "/"
@@ -228,10 +238,11 @@ class _Handler(BaseHTTPRequestHandler):
             if methods is None:
                 raise APIError(404, f"no route {path!r}; this server has {', '.join(sorted(ROUTES))}",
                                type="invalid_request_error", code="not_found")
-            if method not in methods:
-                raise APIError(405, f"{method} is not allowed on {path}; use {' or '.join(methods)}",
-                               code="method_not_allowed", headers={"Allow": ", ".join(methods)})
-            methods[method](self)
+            allowed = [*methods, "HEAD"] if "GET" in methods else list(methods)
+            if method not in allowed:
+                raise APIError(405, f"{method} is not allowed on {path}; use {' or '.join(allowed)}",
+                               code="method_not_allowed", headers={"Allow": ", ".join(allowed)})
+            methods["GET" if method == "HEAD" else method](self)
         except APIError as e:
             self._error(e)
         except CLIENT_GONE:
@@ -255,7 +266,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
         self.end_headers()
         self._sent = True
-        self.wfile.write(data)
+        if not self._head:
+            self.wfile.write(data)
 
     def _error(self, e: APIError) -> None:
         try:
@@ -303,16 +315,16 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, text, content_type="text/plain; version=0.0.4; charset=utf-8")
 
     def _completions(self) -> None:
-        job = protocol.completion_job(self._read_json(), self.app.model_name)
+        job = protocol.completion_job(self._read_json(), self.app.model_names)
         protocol.check_fits(job, len(self.app.model.tokenizer.encode(job.prompt)), self.app.model.config.max_seq_len)
         self._run(job)
 
     def _chat(self) -> None:
         body = self._read_json()
-        protocol.check_model(body, self.app.model_name)  # before decoding images for nothing
+        protocol.check_model(body, self.app.model_names)  # before decoding images for nothing
         prompt, images = chat.render(body.get("messages"))
         n, context = chat.prompt_length(self.app.model, prompt, images), self.app.model.config.max_seq_len
-        job = protocol.chat_job(body, self.app.model_name, prompt, images, context - n)
+        job = protocol.chat_job(body, self.app.model_names, prompt, images, context - n)
         protocol.check_fits(job, n, context)
         self._run(job)
 
@@ -333,7 +345,7 @@ class _Handler(BaseHTTPRequestHandler):
         event = self._next(handle)
         while isinstance(event, RequestOutput) and not event.finished:
             event = self._next(handle)
-        self._json(200, protocol.response(job, self.app.model_name, _progress(event)))
+        self._json(200, protocol.response(job, _progress(event)))
 
     def _stream(self, job: Job, handle: Handle) -> None:
         out = _progress(self._next(handle))  # a refused request is still a plain error response
@@ -342,7 +354,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(k, v)
         self.end_headers()
         self._sent, self.close_connection = True, True
-        name, sent, first = self.app.model_name, 0, True
+        name, sent, first = job.model, 0, True
         if job.chat:  # OpenAI's first chat chunk: the role, no text yet
             self._event(protocol.chunk(job, name, "", role=True))
             first = False

@@ -61,6 +61,7 @@ class Job:
     stream: bool = False
     include_usage: bool = False
     max_name: str = "max_tokens"  # the field that set params.max_tokens (chat may use max_completion_tokens)
+    model: str = ""  # the served name the request used, which its answer carries (as vLLM answers)
     id: str = ""
     created: int = 0
 
@@ -77,39 +78,45 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
-def check_model(body: dict, served: str) -> None:
-    """A missing ``model`` means the served one; another name is a 404, as OpenAI and vLLM answer."""
+def check_model(body: dict, served: tuple[str, ...]) -> str:
+    """The name the answer carries: ``model`` if it is one of the ``served`` names, the first of them (the
+    listed one) if ``model`` is missing; another name is a 404, as OpenAI and vLLM answer."""
     name = body.get("model")
     if name is None:
-        return
+        return served[0]
     if not isinstance(name, str):
         raise invalid("model", f"model must be a string, got {_show(name)}")
-    if name != served:
-        raise APIError(404, f"The model '{name}' does not exist; this server serves '{served}' "
-                            f"(GET /v1/models lists it)", "model", code="model_not_found")
+    if name not in served:
+        also = f" (also accepted: {', '.join(repr(s) for s in served[1:])})" if served[1:] else ""
+        raise APIError(404, f"The model '{name}' does not exist; this server serves '{served[0]}'{also}; "
+                            f"GET /v1/models lists it", "model", code="model_not_found")
+    return name
 
 
-def completion_job(body: dict, served: str) -> Job:
-    """POST /v1/completions: ``prompt`` is a string (or a list holding one)."""
-    check_model(body, served)
+def completion_job(body: dict, served: tuple[str, ...]) -> Job:
+    """POST /v1/completions: ``prompt`` is a string (or a list holding one); ``served``: the names
+    ``model`` may take, the listed one first."""
+    model = check_model(body, served)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise invalid("prompt", f"prompt must be a string, got {_show(prompt)}; send one request per prompt "
                                 f"(batches and token-id prompts are not supported)")
-    return _job(body, False, prompt, [], _get(body, "max_tokens", int, 16))
+    return _job(body, False, prompt, [], _get(body, "max_tokens", int, 16), model)
 
 
-def chat_job(body: dict, served: str, prompt: str, images: list, room: int) -> Job:
+def chat_job(body: dict, served: tuple[str, ...], prompt: str, images: list, room: int) -> Job:
     """POST /v1/chat/completions, its messages already rendered (chat.py); ``room``: context left after
     the prompt, the default ``max_tokens``."""
-    check_model(body, served)
+    model = check_model(body, served)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _job(body, True, prompt, images, _get(body, name, int, max(1, min(room, CHAT_MAX_TOKENS))), name)
+    return _job(body, True, prompt, images, _get(body, name, int, max(1, min(room, CHAT_MAX_TOKENS))), model,
+                name)
 
 
-def _job(body: dict, chat: bool, prompt: str, images: list, max_tokens: int, max_name: str = "max_tokens") -> Job:
+def _job(body: dict, chat: bool, prompt: str, images: list, max_tokens: int, model: str,
+         max_name: str = "max_tokens") -> Job:
     for name, allowed in UNSUPPORTED.items():
         v = body.get(name)
         if not any(v is a or v == a and isinstance(v, bool) == isinstance(a, bool) for a in allowed):
@@ -129,7 +136,7 @@ def _job(body: dict, chat: bool, prompt: str, images: list, max_tokens: int, max
                                 ignore_eos=_get(body, "ignore_eos", bool, False))
     except (ValueError, TypeError) as e:
         raise invalid(None, str(e)) from None
-    return Job(chat, prompt, params, images, stream, usage, max_name,
+    return Job(chat, prompt, params, images, stream, usage, max_name, model,
                ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()))
 
 
@@ -211,7 +218,7 @@ def usage(out: RequestOutput) -> dict:
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
 
-def response(job: Job, model: str, out: RequestOutput) -> dict:
+def response(job: Job, out: RequestOutput) -> dict:
     """The whole answer of a request that finished with "stop" or "length"."""
     if job.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
@@ -219,7 +226,7 @@ def response(job: Job, model: str, out: RequestOutput) -> dict:
     else:
         choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
     return {"id": job.id, "object": "chat.completion" if job.chat else "text_completion", "created": job.created,
-            "model": model, "choices": [choice], "usage": usage(out)}
+            "model": job.model, "choices": [choice], "usage": usage(out)}
 
 
 def chunk(job: Job, model: str, text: str | None, finish_reason: str | None = None, role: bool = False,
@@ -254,5 +261,5 @@ def failure(out: RequestOutput) -> APIError:
     if out.finish_reason == "abort":
         return APIError(503, "the server is shutting down; the request was stopped", type="server_error",
                         code="shutting_down")
-    return APIError(500, f"the engine failed on this request: {out.error}", type="server_error",
-                    code="internal_error")
+    return APIError(500, f"the engine failed on this request: {out.error or 'no cause was recorded'}",
+                    type="server_error", code="internal_error")

@@ -150,10 +150,11 @@ class Worker:
     def _step(self) -> None:
         try:
             outs = self.engine.step()
-        except Exception:  # noqa: BLE001 -- fail the live requests, keep serving
+        except Exception as e:  # noqa: BLE001 -- fail the live requests, keep serving
             traceback.print_exc(file=sys.stderr)
+            cause = " ".join(f"{type(e).__name__}: {e}".split())
             for rid in list(self._live):
-                self._fail(rid, "the engine step failed (the server log has the traceback)")
+                self._fail(rid, f"the engine step failed: {cause} (the server log has the traceback)")
             return
         for out in outs:
             handle = self._live.get(out.request_id)
