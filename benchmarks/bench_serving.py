@@ -10,12 +10,16 @@ loop would take longer than the engine run by the ratio being measured) and comp
 ``--graph-check`` replays one padded decode step from its graph and compares it with the eager step.
 ``--memory-steps N`` runs N engine steps of a steady workload and prints the allocated bytes sampled.
 ``--dry-run`` runs it all on tiny shapes (the test suite does).
+
+A run in which any request ends other than at its output length (an error, an abort, an early stop) says
+how many and why and exits 1 after the report: its figures would not measure the engine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -81,13 +85,15 @@ def dry_run() -> None:
     """The whole script on tiny shapes: engine figures, the sequential loop, a steady-workload run."""
     model = minidsa.load("default", progress=False)
     requests = bench.workload(4, (24, 48), (2, 6), 0, shared_prefix=20)
-    # checkpoints every 16 tokens (the default interval is longer than these prompts): one to hit
+    # checkpoints every 16 tokens (the default interval is longer than the 20-token shared prefix): one to hit
     result = bench.run_engine(model, requests, bench.warmup_request(requests, 20), checkpoint_interval=16)
     result["sequential"] = bench.run_sequential(model, requests[:1])
     print(bench.format_report(result))
     mem = memory_run(model, 20)
     ok = result["successful_requests"] == 4 and result["prefix_hit_rate"] > 0 and len(mem["samples"]) == 10
     print("PASS" if ok else "FAIL", "dry run: 4 requests, prefix hits, 20 steady steps")
+    if not ok:
+        sys.exit(1)
 
 
 def main() -> None:
@@ -121,6 +127,12 @@ def main() -> None:
     kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     result = bench.run_engine(model, requests, warmup, **kw)
     print(bench.format_report(result), flush=True)
+    failed = bench.failure(result)
+    if failed:  # the figures measure nothing: say why, keep them in --json for the post-mortem, exit 1
+        print("FAILED: " + failed, file=sys.stderr, flush=True)
+        out["engine"] = result
+        _write(args.json, out)
+        sys.exit(1)
     if args.sequential_requests != 0:
         subset = requests[: args.sequential_requests] if args.sequential_requests else requests
         result["sequential"] = bench.run_sequential(model, subset)
@@ -133,8 +145,12 @@ def main() -> None:
     if args.memory_steps:
         out["memory"] = memory_run(model, args.memory_steps, **kw)
         print("memory:", out["memory"], flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
+    _write(args.json, out)
+
+
+def _write(path: str | None, out: dict) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(out, f, indent=1, default=str)
 
 

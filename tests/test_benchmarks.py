@@ -2,6 +2,7 @@
 logic and the agreement checks (a benchmark that only runs on the GPU would otherwise rot unseen, as
 bench_moe.py once did after a rename)."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -28,3 +29,21 @@ def test_benchmark_dry_run(script):
                          text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "PASS" in run.stdout and "FAIL" not in run.stdout, run.stdout[-2000:]
+
+
+def test_bench_serving_exits_1_when_requests_fail(monkeypatch, capsys):
+    """A run whose every request failed once printed an ordinary report and exited 0."""
+    import minidsa
+    spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "benchmarks" / "bench_serving.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    model = minidsa.load("default", progress=False)
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **kw: forward(*a, **kw).fill_(float("nan")))
+    monkeypatch.setattr(minidsa, "load", lambda *a, **kw: model)
+    monkeypatch.setattr(sys, "argv", ["bench_serving.py", "--config", "default", "--num-requests", "2", "--input-len",
+                                      "10", "20", "--output-len", "2", "3", "--sequential-requests", "0"])
+    with pytest.raises(SystemExit) as e:
+        script.main()
+    assert e.value.code == 1
+    assert "FAILED: 2 of 2 requests did not finish normally" in capsys.readouterr().err

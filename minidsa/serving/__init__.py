@@ -6,14 +6,15 @@
 - ``params.py``: ``SamplingParams``, ``RequestOutput`` and its ``RequestMetrics`` (vLLM's names).
 - ``prefix_cache.py``: named full KV blocks and KDA checkpoints; hits clamped to a checkpoint.
 - ``scheduler.py``: continuous batching under a token budget, admission, recompute preemption.
+- ``sharing.py``: generate() calls of several threads on one cache, admitted in turn as room comes back.
 - ``budget.py``: the cache sized from a memory budget that counts every pool and workspace.
-- ``engine.py``: ``Engine``: add_request / step / abort / generate / stats.
+- ``engine.py``: ``Engine``: add_request / step / abort / generate / stats; NaN/inf logits fail a request.
 """
 
-from .engine import Engine
+from .engine import Engine, NonFiniteLogitsError
 from .generation import GenerationStream, generate
 from .params import RequestMetrics, RequestOutput, SamplingParams
 from .sampling import sample_next_token
 
-__all__ = ["Engine", "GenerationStream", "RequestMetrics", "RequestOutput", "SamplingParams", "generate",
-           "sample_next_token"]
+__all__ = ["Engine", "GenerationStream", "NonFiniteLogitsError", "RequestMetrics", "RequestOutput", "SamplingParams",
+           "generate", "sample_next_token"]

@@ -8,6 +8,10 @@ letters, every request running to its output length (eos ignored). ``--shared-pr
 prompt with the same N tokens, primed by one untimed warm-up request (a system prompt already cached);
 ``--images K`` gives every prompt K seeded random images. All requests arrive at once, so TTFT includes
 the time a request waits for a slot.
+
+Every request must end by reaching its output length (finish_reason "length"): eos is ignored and no
+stop string is set, so "stop" is as wrong as "error" or "abort". ``failure(result)`` says how many did
+not and why; the CLI then exits 1, so a broken run never reads as a slow one.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -71,9 +76,10 @@ def run_engine(model: MiniDSA, requests: list[dict], warmup: dict | None = None,
     queries = s["prefix_cache_queries"] - before["prefix_cache_queries"]
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     n_out = sum(len(o.token_ids) for o in outs)
-    ms = [o.metrics for o in outs]
+    ms = [o.metrics for o in outs if o.finish_reason == "length"]  # latencies of the requests that finished
     return {
         "successful_requests": sum(o.finish_reason == "length" for o in outs),
+        "num_requests": len(outs), "failures": _failures(outs),
         "duration_s": duration, "total_input_tokens": n_in, "total_generated_tokens": n_out,
         "request_throughput": len(outs) / duration, "output_throughput": n_out / duration,
         "total_token_throughput": (n_in + n_out) / duration,
@@ -84,6 +90,27 @@ def run_engine(model: MiniDSA, requests: list[dict], warmup: dict | None = None,
         "prefix_hit_rate": (s["prefix_cache_hits"] - before["prefix_cache_hits"]) / max(1, queries),
         "num_blocks": engine.cache.layout.num_blocks, "cache_bound": s["memory"]["bound"],
     }
+
+
+def _failures(outs) -> dict[str, int]:
+    """How many requests ended other than by reaching their length, by finish reason and error text."""
+    return dict(Counter(f"{o.finish_reason}: {o.error}" if o.error else str(o.finish_reason)
+                        for o in outs if o.finish_reason != "length").most_common())
+
+
+def failure(result: dict, shown: int = 3) -> str | None:
+    """None when every request reached its output length; else one paragraph: how many did not and why,
+    the commonest reasons first (``shown`` of them)."""
+    fails = result["failures"]
+    if not fails:
+        return None
+    n = sum(fails.values())
+    lines = [f"{n} of {result['num_requests']} requests did not finish normally (each should stop at its output "
+             f"length, finish_reason 'length'); the figures above do not measure the engine:"]
+    lines += [f"  {count} x {why}" for why, count in list(fails.items())[:shown]]
+    if len(fails) > shown:
+        lines.append(f"  ... and {len(fails) - shown} other reasons ({sum(list(fails.values())[shown:])} requests)")
+    return "\n".join(lines)
 
 
 def run_sequential(model: MiniDSA, requests: list[dict]) -> dict:
@@ -103,6 +130,7 @@ def format_report(result: dict, title: str = "Serving Benchmark Result") -> str:
     r = result
     lines = [f"{' ' + title + ' ':=^50}",
              f"{'Successful requests:':<40}{r['successful_requests']:>10}",
+             f"{'Failed requests:':<40}{r['num_requests'] - r['successful_requests']:>10}",
              f"{'Benchmark duration (s):':<40}{r['duration_s']:>10.2f}",
              f"{'Total input tokens:':<40}{r['total_input_tokens']:>10}",
              f"{'Total generated tokens:':<40}{r['total_generated_tokens']:>10}",
@@ -131,9 +159,10 @@ def format_report(result: dict, title: str = "Serving Benchmark Result") -> str:
 def benchmark(model: MiniDSA, num_requests: int = 32, input_len: tuple[int, int] = (32, 512),
               output_len: tuple[int, int] = (16, 128), seed: int = 0, shared_prefix: int = 0, images: int = 0,
               sequential: bool = True, **engine_kw) -> dict:
-    """``run_engine`` on the seeded workload, plus the sequential loop on the same requests."""
+    """``run_engine`` on the seeded workload, plus the sequential loop on the same requests (skipped when
+    a request failed: there is nothing to compare then)."""
     requests = workload(num_requests, input_len, output_len, seed, shared_prefix, images)
     result = run_engine(model, requests, warmup_request(requests, shared_prefix), **engine_kw)
-    if sequential:
+    if sequential and not result["failures"]:
         result["sequential"] = run_sequential(model, requests)
     return result

@@ -11,10 +11,11 @@ work runs as a few forwards: the one-token rows (decodes) together, prefill piec
 together. Prefill pieces also end where a KDA checkpoint is due (prefix_cache.py), so that the state
 there can be copied.
 
-A request that fails (its forward raises) finishes with finish_reason "error" and gives back what it
-held; the others go on. Every argument is checked in ``add_request`` before anything is queued.
-One thread drives an engine (``add_request``, ``step`` and ``abort`` are not meant to race); several
-engines may share one model and, through generate(), one cache, whose books are locked.
+A request that fails (its forward raises, or its logits hold NaN or inf where a token is due) finishes
+with finish_reason "error", its ``error`` saying why, and gives back what it held; the others go on.
+Every argument is checked in ``add_request`` before anything is queued. One thread drives an engine
+(``add_request``, ``step`` and ``abort`` are not meant to race); several engines may share one model
+and, through generate(), one cache, whose books are locked.
 """
 
 from __future__ import annotations
@@ -40,10 +41,17 @@ from .requests import check_context, check_positive_int, encode_prompts
 from .sampling import sample_next_token
 from .scheduler import EngineRequest, Scheduler
 
-# Default tokens between KDA checkpoints. Each checkpoint cuts a prefill forward, and pieces shorter than
-# this run slower per token (on the laptop config's CPU prefill, 64-token pieces cost 1.8x one 512-token
-# forward, 256-token pieces the same); a system prompt shorter than this gets no state hit.
+# Default tokens between KDA checkpoints, at most. Each checkpoint cuts a prefill forward, and pieces shorter
+# than this run slower per token (on the laptop config's CPU prefill, 64-token pieces cost 1.8x one 512-token
+# forward, 256-token pieces the same); a shared prefix shorter than the interval gets no state hit. A model
+# whose context is short gets a quarter of it instead (CHECKPOINTS_PER_CONTEXT): at 256 tokens the shipped
+# model (max_seq_len 256) could never reach a checkpoint, so prefix caching gave it no state hit at all.
 CHECKPOINT_TOKENS = 256
+CHECKPOINTS_PER_CONTEXT = 4
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """A request's logits held NaN or inf where a token was to be sampled (a model or kernel fault)."""
 
 
 class Engine:
@@ -95,8 +103,9 @@ class Engine:
         self.prompt_tokens = self.generation_tokens = 0
 
     def _interval(self, interval: int | None) -> int:
-        if interval is None:  # the smallest multiple of the alignment that is at least CHECKPOINT_TOKENS
-            return -(-CHECKPOINT_TOKENS // self.align) * self.align
+        if interval is None:  # CHECKPOINT_TOKENS, or a quarter of a short context, down to a multiple of the alignment
+            want = min(CHECKPOINT_TOKENS, self.model.config.max_seq_len // CHECKPOINTS_PER_CONTEXT)
+            return max(self.align, want // self.align * self.align)
         check_positive_int("checkpoint_interval", interval)
         if interval % self.align:
             raise ValueError(f"checkpoint_interval = {interval} must be a multiple of {self.align} (a KV block and "
@@ -215,12 +224,33 @@ class Engine:
                 req.trace.append(tr, row)
         ends = [row for row, (req, _, end) in enumerate(group) if end == req.num_tokens and not req.pending_finish]
         last = logits[ends, -1].float().cpu() if ends else None  # one device-to-host copy per forward
+        # Checked on that copy, over the real vocabulary only (_sample masks the padding ids to -inf): a NaN
+        # would otherwise be sampled as token 0 (greedy) or fail inside torch.multinomial.
+        bad = (~torch.isfinite(last[:, :self.model.tokenizer.vocab_size])).sum(1).tolist() if ends else []
         for req in reqs:
             if req.pending_finish:  # its last token was fed only to record that token's selections
                 self._finish(req, req.pending_finish)
+        failed = []
         for k, row in enumerate(ends):
-            self._sample(group[row][0], last[k])
+            if bad[k]:
+                failed.append(self._fail_non_finite(group[row][0], bad[k]))
+            else:
+                self._sample(group[row][0], last[k])
+        if failed and self.raise_errors:
+            raise NonFiniteLogitsError(failed[0])
         return reqs
+
+    def _fail_non_finite(self, req: EngineRequest, count: int) -> str:
+        """Finish ``req`` with "error": its logits hold ``count`` NaN/inf values. Returns the message."""
+        m = self.model
+        req.error = (f"the logits of this request's last position hold NaN or inf ({count} of "
+                     f"{m.tokenizer.vocab_size} values); the model or a kernel produced non-finite values, so no "
+                     f"token was sampled: run `python -m minidsa doctor --checkpoint <this model's checkpoint> "
+                     f"--backend {m.backend or 'auto'} --device {m.device.type}` to find the first op that fails")
+        if self.prefix is not None:
+            self.prefix.forget(req.sid)
+        self._finish(req, "error")
+        return req.error
 
     def _graphed(self, group) -> bool:
         """A decode step (one text token per row) that a captured graph covers."""

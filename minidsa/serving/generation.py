@@ -8,7 +8,8 @@ then decode the batch token by token.
 
 Every argument is checked before any cache block is taken (requests.py); blocks are reserved for the
 whole request up front (all-or-nothing) and always given back, so a failed or abandoned request
-leaves the model and its cache as they were.
+leaves the model and its cache as they were. Calls in several threads share the model's default cache:
+a call that finds it full waits its turn for the blocks the others give back (sharing.py).
 """
 
 from __future__ import annotations
@@ -138,8 +139,8 @@ def generate(prompt, model: MiniDSA | str | None = None, *, images=None, videos=
         model: a MiniDSA, a preset name/path, or None for the default (the shipped trained) model.
         images: images for the prompt (a list of HxWx3 uint8 numpy arrays, torch tensors or PNG/JPEG
             paths; for a batch, one such list per prompt). The prompt marks each image's place with
-            ``minidsa.tokenizer.IMAGE_MARKER`` (any text containing one ``<|media_pad|>`` per image
-            works); a prompt with no marker gets the images before its text. Each ``<|media_pad|>``
+            ``minidsa.tokenizer.IMAGE_MARKER`` (any text with one ``<|media_pad|>`` per image works); with no
+            marker the images go before the text, any other count is a ValueError. Each ``<|media_pad|>``
             expands to its image's (h/2)*(w/2) tokens.
         videos: like images, each video a list of 1 to 4 frames of one size (arrays, tensors or paths);
             a prompt's placeholders take its images first, then its videos; a video item fills as many
@@ -153,12 +154,14 @@ def generate(prompt, model: MiniDSA | str | None = None, *, images=None, videos=
             (index, piece) pairs); its ``.trace`` is filled when it is exhausted. Breaking out of the
             loop, an exception in it, ``close()`` or ``with ... as s:`` gives the cache blocks back.
         return_trace: also return a GenerationTrace (one per prompt for a batch).
-        cache: a PagedKVCache to use (default: the model's own); its blocks are always given back.
+        cache: a PagedKVCache (default: the model's own); its blocks are always given back. A call that
+            would fit it empty waits for the blocks other threads' calls give back (sharing.py).
         progress: show a tqdm bar over generated tokens.
-        stop_at_eos: end a sequence when it samples eos (False: always max_new_tokens, e.g. to time a
-            model that would stop early).
+        stop_at_eos: end a sequence at eos (False: always max_new_tokens, e.g. to time a model).
     Returns:
         str (list[str] for a batch), or (texts, traces) with return_trace, or a GenerationStream.
+    Raises (model and cache stay usable): ValueError/TypeError for a bad argument, before any block is taken;
+        OutOfKVBlocksError; NonFiniteLogitsError (a RuntimeError) for NaN or inf logits where a token is due.
     """
     check_prompt(prompt)
     if model is None or isinstance(model, str):

@@ -117,6 +117,17 @@ class PrefixCache:
         self.cache.snapshot_state(sid, out=self._entries[entry])
         self.checkpoints[name] = entry
 
+    def forget(self, sid: int) -> None:
+        """Drop the names of the blocks sequence ``sid`` wrote itself, and the checkpoints ending there: its
+        request failed on non-finite values, which its KV rows and KDA state may hold too, and a later
+        prompt sharing the prefix must compute it afresh rather than inherit them."""
+        written = {b for b in self.cache.block_table(sid) if self.cache.block_owner[b] == sid}
+        for h in [h for h, b in self.blocks.items() if b in written]:
+            self.cache.release(self.blocks.pop(h))
+            entry = self.checkpoints.pop(h, None)
+            if entry is not None:
+                self._free.append(entry)
+
     # ---------------------------------------------------------------- eviction
     def num_evictable(self) -> int:
         """Blocks held here that no sequence uses: they become free as soon as they are evicted."""

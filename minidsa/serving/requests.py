@@ -16,6 +16,8 @@ from ..model.minidsa import MiniDSA
 from ..model.vision import preprocess, preprocess_video
 from ..tokenizer import IMAGE_MARKER, VIDEO_MARKER
 
+MEDIA_PAD = "<|media_pad|>"  # the placeholder an image or video item replaces
+
 SEED_END = 2**64  # torch.Generator.manual_seed takes seeds below this (negative ones wrap around)
 
 
@@ -62,7 +64,9 @@ def encode_prompts(model: MiniDSA, texts: list[str], images, batched: bool, vide
     """Token ids per prompt (bos + bytes, <|media_pad|> expanded) and the media features per prompt. A
     prompt's placeholders take its images first, then its videos (each a list of 1 to 4 frames)."""
     tok = model.tokenizer
-    if images is None and videos is None:  # plain text: special-token strings stay literal text
+    if images is None and videos is None:  # plain text: other special-token strings stay literal text
+        for i, text in enumerate(texts):
+            _check_placeholders(text.count(MEDIA_PAD), 0, 0, f"prompt[{i}]" if batched else "prompt")
         return [tok.encode(t) for t in texts], [[] for _ in texts]
     per_images = _per_prompt("images", images, texts, batched, "images")
     per_videos = _per_prompt("videos", videos, texts, batched, "videos (each a list of frames)")
@@ -91,7 +95,11 @@ def _per_prompt(what: str, items, texts: list[str], batched: bool, noun: str) ->
 
 
 def _place_media(model: MiniDSA, text: str, prepared: list, num_images: int, where: str) -> list[int]:
-    """One prompt's ids with each <|media_pad|> expanded to its item's token count (images, then videos)."""
+    """One prompt's ids with each <|media_pad|> expanded to its item's token count (images, then videos).
+
+    A prompt without placeholders gets every item before its text (IMAGE_MARKER per image, then
+    VIDEO_MARKER per video); otherwise the placeholders must be exactly one per item, and a placeholder
+    written as IMAGE_MARKER or VIDEO_MARKER must receive an item of that kind."""
     tok = model.tokenizer
     ids = tok.encode(text, allow_special=True)
     n_pad = ids.count(tok.media_pad_id)
@@ -99,10 +107,8 @@ def _place_media(model: MiniDSA, text: str, prepared: list, num_images: int, whe
         markers = [IMAGE_MARKER] * num_images + [VIDEO_MARKER] * (len(prepared) - num_images)
         ids = ids[:1] + [t for m in markers for t in tok.encode(m, add_bos=False, allow_special=True)] + ids[1:]
         n_pad = len(prepared)
-    if n_pad != len(prepared):
-        raise ValueError(f"{where} has {n_pad} <|media_pad|> placeholder(s) but {num_images} image(s) and "
-                         f"{len(prepared) - num_images} video(s) were given; use one placeholder per item (images "
-                         f"first, then videos) or none, to put them all before the text")
+    _check_placeholders(n_pad, num_images, len(prepared) - num_images, where)
+    _check_marker_kinds(tok, ids, num_images, where)
     expanded, k = [], 0
     for t in ids:
         if t == tok.media_pad_id:
@@ -111,6 +117,34 @@ def _place_media(model: MiniDSA, text: str, prepared: list, num_images: int, whe
         else:
             expanded.append(t)
     return expanded
+
+
+def _check_placeholders(n_pad: int, num_images: int, num_videos: int, where: str) -> None:
+    """ValueError unless a prompt with ``n_pad`` placeholders gets one item per placeholder. A marker with
+    no item would otherwise reach the model as its literal bytes and get a confident answer about an
+    image nobody sent."""
+    if n_pad == num_images + num_videos:
+        return
+    fix = ("pass one image per IMAGE_MARKER with images=[...] (videos=[...] for VIDEO_MARKER), or remove the "
+           "marker" if num_images + num_videos == 0 else
+           "use one placeholder per item (images first, then videos), or none to put them all before the text")
+    raise ValueError(f"{where} has {n_pad} {MEDIA_PAD} placeholder(s) but {num_images} image(s) and {num_videos} "
+                     f"video(s) were given; {fix}")
+
+
+def _check_marker_kinds(tok, ids: list[int], num_images: int, where: str) -> None:
+    """ValueError where a placeholder written as IMAGE_MARKER gets a video or one in VIDEO_MARKER an image
+    (placeholders take the images first, then the videos)."""
+    kinds = {kind: [tok.media_begin_id, *kind.encode(), tok.media_content_id] for kind in ("image", "video")}
+    pads = [j for j, t in enumerate(ids) if t == tok.media_pad_id]
+    for k, j in enumerate(pads):
+        gets = "image" if k < num_images else "video"
+        written = next((kind for kind, head in kinds.items() if ids[max(0, j - len(head)):j] == head), gets)
+        if written != gets:
+            item = f"images[{k}]" if gets == "image" else f"videos[{k - num_images}]"
+            raise ValueError(f"{where}: placeholder {k} is written as a {written} marker but receives {item} "
+                             f"(placeholders take the {num_images} image(s) first, then the videos); write every "
+                             f"IMAGE_MARKER before the first VIDEO_MARKER")
 
 
 def check_context(where: str, prompt_len: int, name: str, max_new: int, ctx: int) -> None:

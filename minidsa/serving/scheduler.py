@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import PagedKVCache
+from . import sharing
 from .params import RequestMetrics, SamplingParams
 from .prefix_cache import PrefixCache
 
@@ -164,17 +165,11 @@ class Scheduler:
         return req, n
 
     def admit_all(self, reqs: list[EngineRequest], lengths: list[int]) -> None:
-        """Start every waiting request in ``reqs`` now, with room for ``lengths`` tokens each reserved:
-        all or nothing (OutOfKVBlocksError naming the shortage, nothing kept). ``generate()``'s batch."""
-        sids: list[int] = []
-        try:
-            for _ in reqs:
-                sids.append(self.cache.add_sequence())
-            self.cache.reserve(dict(zip(sids, lengths)))
-        except BaseException:
-            for sid in sids:
-                self.cache.free(sid)
-            raise
+        """Start every waiting request in ``reqs``, with room for ``lengths`` tokens each reserved: all or
+        nothing, after the calls ahead on a shared cache and, where other threads' calls hold the room,
+        once they give it back (sharing.py); OutOfKVBlocksError naming the shortage, nothing kept, where
+        waiting cannot help. ``generate()``'s batch."""
+        sids = sharing.take(self.cache, lengths)
         for req, sid in zip(reqs, sids):
             req.sid, req.num_computed = sid, 0
             self.waiting.remove(req)
@@ -184,6 +179,7 @@ class Scheduler:
         """Give back what ``req`` holds; it waits first in line to compute its prompt and output again."""
         self.running.remove(req)
         self.cache.free(req.sid)
+        sharing.given_back(self.cache, req.sid)
         req.sid, req.num_computed = None, 0
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -197,4 +193,5 @@ class Scheduler:
             self.waiting.remove(req)
         if req.sid is not None:
             self.cache.free(req.sid)
+            sharing.given_back(self.cache, req.sid)
             req.sid = None

@@ -74,3 +74,17 @@ def test_bad_videos_are_refused_before_anything_is_taken(model, frames, error, m
     with pytest.raises(error, match=match):
         minidsa.generate("hi", model, videos=[frames], cache=cache)
     assert cache.num_free_blocks == cache.layout.num_blocks and not cache.sequences()
+
+
+def test_video_markers_must_match_the_videos(model):
+    """One VIDEO_MARKER per video; a marker with no video, or one too few, is refused before anything is taken."""
+    from minidsa.tokenizer import VIDEO_MARKER
+    cache = model.new_cache()
+    with pytest.raises(ValueError, match=r"1 <\|media_pad\|> placeholder\(s\) but 0 image\(s\) and 0 video\(s\)"):
+        minidsa.generate(f"{VIDEO_MARKER}\nQ: colour and shape?\nA: ", model, cache=cache)
+    with pytest.raises(ValueError, match=r"2 <\|media_pad\|> placeholder\(s\) but 0 image\(s\) and 1 video\(s\)"):
+        minidsa.generate(VIDEO_MARKER * 2, model, videos=[[frame(0)]], cache=cache)
+    assert cache.num_free_blocks == cache.layout.num_blocks and not cache.sequences()
+    kw = dict(max_new_tokens=3, temperature=0, stop_at_eos=False, cache=cache)
+    marked = minidsa.generate(f"{VIDEO_MARKER}hi", model, videos=[[frame(3), frame(4)]], **kw)
+    assert marked == minidsa.generate("hi", model, videos=[[frame(3), frame(4)]], **kw)  # the default place

@@ -186,8 +186,40 @@ def test_placeholder_count_mismatch(tiny_model):
         minidsa.generate(IMAGE_MARKER, tiny_model, images=[], max_new_tokens=2)
     with pytest.raises(TypeError, match="list of images"):
         minidsa.generate("x", tiny_model, images=img, max_new_tokens=2)
-    # without images= the marker is plain text
-    assert isinstance(minidsa.generate(IMAGE_MARKER, tiny_model, max_new_tokens=2), str)
+
+
+NO_IMAGE = r"1 <\|media_pad\|> placeholder\(s\) but 0 image\(s\) and 0 video\(s\).*pass one image per IMAGE_MARKER"
+
+
+@pytest.mark.parametrize("prompt, where", [(f"{IMAGE_MARKER}\nQ: colour and shape?\nA: ", "prompt"),
+                                           (["plain", f"see {IMAGE_MARKER}"], r"prompt\[1\]")])
+def test_a_marker_without_an_image_is_refused(tiny_model, prompt, where):
+    """Read as its literal bytes, the marker got a confident answer about an image nobody sent."""
+    cache = tiny_model.default_cache()
+    with pytest.raises(ValueError, match=f"^{where} has {NO_IMAGE}"):
+        minidsa.generate(prompt, tiny_model, max_new_tokens=2)
+    assert cache.sequences() == [] and cache.num_free_blocks == cache.layout.num_blocks
+    engine = minidsa.Engine(tiny_model)
+    with pytest.raises(ValueError, match=NO_IMAGE):
+        engine.add_request(f"see {IMAGE_MARKER}", minidsa.SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished_requests()
+    # other special-token strings in a text-only prompt stay literal text, as before
+    assert isinstance(minidsa.generate("<|media_begin|>x<|eos|>", tiny_model, max_new_tokens=2), str)
+
+
+def test_a_marker_of_the_other_kind_is_refused(tiny_model):
+    """Placeholders take the images first, then the videos: a VIDEO_MARKER must not receive an image."""
+    from minidsa.tokenizer import VIDEO_MARKER
+    img = rgb(28, 28)
+    with pytest.raises(ValueError, match="placeholder 0 is written as a video marker but receives images\\[0\\]"):
+        minidsa.generate(f"{VIDEO_MARKER} what?", tiny_model, images=[img], max_new_tokens=2)
+    with pytest.raises(ValueError, match="placeholder 0 is written as a video marker but receives images\\[0\\]"):
+        minidsa.generate(f"{VIDEO_MARKER}{IMAGE_MARKER}", tiny_model, images=[img], videos=[[img]], max_new_tokens=2)
+    both = minidsa.generate(f"{IMAGE_MARKER}{VIDEO_MARKER}", tiny_model, images=[img], videos=[[img]],
+                            max_new_tokens=2, temperature=0, stop_at_eos=False)
+    default = minidsa.generate("", tiny_model, images=[img], videos=[[img]], max_new_tokens=2, temperature=0,
+                               stop_at_eos=False)
+    assert both == default  # no marker: the images, then the videos, before the text
 
 
 def test_batch_with_images(tiny_model):

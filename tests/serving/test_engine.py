@@ -117,7 +117,7 @@ def test_prefill_equals_shorter_prefill_plus_decode_steps(model):
 
 # ------------------------------------------------------------------ prefix caching
 SHARED = text_of_len(40, 3)  # 40 tokens: two 16-token KDA checkpoints, five full 8-token blocks
-EVERY_CHUNK = dict(checkpoint_interval=16)  # a checkpoint at every KDA chunk (the default is 256 tokens)
+EVERY_CHUNK = dict(checkpoint_interval=16)  # a checkpoint at every KDA chunk (the default is 64 tokens here)
 
 
 def test_a_prefix_hit_equals_recomputing(model):
@@ -130,6 +130,24 @@ def test_a_prefix_hit_equals_recomputing(model):
     assert s["prefix_cache_hits"] == 32 and out.metrics.num_cached_tokens == 32  # clamped to the 32-token checkpoint
     assert s["prefix_cache_hits_kv"] == 40  # five full blocks matched
     assert s["prefix_cache_queries"] == sum(len(model.tokenizer.encode(p)) for p in prompts)
+
+
+PASS_KEY = ("the river runs past old town where people walk slowly The pass key of kqz is 40271. "
+            "birds sing of morning light on hills far away and the sky is blue\nQ: pass key of kqz?\nA: ")  # README
+
+
+def test_the_default_interval_gives_the_shipped_model_state_hits():
+    """The default once equalled the shipped model's whole context (256 tokens), so no prompt ever reached a
+    checkpoint. Now a quarter of it: the README prompt (174 tokens) sent twice resumes from the 128-token one."""
+    shipped = minidsa.load("default", progress=False)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    engine = Engine(shipped)
+    assert engine.checkpoint_interval == 64
+    first, second = (engine.generate([PASS_KEY], params, progress=False)[0] for _ in range(2))
+    s = engine.stats()
+    assert s["prefix_cache_hits_kda"] == 128 and second.metrics.num_cached_tokens == 128
+    plain = Engine(shipped, enable_prefix_caching=False).generate([PASS_KEY], params, progress=False)[0]
+    assert first.token_ids == second.token_ids == plain.token_ids and second.text.startswith("40271")
 
 
 def test_a_hit_clamps_to_an_earlier_checkpoint_and_diverges_inside_a_block(model):
@@ -225,6 +243,79 @@ def test_a_failing_request_leaves_the_others_and_the_engine_usable(model, expect
     assert outs[0].finish_reason == "error" and "device fell over" in outs[0].error
     assert outs[1].token_ids == expected[1]
     assert all_free(engine)
+
+
+def run_to_the_end(engine) -> dict:
+    """Step until every request finished; their final outputs by request id."""
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    return final
+
+
+def poison(model, monkeypatch, victim, column: int, value: float) -> None:
+    """model.forward with ``value`` put at ``column`` of every logits row of ``victim``'s cache sequence."""
+    forward = model.forward
+
+    def poisoned(*a, seq_ids=None, **kw):
+        logits = forward(*a, seq_ids=seq_ids, **kw)
+        if victim.sid in (seq_ids or []):
+            logits[seq_ids.index(victim.sid), :, column] = value
+        return logits
+    monkeypatch.setattr(model, "forward", poisoned)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_non_finite_logits_fail_their_request_only(model, expected, monkeypatch, value):
+    """Before, a NaN row was sampled as token 0 and answered garbage as if all were well."""
+    engine = Engine(model)
+    rids = [engine.add_request(p, GREEDY) for p in PROMPTS[3:7]]
+    victim = engine.requests[rids[-1]]  # 70 tokens: a KDA checkpoint at 64 and eight named blocks
+    poison(model, monkeypatch, victim, 5, value)
+    final = run_to_the_end(engine)
+    bad = final[victim.request_id]
+    assert bad.finish_reason == "error" and bad.token_ids == []
+    assert bad.error.startswith("the logits of this request's last position hold NaN or inf (1 of 263 values)")
+    assert "python -m minidsa doctor" in bad.error
+    assert [final[r].token_ids for r in rids[:-1]] == expected[3:6]
+    assert all(final[r].finish_reason == "length" for r in rids[:-1])
+    monkeypatch.undo()
+    hits = engine.stats()["prefix_cache_hits_kv"]
+    again = engine.generate(PROMPTS[6], GREEDY, progress=False)[0]
+    assert again.token_ids == expected[6] and again.finish_reason == "length"
+    assert engine.stats()["prefix_cache_hits_kv"] == hits  # what the failed request wrote was not kept for reuse
+    assert all_free(engine)
+
+
+def test_the_padding_ids_past_the_vocabulary_are_not_checked(model, expected, monkeypatch):
+    """The embedding table has more rows than the tokenizer has ids; those logits are masked, never sampled."""
+    engine = Engine(model)
+    rid = engine.add_request(PROMPTS[5], GREEDY)
+    assert model.config.vocab_size > model.tokenizer.vocab_size
+    poison(model, monkeypatch, engine.requests[rid], model.tokenizer.vocab_size, float("nan"))
+    out = run_to_the_end(engine)[rid]
+    assert out.finish_reason == "length" and out.token_ids == expected[5]
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_generate_raises_on_non_finite_logits_and_stays_usable(model, monkeypatch, temperature):
+    cache = model.new_cache()
+    kw = dict(max_new_tokens=4, temperature=temperature, seed=3, cache=cache, stop_at_eos=False)
+    before = minidsa.generate(PROMPTS[4:6], model, **kw)
+    forward = model.forward
+    calls = []
+
+    def nan_on_the_third_forward(*a, **kw):  # the two prefills go well, the first decode step does not
+        calls.append(1)
+        logits = forward(*a, **kw)
+        return logits.fill_(float("nan")) if len(calls) == 3 else logits
+    monkeypatch.setattr(model, "forward", nan_on_the_third_forward)
+    with pytest.raises(minidsa.serving.NonFiniteLogitsError, match=r"hold NaN or inf \(263 of 263 values\)") as e:
+        minidsa.generate(PROMPTS[4:6], model, **kw)
+    assert isinstance(e.value, RuntimeError)
+    assert cache.sequences() == [] and cache.num_free_blocks == cache.layout.num_blocks
+    monkeypatch.undo()
+    assert minidsa.generate(PROMPTS[4:6], model, **kw) == before
 
 
 BAD = [
