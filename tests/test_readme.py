@@ -40,7 +40,8 @@ def test_readme_engine_example_runs(capsys):
     outs = namespace["outs"]
     assert [o.finished for o in outs] == [True, True] and all(o.token_ids for o in outs)
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-2].split()[1] == "True" and lines[-1] == "0 0"  # the last step finishes it; no preemption, no hit
+    # the last step finishes it; no preemption; the repeated prompt's first 128 tokens come from the prefix cache
+    assert lines[-2].split()[1] == "True" and lines[-1] == "0 128"
     assert all(line.split()[1] == "False" for line in lines[:-2])
 
 
