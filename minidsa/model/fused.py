@@ -34,6 +34,7 @@ from .. import ops
 from ..ops import cast
 
 _MOVES = [0]  # parameter moves by any RowStack of the process (one int: a graph replay reads it per step)
+K_MAJOR_ON_CPU = True  # the CPU's wide stacks are K-major copies; off, the CPU stacks as a GPU does (tests)
 
 
 def moves() -> int:
@@ -46,9 +47,23 @@ def _groups_of(module: nn.Module) -> list:
     return [v for m in module.modules() for v in vars(m).values() if isinstance(v, (FusedLinears, RowStack))]
 
 
+def _weights(group) -> list[nn.Parameter]:
+    return [l.weight for l in group.linears] if isinstance(group, FusedLinears) else [m.weight for m in group.modules]
+
+
 def fuse_all(module: nn.Module) -> None:
-    """Stack every group of ``module`` now, so that no later forward moves a parameter (module docstring)."""
+    """Stack every group of ``module`` now, so that no later forward moves a parameter (module docstring).
+
+    A parameter can be in two groups: an MoE layer's input product holds its shared expert's gate and up
+    projections, whose own ``SituGluMLP.input_proj`` the layer never calls. The outer group, met first in
+    the walk, keeps them; the inner one is left unbuilt, since building both would move the rows back and
+    forth on every call (and each move would send captured CUDA graphs to capture again)."""
+    owned: set[int] = set()
     for group in _groups_of(module):
+        ids = {id(w) for w in _weights(group)}
+        if ids & owned:
+            continue
+        owned |= ids
         group.fuse() if isinstance(group, FusedLinears) else group.stacked()
 
 
@@ -137,7 +152,7 @@ class FusedLinears:
             widths = [sum(l.out_features for l in self.parts[i]) for i in ids]
             # a CPU matrix-vector product streams a wide stack faster K-major and a narrowing one (a down
             # projection) slower (docs/benchmarks.md, CPU figures), so only the wide stacks take it
-            k_major = device.type == "cpu" and sum(widths) > self.linears[0].in_features
+            k_major = K_MAJOR_ON_CPU and device.type == "cpu" and sum(widths) > self.linears[0].in_features
             groups.append((RowStack(*[l for i in ids for l in self.parts[i]], k_major=k_major), ids, widths))
         self._groups = groups
         self._dtypes = dtypes

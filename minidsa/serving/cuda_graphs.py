@@ -163,8 +163,9 @@ class DecodeGraphs:
             ctx = padded_decode_context(self.cache, seq_ids, rows, self.max_blocks, self.model.device)
             logits = run_padded(self.model, padded.to(self.model.device), ctx)
         else:
-            if self._weights_moved():
-                self.graphs.clear()  # each recorded the old addresses; capture again, bucket by bucket
+            if self._weights_moved():  # each graph recorded the old addresses: capture again, bucket by bucket,
+                self.graphs.clear()  # into a new pool (the old one is released with its last graph)
+                self.pool = None
             if rows not in self.graphs:
                 self._capture(rows)
             graph, ids, ctx, logits = self.graphs[rows]

@@ -105,6 +105,25 @@ def test_no_forward_moves_a_parameter_of_a_fresh_model():
         assert not moved, f"{len(moved)} parameters moved in a forward, e.g. {moved[:3]}"
 
 
+def test_stacking_as_on_a_gpu_moves_nothing_after_construction(monkeypatch):
+    """On a GPU every stack holds its parameters' storage (no K-major copies): a parameter in two groups (the MoE
+    layer's input product and its shared expert's own) moved back and forth, and captured graphs chased it."""
+    from minidsa.model import fused
+    monkeypatch.setattr(fused, "K_MAJOR_ON_CPU", False)
+    model = minidsa.MiniDSA("tiny")
+    before, count = _addresses(model), fused.moves()
+    fused.fuse_all(model)  # idempotent: nothing stale to build again
+    cache = model.new_cache()
+    sid = cache.add_sequence()
+    with torch.inference_mode():
+        model(torch.tensor([[256, 104, 105]]), cache=cache, seq_ids=[sid])
+        model(torch.tensor([[106]]), cache=cache, seq_ids=[sid])
+        model(torch.tensor([[256, 104]]))
+    fused.fuse_all(model)
+    assert fused.moves() == count
+    assert _addresses(model) == before
+
+
 def test_fuse_stacks_under_grad_mode_too():
     a, b, c = _layers()
     fused = FusedLinears(a, b, c)
