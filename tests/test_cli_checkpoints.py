@@ -38,7 +38,8 @@ MISSING_DIR = {  # command, its argv with the missing directory in place of {}
 }
 
 
-@pytest.mark.parametrize("command", MISSING_DIR)
+@pytest.mark.parametrize("command", [c if c == "generate" else pytest.param(c, marks=pytest.mark.slow)  # a process each
+                                     for c in MISSING_DIR])
 def test_a_missing_checkpoint_directory_is_named_as_a_directory(tmp_path, command):
     missing = str(tmp_path / "no" / "such" / "dir")
     r = run(*[missing if a == "{}" else a for a in MISSING_DIR[command]])

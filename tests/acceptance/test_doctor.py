@@ -175,6 +175,7 @@ def test_cli_exit_codes_and_json(tmp_path, capsys):
     assert main(["doctor", "--device", "tpu"]) == 2
 
 
+@pytest.mark.slow  # three fresh server processes
 def test_the_service_rung_serves_from_a_fresh_process():
     """The served text comes from `python -m minidsa serve` in its own process: given another checkpoint than the
     model in hand, the texts part and the rung fails; a checkpoint it cannot start names why."""

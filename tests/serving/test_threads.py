@@ -78,6 +78,7 @@ def pass_key_prompt(seed: int) -> str:
             f"morning light on hills far away and the sky is blue\nQ: pass key of {name}?\nA: ")
 
 
+@pytest.mark.slow  # 16 threads of 16 tokens on one core: about 10 s
 def test_sixteen_threads_with_readme_sized_prompts_each_get_their_answer_alone(model, monkeypatch):
     """Each call takes 24 of the default cache's 128 blocks, so at most five fit at once: the others wait
     for the blocks the finished calls give back (the sixth used to fail with OutOfKVBlocksError)."""
