@@ -294,7 +294,11 @@ def _preset_dir():
 def load_config(name_or_path: "str | Path | ModelConfig | dict") -> ModelConfig:
     """Load a config by preset name ("tiny"), JSON file path, dict, or pass a ModelConfig through.
 
-    A directory is accepted too if it holds a ``config.json`` (a saved checkpoint).
+    A directory is accepted too if it is a saved checkpoint: its config is the one embedded in its index
+    (``model.safetensors.index.json``, written with the shards) and the one of its ``config.json``, which
+    must agree field for field (ConfigConflictError, a ValueError naming each differing field, if not).
+    A directory holding only one of the two (config.json alone: older minidsa and other tools; the index
+    alone: a save interrupted just after its commit) has that one.
     """
     if isinstance(name_or_path, ModelConfig):
         name_or_path.validate()
@@ -307,13 +311,14 @@ def load_config(name_or_path: "str | Path | ModelConfig | dict") -> ModelConfig:
         raise ValueError(f"config name {str(name_or_path)!r} is empty; pass a preset name ({preset_names()}), "
                          f"a config JSON path or a checkpoint directory")
     path = Path(name_or_path)
-    if path.is_dir() and (embedded := _index_config(path)) is not None:
-        return _parse(embedded, f"the index of checkpoint {str(path)!r}")
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        embedded, on_file = checkpoint_configs(path)
+        if embedded is not None and on_file is not None and (differences := config_differences(on_file, embedded)):
+            raise ConfigConflictError(path, differences, embedded, on_file)
+        if embedded is None and on_file is None:
             raise ValueError(f"directory {str(path)!r} holds no config.json, so it is not a saved checkpoint; pass "
                              f"a checkpoint directory, a config JSON path or a preset name ({preset_names()})")
-        path = path / "config.json"
+        return embedded if embedded is not None else on_file
     if path.is_file():
         try:
             text = path.read_text()
@@ -371,11 +376,74 @@ def _parse(text: str, source: str) -> ModelConfig:
         raise ValueError(f"{source}: {e}") from None
 
 
-def _index_config(directory: Path) -> str | None:
-    """The config a checkpoint's index embeds (minidsa's save_pretrained writes it there and in config.json;
-    after a save cut short between the two, the index's is the one that matches the shards)."""
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"  # formats/shards.py writes it; its metadata.config is a config too
+
+
+class ConfigConflictError(ValueError):
+    """A checkpoint directory whose config.json and index-embedded config differ: loading either would be a
+    guess, and a wrong guess loads without complaint whenever the shapes still fit (max_seq_len, top_k).
+    ``differences`` holds (dotted field, config.json's value, the index's value)."""
+
+    def __init__(self, directory: Path, differences: list[tuple[str, Any, Any]], index_config: ModelConfig,
+                 file_config: ModelConfig) -> None:
+        self.directory, self.differences = Path(directory), differences
+        self.index_config, self.file_config = index_config, file_config
+        d = str(directory)
+        super().__init__(
+            f"checkpoint {d!r} holds two different configs: {CONFIG_FILE} and the config embedded in "
+            f"{INDEX_FILE} (written with the shards) differ in {describe_differences(differences)}. Make one win "
+            f"explicitly: to keep the config the shards were saved with, delete {str(Path(d) / CONFIG_FILE)!r} "
+            f"(save_pretrained writes it again); to use {CONFIG_FILE}'s, pass it, minidsa.load({d!r}, "
+            f"config={str(Path(d) / CONFIG_FILE)!r}), then save_pretrained to make it the checkpoint's config")
+
+
+def describe_differences(differences: list[tuple[str, Any, Any]]) -> str:
+    """"moe.num_experts (config.json: 16, index: 8), ..." for ConfigConflictError.differences."""
+    return ", ".join(f"{name} ({CONFIG_FILE}: {a!r}, index: {b!r})" for name, a, b in differences)
+
+
+def config_differences(a: ModelConfig, b: ModelConfig) -> list[tuple[str, Any, Any]]:
+    """(dotted field name, a's value, b's value) for every field where two configs differ, in field order."""
+    def flat(data: dict, prefix: str = "") -> dict[str, Any]:
+        out = {}
+        for key, value in data.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+        return out
+    fa, fb = flat(a.to_dict()), flat(b.to_dict())
+    return [(name, fa[name], fb[name]) for name in fa if fa[name] != fb[name]]
+
+
+def checkpoint_configs(directory: Path) -> tuple[ModelConfig | None, ModelConfig | None]:
+    """(the config embedded in ``directory``'s index, the config of its config.json), each None when absent.
+    Either, when present but not a valid config, is a ValueError naming its file; for a bad config.json beside
+    a valid embedded config the error also says how to make the embedded one win."""
+    directory = Path(directory)
+    text = _index_config(directory)
+    embedded = _parse(text, f"the index of checkpoint {str(directory)!r}") if text is not None else None
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        return embedded, None
     try:
-        config = json.loads((directory / "model.safetensors.index.json").read_text())["metadata"]["config"]
+        try:
+            on_file_text = path.read_text()
+        except UnicodeDecodeError:  # e.g. a shard or an image: binary, so certainly no config
+            raise ValueError(f"config file {str(path)!r} is not text, so not a config JSON") from None
+        on_file = _parse(on_file_text, str(path))
+    except ValueError as e:
+        if embedded is None:
+            raise
+        raise ValueError(f"{e}; {INDEX_FILE} embeds a valid config (the one the shards were saved with): delete or "
+                         f"fix {str(path)!r}, or pass a config explicitly, minidsa.load({str(directory)!r}, "
+                         f"config=...)") from None
+    return embedded, on_file
+
+
+def _index_config(directory: Path) -> str | None:
+    """The config text a checkpoint's index embeds, or None (minidsa's save_pretrained writes it there, with
+    the shards, and in config.json; checkpoints of older minidsa and other tools have config.json only)."""
+    try:
+        config = json.loads((directory / INDEX_FILE).read_text())["metadata"]["config"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return config if isinstance(config, str) else None

@@ -3,11 +3,13 @@ verified load (every tensor's values and every shard's checksum), then, where th
 its own evaluation, known answers.
 
 The first two catch what is structurally wrong: a missing or damaged shard, a tensor of the wrong shape
-or dtype, a config that does not describe the weights. They cannot catch two tensors of one shape
-exchanged by a converter (each name still holds a well-formed tensor of the right size, and a
-re-recorded checksum vouches for the new bytes). Only behaviour shows that, so a checkpoint that ships
-``evaluation.json`` (as the shipped model does: the held-out accuracies of ``python -m minidsa eval``)
-is evaluated again on a small held-out sample and must come close to what it recorded.
+or dtype, a config that does not describe the weights, a config.json that differs from the config the
+index records for the shards (even where the shapes would still fit, as a shorter max_seq_len does).
+They cannot catch two tensors of one shape exchanged by a converter (each name still holds a
+well-formed tensor of the right size, and a re-recorded checksum vouches for the new bytes). Only
+behaviour shows that, so a checkpoint that ships ``evaluation.json`` (as the shipped model does: the
+held-out accuracies of ``python -m minidsa eval``) is evaluated again on a small held-out sample and
+must come close to what it recorded.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from ..checkpoint.loading import build_model, load
 from ..checkpoint.manifest import PRETRAINED, pretrained_dir
-from ..checkpoint.validator import check_checkpoint
+from ..checkpoint.validator import CONFLICT_FIX, check_checkpoint
 from ..model.minidsa import MiniDSA
 from ..training.evaluation import evaluate
 from .report import Gate
@@ -57,9 +59,13 @@ def check(source, device: str) -> tuple[Gate, MiniDSA | None]:
         return gate, None
     if not report.ok:
         gate.status, gate.measured = "FAIL", f"the validator found {len(report.findings)} problem(s)"
-        gate.details = [f"{f.kind} {f.shard} {f.name or '-'}: {f.detail}" for f in report.findings[:8]]
+        # config.json against the index's config first: when they differ, that is the finding to act on
+        found = sorted(report.findings, key=lambda f: f.kind != "config")
+        gate.details = [f"{f.kind} {f.shard} {f.name or '-'}: {f.detail}" for f in found[:8]]
         gate.look_at = (f"the findings above, in {directory}: a missing or damaged shard, or a config.json that does "
                         f"not describe these weights (python -m minidsa check-checkpoint {directory})")
+        if found[0].kind == "config":
+            gate.look_at = CONFLICT_FIX.format(directory=directory)
         gate.seconds = time.perf_counter() - t0
         return gate, None
     try:

@@ -36,19 +36,28 @@ _DEFAULT_LOCK = threading.Lock()
 
 
 def load(name_or_path="tiny", *, device: torch.device | str = "cpu", progress: bool = True,
-         lazy_experts: bool = False) -> MiniDSA:
+         lazy_experts: bool = False, config=None) -> MiniDSA:
     """A checkpoint directory (save_pretrained's output) with its weights, or the seeded random model
     of a preset name ("tiny", "laptop", ...), a config JSON path or a ModelConfig. ``progress`` shows a
     tqdm bar while a checkpoint streams in; ``lazy_experts`` leaves routed experts on disk until a
-    token is routed to them. ``"default"`` is the trained checkpoint shipped with the package."""
+    token is routed to them. ``"default"`` is the trained checkpoint shipped with the package.
+
+    A checkpoint's config is the one its index embeds and its config.json holds; if the two differ, loading
+    is refused (a ValueError naming each differing field) until one wins explicitly: ``config`` (a config
+    JSON path such as the directory's config.json, a preset name or a ModelConfig) is then the config the
+    weights are loaded with, and must describe them like any other."""
     if isinstance(name_or_path, str) and name_or_path in PRETRAINED:
         name_or_path = pretrained_dir(name_or_path)
     if isinstance(name_or_path, (str, os.PathLike)) and str(name_or_path).strip() and Path(name_or_path).is_dir():
-        return load_pretrained(name_or_path, device=device, progress=progress, lazy_experts=lazy_experts)
+        return load_pretrained(name_or_path, device=device, progress=progress, lazy_experts=lazy_experts,
+                               config=config)
     if isinstance(name_or_path, (str, os.PathLike)) and (Path(name_or_path).name == shards.INDEX_NAME
                                                           or Path(name_or_path).suffix == ".safetensors"):
         raise ValueError(f"{str(name_or_path)!r} is one file of a checkpoint; pass its directory, "
                          f"minidsa.load({str(Path(name_or_path).parent)!r})")
+    if config is not None:
+        raise ValueError(f"config= chooses the config of a checkpoint directory, and {str(name_or_path)!r} is "
+                         f"none; for the seeded random model of a config pass it alone, minidsa.load(config)")
     return build_model(name_or_path, device=device)
 
 
@@ -67,14 +76,16 @@ def default_model() -> MiniDSA:
 
 
 def load_pretrained(directory: str | os.PathLike, *, device: torch.device | str = "cpu",
-                    progress: bool = True, lazy_experts: bool = False) -> MiniDSA:
-    """Build the model of ``directory/config.json`` and fill it from the shards, verifying every tensor.
+                    progress: bool = True, lazy_experts: bool = False, config=None) -> MiniDSA:
+    """Build the model of the checkpoint's config (``config`` if given, see ``load``) and fill it from the
+    shards, verifying every tensor.
 
     With ``lazy_experts`` the routed experts' headers (name, shape, dtype) are checked now but their
     data is read from disk the first time a token is routed to them (their E8M0 codes are checked
     then), so loading costs I/O only for the dense part.
     """
-    cfg = load_config(directory)  # the config its index embeds, else config.json ('' is refused, not '.')
+    # The index's config and config.json, refused if they differ ('' is refused, not '.'); or the caller's.
+    cfg = load_config(directory) if config is None else resolve_config(config)
     directory = Path(directory)
     weight_map, checksums = shards.read_index(directory)
     model = MiniDSA(cfg, device="meta", init=False).to_empty(device=device)

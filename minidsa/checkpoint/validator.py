@@ -8,6 +8,8 @@
 Findings, shard by shard: tensors the config needs that are missing (from the index or from the
 shard the index names), unexpected tensors, shapes and dtypes that differ from the manifest, and
 shards that are missing, unreadable, truncated or whose header describes a tensor of the wrong size.
+Under ``config.json``: each field where config.json differs from the config embedded in the index (the
+loader refuses such a checkpoint until one of the two wins explicitly).
 """
 
 from __future__ import annotations
@@ -20,19 +22,23 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..config import preset_names
+from ..config import CONFIG_FILE, ModelConfig, checkpoint_configs, config_differences, preset_names
 from ..formats import shards
 from .manifest import PRETRAINED, checkpoint_manifest, pretrained_dir, resolve_config
 
 INDEX_SHARD = "(index)"  # where findings about names the index does not list are filed
 MAX_PRINTED = 20  # findings printed per shard; the rest are counted
+CONFLICT_FIX = (f"{CONFIG_FILE} and the config in {shards.INDEX_NAME} differ, and minidsa.load refuses the "
+                f"checkpoint until one wins: delete {{directory}}/{CONFIG_FILE} to keep the config the shards were "
+                f"saved with (save_pretrained writes it again), or load with minidsa.load('{{directory}}', "
+                f"config='{{directory}}/{CONFIG_FILE}') and save_pretrained to keep {CONFIG_FILE}'s")
 
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # "missing", "unexpected", "shape", "dtype" or "shard" (the file itself)
-    shard: str  # shard file it concerns, or INDEX_SHARD
-    name: str  # tensor name ("" for a whole-shard problem)
+    kind: str  # "missing", "unexpected", "shape", "dtype", "shard" (the file itself) or "config"
+    shard: str  # shard file it concerns, INDEX_SHARD, or CONFIG_FILE for a "config" finding
+    name: str  # tensor name, or the config field of a "config" finding ("" for a whole-file problem)
     detail: str  # what is there and what was expected
 
 
@@ -60,6 +66,8 @@ class CheckReport:
             lines += [f"  {f.kind:<10} {f.name or '-'}: {f.detail}" for f in found[:MAX_PRINTED]]
             if len(found) > MAX_PRINTED:
                 lines.append(f"  ... and {len(found) - MAX_PRINTED} more")
+        if any(f.kind == "config" for f in self.findings):
+            lines.append(CONFLICT_FIX.format(directory=self.directory))
         lines.append("OK: no findings" if self.ok else f"{len(self.findings)} finding(s)")
         return "\n".join(lines)
 
@@ -67,21 +75,41 @@ class CheckReport:
 def check_checkpoint(directory: str | os.PathLike, config=None, *, progress: bool = True) -> CheckReport:
     """Check ``directory`` (a checkpoint directory, or ``"default"``: the shipped one) against the manifest of
     ``config``: a preset name, ``"default"`` (the shipped model's config), a config JSON path or a
-    ModelConfig; None (the default) is the directory's own config.json. A directory that does not exist
-    is a FileNotFoundError."""
+    ModelConfig; None (the default) is the directory's own config: the one its index embeds (else its
+    config.json). Whatever ``config`` is, a config.json that differs from the index's config is a "config"
+    finding per differing field. A directory that does not exist is a FileNotFoundError."""
     start = time.perf_counter()
     directory = checkpoint_directory(directory)
-    cfg = resolve_config(config if config is not None else directory)
+    findings, cfg = config_findings(directory, explicit=config is not None)
+    cfg = resolve_config(config if config is not None else cfg if cfg is not None else directory)
     manifest = checkpoint_manifest(cfg)
     weight_map = shards.read_index(directory).weight_map
-    findings = [Finding("missing", INDEX_SHARD, name, f"not listed in {shards.INDEX_NAME}")
-                for name in manifest if name not in weight_map]
+    findings += [Finding("missing", INDEX_SHARD, name, f"not listed in {shards.INDEX_NAME}")
+                 for name in manifest if name not in weight_map]
     by_shard: dict[str, list[str]] = {}
     for name, fname in weight_map.items():
         by_shard.setdefault(fname, []).append(name)
     for fname in tqdm(sorted(by_shard), unit="shard", desc="checking", disable=not progress, leave=False):
         findings += shard_findings(directory / fname, by_shard[fname], manifest, cfg.name)
     return CheckReport(directory, cfg.name, len(manifest), len(by_shard), time.perf_counter() - start, findings)
+
+
+def config_findings(directory: Path, explicit: bool) -> tuple[list[Finding], ModelConfig | None]:
+    """A "config" finding per field where config.json and the index's embedded config differ, and the config
+    of record to check against: the index's (the shards were saved with it), config.json's where there is no
+    other, or None when the directory has neither (resolve_config then says so). A config that cannot be read
+    is an error, as at load, unless the caller named one to check against (``explicit``): then a finding."""
+    try:
+        embedded, on_file = checkpoint_configs(directory)
+    except ValueError as e:
+        if not explicit:
+            raise
+        return [Finding("config", CONFIG_FILE, "", " ".join(str(e).split()))], None
+    if embedded is None or on_file is None:
+        return [], embedded if embedded is not None else on_file
+    return [Finding("config", CONFIG_FILE, name, f"{ours!r} in {CONFIG_FILE}, {theirs!r} in {shards.INDEX_NAME} "
+                                                f"(the config the shards were saved with)")
+            for name, ours, theirs in config_differences(on_file, embedded)], embedded
 
 
 def checkpoint_directory(directory: str | os.PathLike) -> Path:

@@ -14,12 +14,14 @@ checksums (older minidsa, other tools) load unverified.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -34,6 +36,10 @@ CONFIG_NAME = "config.json"
 TMP_SUFFIX = ".partial"  # a file being written: renamed into place when complete
 KEPT_PREFIX = ".previous-"  # the second name of an old shard while a new checkpoint is written over it
 SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # what write_shards names its shards
+# The temporary file safetensors writes beside its target and renames to it when complete (the name Rust's
+# tempfile crate gives: ".tmp" and six letters or digits); a kill during the write leaves it behind.
+SAFETENSORS_TMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
+SECOND_NAME = re.compile(re.escape(KEPT_PREFIX) + SHARD_NAME.pattern)  # an old shard's second name
 CHECKSUM = "sha256"  # hashlib's sha256 uses the CPU's SHA extensions: about 1 s per GB here, the fastest stdlib hash
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
 ITEM_BYTES = {"U8": 1, "I8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
@@ -67,14 +73,62 @@ def write_shards(tensors: dict[str, torch.Tensor], directory: Path, max_shard_si
     and ``config_text``, the config.json it belongs with) and config.json, so that a kill or a full disk at any
     point leaves the directory loadable as the old checkpoint or as the new one:
 
-    1. the old checkpoint's shards get a second name (a hard link, or a copy) and the old index is rewritten
-       to point at those: the old checkpoint stays whole while its usual names are overwritten;
-    2. the new shards are written under temporary names and renamed into place;
-    3. the new index is renamed over the old one: the commit. A reader of the directory takes the config
-       embedded in the index (``index_config``), so a kill before config.json is replaced is harmless;
-    4. config.json is replaced; the old shards and any leftovers of an interrupted save are removed.
+    0. leftovers of interrupted saves (``is_temporary`` files, second names the index does not list) are
+       removed, so that their space is free before anything is written;
+    1. the old checkpoint's shards of the names new shards take get a second name, ``.previous-`` and the
+       name (a hard link, or a copy), and the old index is rewritten to point at those and to embed the old
+       config: the old checkpoint stays whole, config.json or not, while its usual names are overwritten;
+    2. the new shards are written under temporary names, given the mode open() gives a new file here
+       (``new_file_mode``; safetensors creates its files 0600), and renamed into place;
+    3. config.json is removed and the new index is renamed over the old one: the commit. The loader refuses
+       a config.json that differs from the index's config (``config.load_config``), so no moment may leave
+       the old config.json beside the new index; a directory holding the index alone loads from it;
+    4. config.json is written; old shards (``model-NNNNN-of-MMMMM.safetensors`` the new index does not
+       list), their second names and every temporary file of this save or an earlier one (ours and
+       safetensors') are removed.
+
+    A save that fails with an exception removes its temporary files before it raises; one killed leaves them
+    for the next save's step 0.
+
+    Files of other names (a user's notes, evaluation.json) are never touched. One save at a time per
+    directory: two processes saving into one directory at once remove each other's files.
     """
-    limit = check_shard_size(tensors, max_shard_size)
+    groups = _shard_groups(tensors, check_shard_size(tensors, max_shard_size))
+    remove_leftovers(directory)
+    try:
+        old_config = _keep_old_checkpoint(directory)
+        weight_map, checksums = {}, {}
+        for i, group in enumerate(groups, start=1):
+            fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+            checksums[fname] = _write_shard(group, directory, fname)
+            weight_map.update({name: fname for name in group})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (directory / CONFIG_NAME).unlink(missing_ok=True)  # the old index embeds the old config (step 1)
+        try:
+            write_atomic(directory / INDEX_NAME, _index_text(weight_map, checksums, total, config_text))
+        except BaseException:  # not committed: the old checkpoint stays, and gets its config.json back
+            if old_config is not None:
+                with contextlib.suppress(OSError):
+                    write_atomic(directory / CONFIG_NAME, old_config)
+            raise
+        write_atomic(directory / CONFIG_NAME, config_text)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            remove_leftovers(directory)
+        raise
+    _remove_unlisted(directory, set(checksums))
+
+
+def _remove_unlisted(directory: Path, listed: set[str]) -> None:
+    """Remove what the new index does not list: old shards, their second names, temporaries."""
+    for path in directory.iterdir():
+        if path.name not in listed and (SHARD_NAME.fullmatch(path.name) or SECOND_NAME.fullmatch(path.name)
+                                        or is_temporary(path)):
+            path.unlink()
+
+
+def _shard_groups(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+    """``tensors`` in order, cut into groups of at most ``limit`` bytes (a larger tensor alone), on the CPU."""
     groups: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -84,25 +138,89 @@ def write_shards(tensors: dict[str, torch.Tensor], directory: Path, max_shard_si
             size = 0
         groups[-1][name] = t.detach().cpu().contiguous()
         size += nbytes
-    _keep_old_checkpoint(directory)
-    weight_map, checksums = {}, {}
-    for i, group in enumerate(groups, start=1):
-        fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        tmp = directory / f".{fname}{TMP_SUFFIX}"
-        try:
-            save_file(group, str(tmp), metadata={"format": "pt"})
-        except SafetensorError as e:  # safetensors reports a failed write in its own type: make it an OSError
-            raise OSError(errno.EIO, f"cannot write shard {fname} ({e})", str(tmp)) from None
-        checksums[fname] = file_checksum(tmp)  # re-read from the page cache: about 1 s per GB
-        os.replace(tmp, directory / fname)
-        weight_map.update({name: fname for name in group})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    write_atomic(directory / INDEX_NAME, _index_text(weight_map, checksums, total, config_text))
-    write_atomic(directory / CONFIG_NAME, config_text)
-    for path in directory.iterdir():  # what the new index does not list: old shards, their second names
-        if (SHARD_NAME.fullmatch(path.name) and path.name not in checksums or path.name.startswith(KEPT_PREFIX)
-                or path.name.startswith(".model-") and path.name.endswith(TMP_SUFFIX)):
-            path.unlink()
+    return groups
+
+
+def _write_shard(group: dict[str, torch.Tensor], directory: Path, fname: str) -> str:
+    """Write one shard under its temporary name, give it the directory's new-file mode, rename it into
+    place -> its checksum."""
+    tmp = directory / f".{fname}{TMP_SUFFIX}"
+    mode = new_file_mode(tmp)
+    try:
+        save_file(group, str(tmp), metadata={"format": "pt"})
+    except SafetensorError as e:  # safetensors reports a failed write in its own type: make it an OSError
+        raise OSError(errno.EIO, f"cannot write shard {fname} ({e})", str(tmp)) from None
+    set_mode(tmp, mode)
+    checksum = file_checksum(tmp)  # re-read from the page cache: about 1 s per GB
+    os.replace(tmp, directory / fname)
+    return checksum
+
+
+def is_temporary(path: Path) -> bool:
+    """Whether ``path`` is a regular file that only a save can have made and only an interrupted one leaves:
+    ``.NAME.partial`` for NAME a shard name, the index or config.json (``write_shards``, ``write_atomic``), or
+    safetensors' own temporary file, ``.tmp`` and six letters or digits (in its target's directory, renamed
+    to the target when complete), empty or beginning as a safetensors file or as a sized file not yet written
+    (zeros). A user's file of another name or content never matches."""
+    try:
+        if not stat.S_ISREG(path.lstat().st_mode):  # never a directory, never through a link
+            return False
+    except OSError:
+        return False
+    name = path.name
+    if name.startswith(".") and name.endswith(TMP_SUFFIX):
+        inner = name[1:-len(TMP_SUFFIX)]
+        return bool(SHARD_NAME.fullmatch(inner)) or inner in (INDEX_NAME, CONFIG_NAME)
+    if not SAFETENSORS_TMP.fullmatch(name):
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError:
+        return False
+    # safetensors creates the file, sizes it (zeros), then writes the header's length, the header's JSON and
+    # the data: a kill leaves it empty, zeros at the start, or the start of a header.
+    if not head.strip(b"\0"):
+        return True
+    n = int.from_bytes(head[:8], "little") if len(head) == 9 else 0
+    return 0 < n <= MAX_HEADER_BYTES and head[8:] == b"{"
+
+
+def remove_leftovers(directory: Path) -> None:
+    """Remove what interrupted saves left in ``directory``: every ``is_temporary`` file, and the second names
+    of old shards (``.previous-model-NNNNN-of-MMMMM.safetensors``) that the current index does not list.
+    While the index is unreadable the second names stay (they may be all that is left of a checkpoint)."""
+    try:
+        listed = set(json.loads((directory / INDEX_NAME).read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        listed = None
+    for path in directory.iterdir():
+        kept_name = bool(SECOND_NAME.fullmatch(path.name)) and listed is not None and path.name not in listed
+        with contextlib.suppress(OSError):  # what cannot be removed now is tried again by the next save
+            if is_temporary(path) or kept_name and stat.S_ISREG(path.lstat().st_mode):
+                path.unlink(missing_ok=True)
+
+
+def new_file_mode(path: Path) -> int:
+    """Create ``path`` empty (a file of that name is removed first) as open() creates any file, and return its
+    permission bits: 0o666 less the process umask, or what a default ACL of the directory gives. safetensors
+    writes through a temporary file of its own, created 0o600, and renames it to its target, so its files
+    would be unreadable to other users whatever the umask: writers chmod them to this mode, the mode of the
+    config.json and index beside them."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        return stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+
+
+def set_mode(path: Path, mode: int) -> None:
+    """chmod ``path`` to ``mode`` (``new_file_mode``'s). A file system without Unix modes (FAT, some network
+    mounts) may refuse: its files have no modes to get wrong, and the file was just created by this process,
+    so a refusal cannot mean another owner."""
+    with contextlib.suppress(OSError):
+        os.chmod(path, mode)
 
 
 def _index_text(weight_map: dict, checksums: dict, total: int, config_text: str | None) -> str:
@@ -112,31 +230,34 @@ def _index_text(weight_map: dict, checksums: dict, total: int, config_text: str 
     return json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2) + "\n"
 
 
-def _keep_old_checkpoint(directory: Path) -> None:
-    """Step 1 of write_shards: give the old shards a second name and point the old index at it."""
+def _keep_old_checkpoint(directory: Path) -> str | None:
+    """Step 1 of write_shards: give the old shards a second name and point the old index at it, embedding
+    the old config (config.json's, where the index has none: older minidsa wrote it there only), so that
+    config.json may be removed before the commit. Returns the old config text, or None."""
     try:
         old = json.loads((directory / INDEX_NAME).read_text())
         weight_map, meta = dict(old["weight_map"]), dict(old.get("metadata", {}))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return  # no readable checkpoint here: nothing to keep
+        return None  # no readable checkpoint here: nothing to keep
     kept = {}
     for fname in sorted(set(weight_map.values())):
-        if not (directory / fname).is_file() or fname.startswith(KEPT_PREFIX):
-            continue
+        if not SHARD_NAME.fullmatch(fname) or not (directory / fname).is_file():
+            continue  # a second name already, or a name no new shard takes: nothing overwrites it
         kept[fname] = KEPT_PREFIX + fname
         (directory / kept[fname]).unlink(missing_ok=True)
         try:
             os.link(directory / fname, directory / kept[fname])
         except OSError:  # a file system without hard links
             shutil.copyfile(directory / fname, directory / kept[fname])
-    if not kept:
-        return
     config = meta.get("config")
-    if config is None and (directory / CONFIG_NAME).is_file():
-        config = (directory / CONFIG_NAME).read_text()
-    write_atomic(directory / INDEX_NAME, _index_text({n: kept.get(f, f) for n, f in weight_map.items()},
-                                                      {kept.get(f, f): c for f, c in meta.get("checksums", {}).items()},
-                                                      meta.get("total_size", 0), config))
+    if config is None:
+        with contextlib.suppress(OSError, UnicodeDecodeError):  # none readable: the old checkpoint had no config
+            config = (directory / CONFIG_NAME).read_text()
+    if kept or config != meta.get("config"):
+        write_atomic(directory / INDEX_NAME, _index_text({n: kept.get(f, f) for n, f in weight_map.items()},
+                                                          {kept.get(f, f): c for f, c in meta.get("checksums", {}).items()},
+                                                          meta.get("total_size", 0), config))
+    return config if isinstance(config, str) else None
 
 
 def write_atomic(path: Path, text: str) -> None:

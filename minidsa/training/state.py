@@ -3,7 +3,7 @@
     runs/x/training_state.safetensors   tensors: "model.<name>" (the float masters), "optimizer.<i>.<key>"
                                         (AdamW's moments and step per parameter); metadata: "minidsa" (the
                                         format tag), "step", "param_groups" and "log" (history, evaluations,
-                                        the run's TrainConfig) as JSON
+                                        the run's TrainConfig, the model's config) as JSON
 
 A pickle (``torch.save``) would run whatever code a stranger's run directory holds when loaded; safetensors
 holds tensors and strings only. The file is written under a temporary name and renamed over the old one,
@@ -21,26 +21,32 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..formats.shards import new_file_mode, set_mode
+
 STATE_FILE = "training_state.safetensors"
 LEGACY_STATE_FILE = "training_state.pt"  # the earlier torch.save format: read only, without unpickling code
 FORMAT = "minidsa-training-state-1"
 
 
 def save_state(path: Path, model_state: dict, optimizer_state: dict, step: int, log: dict) -> None:
-    """Write the state atomically (temporary file, then a rename over ``path``)."""
+    """Write the state atomically (temporary file, then a rename over ``path``), with the mode open() gives a
+    new file in its directory (0o666 less the umask), as the run's other files have."""
     tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model_state.items()}
     for i, per_param in optimizer_state["state"].items():
         tensors.update({f"optimizer.{i}.{k}": v.detach().cpu().contiguous() for k, v in per_param.items()})
     meta = {"minidsa": FORMAT, "step": str(step), "param_groups": json.dumps(optimizer_state["param_groups"]),
             "log": json.dumps(log)}
     tmp = path.with_name(f".{path.name}.partial")
+    mode = new_file_mode(tmp)  # what open() gives a new file here: safetensors creates its files 0600
     save_file(tensors, str(tmp), metadata=meta)
+    set_mode(tmp, mode)  # so the state is as readable as the run's other files
     os.replace(tmp, path)
 
 
 def load_state(directory: Path) -> dict:
-    """{"step", "model", "optimizer", "history", "evals", "train_config"} of the run in ``directory``; a
-    missing, truncated or foreign file is a ValueError naming it."""
+    """{"step", "model", "optimizer", "history", "evals", "train_config", "model_config"} of the run in
+    ``directory``; a missing, truncated or foreign file is a ValueError naming it. "model_config" (the
+    ModelConfig dict the state's tensors belong to) is None for states written before it was recorded."""
     path = directory / STATE_FILE
     if not path.is_file() and (directory / LEGACY_STATE_FILE).is_file():
         return _load_legacy(directory / LEGACY_STATE_FILE)
@@ -60,7 +66,8 @@ def load_state(directory: Path) -> dict:
                 optimizer["state"].setdefault(int(i), {})[name] = t
         return {"step": int(meta["step"]), "optimizer": optimizer,
                 "model": {k[len("model."):]: t for k, t in tensors.items() if k.startswith("model.")},
-                "history": log["history"], "evals": log["evals"], "train_config": log["train_config"]}
+                "history": log["history"], "evals": log["evals"], "train_config": log["train_config"],
+                "model_config": log.get("model_config")}
     except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as e:
         raise _damaged(path, e) from None
 

@@ -1,6 +1,7 @@
 """Saving over a checkpoint is safe to interrupt: cut at every write and rename, the directory loads as the
 old checkpoint or as the new one, never as neither (formats/shards.py ``write_shards``)."""
 
+import json
 import os
 
 import pytest
@@ -47,13 +48,24 @@ def cut_at(monkeypatch, k: int) -> list:
     return calls
 
 
-def test_a_save_cut_anywhere_leaves_the_old_or_the_new_checkpoint(tmp_path, models, monkeypatch):
+def without_embedded_config(directory) -> None:
+    """Rewrite the index as minidsa wrote it before it embedded the config (config.json alone held it)."""
+    index = directory / shards.INDEX_NAME
+    data = json.loads(index.read_text())
+    del data["metadata"]["config"]
+    index.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("embedded", [True, False], ids=["index-with-config", "older-index-without"])
+def test_a_save_cut_anywhere_leaves_the_old_or_the_new_checkpoint(tmp_path, models, monkeypatch, embedded):
     old, new = models
     old_state, new_state = state(old), state(new)
     seen = set()
     for k in range(40):
         d = tmp_path / f"cut{k}"
         old.save_pretrained(d, max_shard_size="1MB")   # three shards
+        if not embedded:
+            without_embedded_config(d)
         with monkeypatch.context() as m:
             calls = cut_at(m, k)
             try:
@@ -61,11 +73,13 @@ def test_a_save_cut_anywhere_leaves_the_old_or_the_new_checkpoint(tmp_path, mode
                 finished = True
             except Cut:
                 finished = False
-        got = minidsa.load(d, progress=False)
+        got = minidsa.load(d, progress=False)   # refused if config.json and the index's config differ
         loaded = state(got)
         assert same(loaded, old_state) or same(loaded, new_state), f"cut at {k}: neither checkpoint"
         is_new = same(loaded, new_state)
         assert got.config == (new.config if is_new else old.config)
+        left = [p.name for p in d.iterdir() if p.name.endswith(".partial") or p.name.startswith(".tmp")]
+        assert not left, f"cut at {k}: the failed save left its temporary files {left}"
         seen.add("new" if is_new else "old")
         if finished:
             assert len(calls) <= k and is_new
@@ -83,11 +97,14 @@ def test_a_finished_save_leaves_no_second_names_or_partial_files(tmp_path, model
     assert minidsa.load_config(tmp_path) == new.config
 
 
-def test_the_index_config_wins_over_a_stale_config_json(tmp_path, models):
+def test_a_stale_config_json_is_refused_not_ignored(tmp_path, models):
+    """What older minidsa left when cut between its commit and config.json: one of the two must win explicitly."""
     old, new = models
     new.save_pretrained(tmp_path)
-    old.config.to_json(tmp_path / "config.json")   # as a save cut between the commit and config.json leaves it
-    assert minidsa.load_config(tmp_path) == new.config
+    old.config.to_json(tmp_path / "config.json")
+    with pytest.raises(ValueError, match=r"differ in rms_norm_eps \(config.json: 1e-05, index: 1e-06\), seed"):
+        minidsa.load(tmp_path, progress=False)
+    (tmp_path / "config.json").unlink()   # the index's config wins
     assert same(state(minidsa.load(tmp_path, progress=False)), state(new))
 
 
