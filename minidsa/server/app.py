@@ -321,7 +321,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _chat(self) -> None:
         body = self._read_json()
-        protocol.check_model(body, self.app.model_names)  # before decoding images for nothing
+        protocol.check_fields(body, chat=True)  # these two before decoding images for nothing
+        protocol.check_model(body, self.app.model_names)
         prompt, images = chat.render(body.get("messages"))
         n, context = chat.prompt_length(self.app.model, prompt, images), self.app.model.config.max_seq_len
         job = protocol.chat_job(body, self.app.model_names, prompt, images, context - n)

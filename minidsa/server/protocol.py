@@ -6,7 +6,10 @@ A bad field is an ``APIError`` (HTTP 400) whose body is OpenAI's,
 shows the user which field to fix. Fields the engine cannot honour (``n`` > 1, ``logprobs``, ``echo``,
 penalties, tools) are refused by name rather than silently ignored: an answer that looks right but
 ignored what was asked is worse than an error. ``top_k`` and ``ignore_eos`` are accepted as vLLM's
-extensions (``extra_body`` in the openai client).
+extensions (``extra_body`` in the openai client). A field the endpoint does not know is refused too
+(``check_fields``), as OpenAI refuses an unrecognised argument: a misspelt ``max_token`` would otherwise
+generate the default 16 tokens without a word. The fields accepted and ignored are IGNORED, a short list
+of bookkeeping requests that never change the answer.
 
 Defaults are OpenAI's: completions ``max_tokens`` 16, chat ``max_tokens`` what fits the context (capped
 at CHAT_MAX_TOKENS), ``temperature`` 1, ``top_p`` 1. The engine's "abort" and "error" finish reasons are
@@ -15,6 +18,7 @@ never reported as a success; only "stop" and "length" reach a client as ``finish
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import time
@@ -30,7 +34,19 @@ CHAT_MAX_TOKENS = 256  # a chat reply without max_tokens gets what fits the cont
 UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
                "top_logprobs": (None, 0), "suffix": (None, ""), "logit_bias": (None, {}),
                "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "tools": (None, []),
-               "response_format": (None, {"type": "text"})}
+               "response_format": (None, {"type": "text"}), "tool_choice": (None, "none", "auto"),
+               "functions": (None, []), "function_call": (None, "none", "auto"), "modalities": (None, ["text"]),
+               "store": (None, False)}
+# The fields each endpoint reads, beside UNSUPPORTED's (top_k and ignore_eos are vLLM's extensions)
+COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+                           "stream", "stream_options"})
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+# Accepted and ignored: they ask a hosted service for bookkeeping (the end user's id for abuse monitoring,
+# tags, a prompt-cache key, a processing tier, parallel tool calls when tools are refused anyway), never
+# for a different answer, and clients send them on their own. Any other unknown field is a 400.
+IGNORED = frozenset({"user", "safety_identifier", "metadata", "prompt_cache_key", "service_tier",
+                     "parallel_tool_calls"})
 
 
 class APIError(Exception):
@@ -93,9 +109,32 @@ def check_model(body: dict, served: tuple[str, ...]) -> str:
     return name
 
 
+def check_fields(body: dict, chat: bool) -> None:
+    """400 naming every field of ``body`` that the endpoint (chat or completions) neither reads, refuses by
+    value (UNSUPPORTED) nor ignores (IGNORED), with the known field it most resembles; ``param`` is the
+    first of them. OpenAI answers such a request the same way ("Unrecognized request argument")."""
+    reads, other = (CHAT_FIELDS, COMPLETION_FIELDS) if chat else (COMPLETION_FIELDS, CHAT_FIELDS)
+    unknown = [k for k in body if k not in reads and k not in UNSUPPORTED and k not in IGNORED]
+    if not unknown:
+        return
+    endpoint, elsewhere = ("/v1/chat/completions", "/v1/completions") if chat else ("/v1/completions",
+                                                                                     "/v1/chat/completions")
+    hints = []
+    for k in unknown:
+        if k in other:  # e.g. messages sent to /v1/completions
+            hints.append(f"{k} is a field of {elsewhere}")
+        elif m := difflib.get_close_matches(k, sorted(reads | UNSUPPORTED.keys()), n=1, cutoff=0.75):
+            hints.append(f"{k}: did you mean {m[0]}?")
+    raise invalid(unknown[0], f"unrecognized request argument{'s' if len(unknown) > 1 else ''} supplied: "
+                              f"{', '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else "") +
+                  f"; {endpoint} reads {', '.join(sorted(reads))} and ignores only {', '.join(sorted(IGNORED))}; "
+                  f"correct the name or leave the field out")
+
+
 def completion_job(body: dict, served: tuple[str, ...]) -> Job:
     """POST /v1/completions: ``prompt`` is a string (or a list holding one); ``served``: the names
-    ``model`` may take, the listed one first."""
+    ``model`` may take, the listed one first. Unknown fields are a 400 (check_fields)."""
+    check_fields(body, chat=False)
     model = check_model(body, served)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -108,7 +147,9 @@ def completion_job(body: dict, served: tuple[str, ...]) -> Job:
 
 def chat_job(body: dict, served: tuple[str, ...], prompt: str, images: list, room: int) -> Job:
     """POST /v1/chat/completions, its messages already rendered (chat.py); ``room``: context left after
-    the prompt, the default ``max_tokens``."""
+    the prompt, the default ``max_tokens``. Unknown fields are a 400 (check_fields; the app checks them
+    before rendering, so a misspelt field costs no image decoding)."""
+    check_fields(body, chat=True)
     model = check_model(body, served)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return _job(body, True, prompt, images, _get(body, name, int, max(1, min(room, CHAT_MAX_TOKENS))), model,

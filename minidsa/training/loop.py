@@ -230,8 +230,10 @@ def train_step(tm: TrainingModel, opt: torch.optim.Optimizer, cfg: TrainConfig, 
 def train(config: TrainConfig | None = None, *, resume: bool = False, overwrite: bool = False, **overrides) -> dict:
     """Run (or, with ``resume``, continue from ``out_dir``) a training run; returns {"step", "history",
     "evals", "train_config", "out_dir", "done"}. Keyword overrides replace TrainConfig fields. On resume the
-    run's fields come from the checkpoint and only the leg fields (LEG_FIELDS) of ``config`` apply. A fresh
-    run refuses a directory that holds a run unless ``overwrite``; the directory is checked writable first."""
+    run's fields come from the checkpoint and only the leg fields (LEG_FIELDS) of ``config`` apply, and a
+    directory whose checkpoint and training state are of different models (files of two runs) is a
+    ValueError naming the differing config fields or tensors. A fresh run refuses a directory that holds a
+    run unless ``overwrite``; the directory is checked writable first."""
     cfg = dataclasses.replace(config or TrainConfig(), **overrides)
     cfg.validate()
     check_run_dir(Path(cfg.out_dir), fresh=not resume, overwrite=overwrite)
@@ -280,21 +282,104 @@ def check_run_dir(out: Path, fresh: bool, overwrite: bool = False) -> None:
 
 
 def _start(cfg: TrainConfig, resume: bool):
-    """(model wrapper, optimizer, first step, log) of a fresh run or of the checkpoint in out_dir."""
+    """(model wrapper, optimizer, first step, log) of a fresh run or of the checkpoint in out_dir. Resuming
+    from a directory whose checkpoint and training state are of different models is a ValueError naming
+    what differs (_check_same_config, _check_same_tensors), before anything is loaded into the model."""
     out = Path(cfg.out_dir)
     if resume:
-        state = load_state(out)
-        tm = TrainingModel(MiniDSA(load_config(out)))
-        tm.load_state_dict(state["model"])
+        state, model_config = load_state(out), load_config(out)
+        _check_same_config(out, model_config, state)
+        tm = TrainingModel(MiniDSA(model_config))
         step, log = state["step"], {k: state[k] for k in ("history", "evals", "train_config")}
     else:
         tm, step = TrainingModel(MiniDSA(load_config(cfg.model))), 0
         log = {"history": [], "evals": [], "train_config": dataclasses.asdict(cfg)}
+    # recorded so that a later leg can tell a replaced checkpoint by its config, not only by tensor shapes
+    # (a run begun before this field was recorded gets it on its next save)
+    log["model_config"] = tm.model.config.to_dict()
+    if resume:
+        _check_same_tensors(out, tm, state)
+        tm.load_state_dict(state["model"])
     tm.to(cfg.device)
     opt = torch.optim.AdamW(param_groups(tm, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
     if resume:
         opt.load_state_dict(state["optimizer"])
     return tm, opt, step, log
+
+
+# Config fields that change neither the function the weights compute nor how training runs (a label, the
+# initialisation a trained state replaces, serving capacity and schedule): a checkpoint and a training
+# state that differ only in these are still one run's files.
+RESUME_IGNORES = frozenset({"name", "seed", "init_std", "kv_block_size", "kv_num_blocks", "max_sequences",
+                            "attn_res_two_phase", "moe.workspace_experts", "moe.offline_experts"})
+
+
+def _check_same_config(out: Path, model_config, state: dict) -> None:
+    """The config of the checkpoint in ``out`` equals the one the training state ``state`` (load_state)
+    records, RESUME_IGNORES aside; a state written before the config was recorded passes (its tensors are
+    checked once the model is built, _check_same_tensors). Checked before the model is built: a replaced
+    checkpoint may be of a model too large to build."""
+    if isinstance(state.get("model_config"), dict):
+        fields = _config_differences(model_config.to_dict(), state["model_config"])
+        if fields:
+            raise _two_runs(out, _first(fields))
+
+
+def _check_same_tensors(out: Path, tm: TrainingModel, state: dict) -> None:
+    """The training state's tensors have the names, shapes and dtypes of ``tm``'s (built from the checkpoint's
+    config), and its AdamW moments the shapes of their parameters: load_state_dict would otherwise fail with
+    a traceback, or (the moments, which it does not check) the first step would."""
+    own, saved = tm.state_dict(), state["model"]
+    differ = [f"{k} {_shape(own[k])} (checkpoint) vs {_shape(saved[k])} (state)"
+              for k in own if k in saved and (saved[k].shape != own[k].shape or saved[k].dtype != own[k].dtype)]
+    missing = [k for k in own if k not in saved]
+    extra = [k for k in saved if k not in own]
+    groups = param_groups(tm, 0.0)  # the optimizer's grouping (torch numbers the parameters in this order)
+    params = [p for g in groups for p in g["params"]]
+    moments, saved_groups = state["optimizer"]["state"], state["optimizer"]["param_groups"]
+    if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in groups]:
+        differ.append(f"the optimizer's parameter groups' sizes {[len(g['params']) for g in groups]} (checkpoint) "
+                      f"vs {[len(g['params']) for g in saved_groups]} (state)")
+    differ += [f"optimizer.{i}.{k} {_shape(t)} (state) for a parameter of {_shape(params[i])}"
+               for i, per_param in moments.items() if i < len(params)
+               for k, t in per_param.items() if isinstance(t, torch.Tensor) and t.dim() > 0
+               and t.shape != params[i].shape]
+    parts = [f"{len(items)} {what}: {_first(items)}" for items, what in (
+        (differ, "tensor(s) differ"), (missing, "tensor(s) of the checkpoint's model are missing from the state"),
+        (extra, "tensor(s) of the state are not in the checkpoint's model")) if items]
+    if parts:
+        raise _two_runs(out, "; ".join(parts))
+
+
+def _two_runs(out: Path, what: str) -> ValueError:
+    """A run directory whose checkpoint and training state are of different models: files of two runs, one
+    replaced or copied in. Resuming would fail mid-load or train another model than the checkpoint's."""
+    return ValueError(f"the checkpoint in {str(out)!r} and its {STATE_FILE} are of different models: {what}; "
+                      f"resuming needs one run's checkpoint and state: start a new run with another out_dir "
+                      f"(--out), or start over in {str(out)!r} with overwrite=True (--overwrite, without --resume)")
+
+
+def _config_differences(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """'hidden_size 64 (checkpoint) vs 128 (state)' for each field (dotted in the sections) that both
+    ModelConfig dicts (the checkpoint's ``a``, the state's ``b``) hold and that differs, leaving out
+    RESUME_IGNORES. A field only one side holds is one the other side's version of the package did not know,
+    so it is not compared."""
+    out = []
+    for key in a.keys() & b.keys():
+        name = prefix + key
+        if isinstance(a[key], dict) and isinstance(b[key], dict):
+            out += _config_differences(a[key], b[key], name + ".")
+        elif name not in RESUME_IGNORES and a[key] != b[key]:
+            out.append(f"{name} {a[key]!r} (checkpoint) vs {b[key]!r} (state)")
+    return sorted(out)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+
+def _first(items: list[str], n: int = 3) -> str:
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
 def save(tm: TrainingModel, opt: torch.optim.Optimizer, cfg: TrainConfig, step: int, log: dict) -> Path:

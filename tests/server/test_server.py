@@ -267,6 +267,20 @@ BAD = {
         "messages[0].content[0].image_url", "not an image"),
     "special token in chat text": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a <|eos|> b"}]},
                                    400, "messages[0].content", "special token string '<|eos|>'"),
+    "a misspelt field": ("/v1/completions", {"prompt": "hi", "max_token": 2}, 400, "max_token",
+                         "max_token: did you mean max_tokens?"),
+    "a misspelt chat field": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                       "temprature": 0}, 400, "temprature", "did you mean temperature"),
+    "a field of the other endpoint": ("/v1/completions", {"prompt": "hi", "messages": []}, 400, "messages",
+                                      "messages is a field of /v1/chat/completions"),
+    "an engine option vLLM has": ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.1}, 400,
+                                  "repetition_penalty", "unrecognized request argument supplied: repetition_penalty"),
+    "tool_choice required": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                      "tool_choice": "required"}, 400, "tool_choice", "not supported"),
+    # an unknown field is named before the images are decoded (this one is not an image at all)
+    "unknown field beside an image": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}], "max_token": 2}, 400,
+        "max_token", "unrecognized"),
 }
 
 
@@ -296,6 +310,34 @@ def test_openai_client_raises_on_errors(server, client, complete):
         complete(prompt="hi", max_tokens=1000)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="another", prompt="hi")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_misspelt_field_is_a_400_naming_it_through_the_client(server, complete, chat, stream):
+    # max_token for max_tokens: ignored, it would have generated the default 16 tokens without a word
+    hi = [{"role": "user", "content": "hi"}]
+    for call in (lambda: complete(prompt="hi", stream=stream, extra_body={"max_token": 2}),
+                 lambda: chat(messages=hi, stream=stream, extra_body={"max_token": 2})):
+        with pytest.raises(openai.BadRequestError, match="max_token: did you mean max_tokens") as e:
+            call()
+        assert e.value.body["param"] == "max_token" and e.value.body["type"] == "invalid_request_error"
+
+
+def test_fields_clients_send_are_read_or_knowingly_ignored(model, server, complete, chat):
+    """user and the other IGNORED fields, OpenAI's defaults of what the server refuses otherwise, and vLLM's
+    top_k and ignore_eos: accepted, and the answer is the one without them."""
+    exp = greedy(model, PROMPTS[1:], 6)[0]
+    r = complete(prompt=PROMPTS[1], max_tokens=6, temperature=0, user="alice", n=1, best_of=1, echo=False,
+                 presence_penalty=0, frequency_penalty=0, seed=7, top_p=1, stop=["\x00never"],
+                 extra_body={"top_k": 0, "ignore_eos": False, "safety_identifier": "a1", "service_tier": "auto"})
+    assert r.choices[0].text == exp.text
+    chunks = list(chat(messages=[{"role": "user", "content": PROMPTS[1]}], max_completion_tokens=6, temperature=0,
+                       user="alice", metadata={"run": "test"}, store=False, parallel_tool_calls=False,
+                       tool_choice="none", logprobs=False, n=1, seed=7, stream=True,
+                       stream_options={"include_usage": True}, extra_body={"prompt_cache_key": "k"}))
+    assert chunks[-1].usage.completion_tokens >= 1
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        chat(messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=6, temperature=0).choices[0].message.content
 
 
 # ------------------------------------------------------------------------------ disconnects and overload
