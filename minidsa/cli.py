@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
                                      "shipped model's)")
     k.add_argument("--config", default=None, help="'default' (the shipped model's config), a preset name or a "
                                                    "config JSON to check against (default: the directory's "
-                                                   "config.json)")
+                                                   "config: its index's, which config.json must match)")
     k.add_argument("--no-progress", action="store_true", help="hide the progress bar (default: shown)")
     _train_parser(sub, common)
     _bench_parser(sub, common)
