@@ -6,6 +6,7 @@ abort, a step, to the other ranks before running it; ``follow(engine)`` makes an
 those calls in the same order until ``stop``. The scheduler is deterministic and every rank's logits are
 the same bits (parallel.py), so every rank schedules, preempts and samples exactly as rank 0 does, and
 only these small commands cross between processes (``broadcast_object_list``, among the job's own ranks).
+A rank that dies makes the others' next command or step raise ``PeerLostError`` naming it (failures.py).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import os
 import torch.distributed as dist
 
 from ..serving import Engine
+from .failures import naming_lost_peers
 
 
 def _send(command: tuple) -> None:
-    dist.broadcast_object_list([command], src=0)
+    with naming_lost_peers(f"sending {command[0]!r} to the other ranks"):
+        dist.broadcast_object_list([command], src=0)
 
 
 def lead(engine: Engine) -> Engine:
@@ -55,7 +58,8 @@ def follow(engine: Engine) -> int:
     steps = 0
     while True:
         box = [None]
-        dist.broadcast_object_list(box, src=0)
+        with naming_lost_peers("waiting for rank 0's next command"):
+            dist.broadcast_object_list(box, src=0)
         kind, *args = box[0]
         if kind == "stop":
             return steps

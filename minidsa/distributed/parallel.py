@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..config import ModelConfig
 from ..model.minidsa import MiniDSA
+from .failures import naming_lost_peers
 from .plan import Parallelism, tensor_slice
 
 
@@ -44,22 +45,23 @@ class Comm:
                     group = dist.new_group(ranks) if size > 1 else None
                     self._groups[tuple(ranks)] = group
 
-    def _reduce(self, x: torch.Tensor, ranks: list[int]) -> torch.Tensor:
+    def _reduce(self, x: torch.Tensor, ranks: list[int], kind: str) -> torch.Tensor:
         if len(ranks) == 1:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in ranks]
-        dist.all_gather(parts, x, group=self._groups[tuple(ranks)])
+        with naming_lost_peers(f"in a {kind} all-reduce"):  # a peer that died: named, not gloo's address
+            dist.all_gather(parts, x, group=self._groups[tuple(ranks)])
         out = parts[0]
         for p in parts[1:]:  # a fixed order: the same sum on every rank and in every run
             out = out + p
         return out
 
     def tp_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(x, self.tp_ranks)
+        return self._reduce(x, self.tp_ranks, "tensor-parallel")
 
     def ep_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(x, self.ep_ranks)
+        return self._reduce(x, self.ep_ranks, "expert-parallel")
 
 
 def local_config(cfg: ModelConfig, par: Parallelism) -> ModelConfig:

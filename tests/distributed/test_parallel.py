@@ -1,5 +1,7 @@
 """Tensor and expert parallelism over gloo processes against the single-process model."""
 
+import json
+
 import numpy as np
 import pytest
 import safetensors.torch
@@ -8,6 +10,7 @@ import torch
 import minidsa
 from minidsa.distributed import Comm, Parallelism, generate, logits, rank_bytes
 from minidsa.distributed.launch import logits_task
+from minidsa.formats import shards
 
 # fp32: the row-parallel products sum each rank's heads before the all-reduce adds the ranks, one rounding
 # order against another over widths of 64-128: a few ulps of logits of order 1 (seen: 6.6e-7)
@@ -61,13 +64,17 @@ def test_sharded_loading_reads_the_checkpoint_and_a_bad_slice_names_its_rank(tmp
     minidsa.load("tiny").save_pretrained(tmp_path / "ckpt")
     ids, dec = _ids(3)
     _assert_equal(logits(str(tmp_path / "ckpt"), ids, dec, tp=2, ep=2), _single("tiny", ids, dec))
-    # expert 5 of layer 1 (rank 1's range under ep=2) stored with a wrong dtype: rank 0 never reads it
-    index = minidsa.formats.shards.read_index(tmp_path / "ckpt").weight_map
+    # expert 5 of layer 1 (rank 1's range under ep=2) stored with a wrong dtype: rank 0 never reads it. The
+    # shard's checksum is re-recorded, as a tool writing valid safetensors would, or that would catch it first.
+    index_path = tmp_path / "ckpt" / shards.INDEX_NAME
+    index = json.loads(index_path.read_text())
     name = "language_model.model.layers.1.block_sparse_moe.experts.5.w1.weight_packed"
-    path = tmp_path / "ckpt" / index[name]
+    path = tmp_path / "ckpt" / index["weight_map"][name]
     tensors = safetensors.torch.load_file(path)
     tensors[name] = tensors[name].to(torch.int16)
     safetensors.torch.save_file(tensors, path)
+    index["metadata"]["checksums"][path.name] = shards.file_checksum(path)
+    index_path.write_text(json.dumps(index))
     with pytest.raises(RuntimeError, match=r"rank 1 of 2 \(tp=1, ep=2\) failed: tensor .*experts\.5\.w1\."
                                            r"weight_packed has dtype I16, expected"):
         logits(str(tmp_path / "ckpt"), ids, dec, tp=1, ep=2)
