@@ -242,6 +242,9 @@ def _recipe_defaults(name: str) -> str:
     return f"(default: the --recipe's value: {values})"
 
 
+HARD_EXIT = False  # set when the process must leave without Python's teardown (minidsa/__main__.py)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
@@ -257,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `| head`: the reader left; stop quietly (and keep Python's exit flush quiet)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except ConnectionError as e:  # a rank of this job died (distributed/failures.py): one line, then no teardown
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        global HARD_EXIT
+        HARD_EXIT = True  # a process group that lost a peer can abort the interpreter's exit (std::terminate)
+        return 2
     except OSError as e:  # a file that cannot be read or written: one line naming it, not a traceback
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2

@@ -50,12 +50,14 @@ def test_a_missing_checkpoint_directory_is_named_as_a_directory(tmp_path, comman
     assert "'default'" in line, line  # and what would have worked
 
 
+@pytest.mark.slow  # a process each
 def test_a_name_that_is_neither_a_directory_nor_a_preset_lists_the_presets(tmp_path):
     r = run("eval", "--checkpoint", "no-such-model", "--n", "1", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "'no-such-model'" in r.stderr and all(p in r.stderr for p in minidsa.preset_names() + ["'default'"])
 
 
+@pytest.mark.slow
 def test_check_checkpoint_of_a_preset_says_there_are_no_files_and_how_to_get_some(tmp_path):
     r = run("check-checkpoint", "tiny", "--no-progress", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr

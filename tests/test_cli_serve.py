@@ -53,6 +53,7 @@ def test_serve_default_answers_to_default_and_to_the_config_name():
         assert not answers_to(client, "laptop")
 
 
+@pytest.mark.slow  # a server process each
 def test_serve_a_directory_answers_to_its_path_as_typed(tmp_path):
     minidsa.load("tiny").save_pretrained(tmp_path / "runs" / "mine")
     with serving("--checkpoint", "runs/mine", cwd=tmp_path) as (announced, client):
@@ -61,6 +62,7 @@ def test_serve_a_directory_answers_to_its_path_as_typed(tmp_path):
         assert answers_to(client, "runs/mine") and answers_to(client, "tiny")
 
 
+@pytest.mark.slow
 def test_served_model_name_replaces_the_checkpoint_value():
     with serving("--checkpoint", "default", "--served-model-name", "my-model") as (announced, client):
         assert announced == "my-model"

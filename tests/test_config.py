@@ -121,6 +121,7 @@ def test_reference_config_builds_on_meta_device_with_spec_shapes():
     assert params["language_model.model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
 
 
+@pytest.mark.slow  # builds and installs a wheel
 def test_presets_load_from_an_installed_wheel(tmp_path):
     """load('tiny') must work from a wheel, outside the source tree."""
     wheel_dir = tmp_path / "wheel"

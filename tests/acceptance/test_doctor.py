@@ -71,6 +71,7 @@ def _stops_at_checkpoint(report, *words):
         assert w in text, (w, text)
 
 
+@pytest.mark.slow
 def test_a_saved_preset_passes(tmp_path):
     directory = minidsa.build_model("tiny").save_pretrained(tmp_path / "tiny")
     report = minidsa.doctor(str(directory))
@@ -78,6 +79,7 @@ def test_a_saved_preset_passes(tmp_path):
     assert report.gates[0].status == "PASS" and "known answers" not in report.gates[0].measured
 
 
+@pytest.mark.slow
 def test_a_preset_name_skips_the_file_checks():
     report = minidsa.doctor("tiny")
     assert report.ok and report.gates[0].status == "SKIP" and len(report.gates) == 7
@@ -155,6 +157,7 @@ def test_held_choices_replay_the_recorded_rows():
     assert "select" not in model.language_model.model.layers[3].self_attn.indexer.__dict__  # unpatched after
 
 
+@pytest.mark.slow  # a doctor run each, seconds on one core
 def test_held_choices_through_the_engine_and_the_layers():
     """Every rung's held-choice path (what bf16 uses) on the fp32 model, which must pass it too."""
     report = minidsa.doctor("default", hold_choices=True)
@@ -162,6 +165,7 @@ def test_held_choices_through_the_engine_and_the_layers():
     assert "held fixed" in str(report)
 
 
+@pytest.mark.slow
 def test_cli_exit_codes_and_json(tmp_path, capsys):
     directory = _copy_shipped(tmp_path)
     (directory / "config.json").write_text(json.dumps({**json.loads((directory / "config.json").read_text()),

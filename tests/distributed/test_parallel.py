@@ -33,7 +33,8 @@ def _assert_equal(got, want):
         assert torch.equal(got[key].argmax(-1), want[key].argmax(-1)), key  # the greedy tokens
 
 
-@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("tp,ep", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow),
+                                   pytest.param(2, 2, marks=pytest.mark.slow)])  # a pair of processes each
 def test_two_processes_equal_one(tp, ep):
     ids, dec = _ids()
     got = logits("tiny", ids, dec, tp=tp, ep=ep)
@@ -80,6 +81,7 @@ def test_sharded_loading_reads_the_checkpoint_and_a_bad_slice_names_its_rank(tmp
         logits(str(tmp_path / "ckpt"), ids, dec, tp=1, ep=2)
 
 
+@pytest.mark.slow  # two processes stepping an engine
 def test_the_engine_on_rank_0_drives_the_others():
     from minidsa import Engine, SamplingParams
     from minidsa.distributed import spawn

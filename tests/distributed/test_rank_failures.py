@@ -69,6 +69,7 @@ def test_a_flipped_exponent_bit_in_rank_1s_rows_fails_the_load_on_its_checksum(c
         logits(str(ckpt), IDS, DECODE, tp=2)
 
 
+@pytest.mark.slow  # two processes
 def test_a_nan_in_rank_1s_rows_is_refused_at_load_naming_rank_tensor_and_shard(ckpt):
     par = Parallelism(2, 1)
     rows = rank_1_rows(Q_PROJ, par)

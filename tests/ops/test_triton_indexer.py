@@ -168,7 +168,8 @@ def radix_path(monkeypatch):
     monkeypatch.setattr(topk_triton, "_ROW_SORT_MAX_S", 0)
 
 
-@pytest.mark.parametrize("levels", [3, 1000, None])
+@pytest.mark.parametrize("levels", [pytest.param(3, marks=pytest.mark.slow), pytest.param(1000, marks=pytest.mark.slow),
+                                    None])  # one case in the quick set: each is seconds in the interpreter
 def test_topk_radix_select_with_ties_across_blocks(levels, radix_path):
     # S spans several interpreter blocks (64) so the threshold's ties fall in more than one of them;
     # few distinct levels put the k-th key inside a long run of equal scores, None keeps them distinct.

@@ -147,6 +147,7 @@ def test_position_in_a_missing_block_is_padding():
     torch.testing.assert_close(sparse_mla_decode_ref(q_lat, q_pe, kv, pe, table, idx, 0.3), ref, **FP32_TOL)
 
 
+@pytest.mark.slow  # several tiles in the interpreter
 def test_prefill_matches_reference_across_tiles():
     """T = 70 spans two 64-query tiles of the reference; contexts differ per batch row."""
     dev = kernel_device()

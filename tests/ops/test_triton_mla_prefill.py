@@ -45,7 +45,8 @@ def test_signature_is_the_reference_signature():
     assert inspect.signature(mp.sparse_mla_prefill) == inspect.signature(sparse_mla_prefill_ref)
 
 
-@pytest.mark.parametrize("form", ["union", "absorbed", "auto"])
+@pytest.mark.parametrize("form", [pytest.param("union", marks=pytest.mark.slow), "absorbed",
+                                  pytest.param("auto", marks=pytest.mark.slow)])
 def test_each_form_matches_the_reference(form, monkeypatch):
     monkeypatch.setattr(pf, "FORM", form)
     q, kv, pe, table, idx, w, scale = prefill_case()

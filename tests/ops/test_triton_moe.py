@@ -100,8 +100,9 @@ def test_conversion_of_every_byte_value():
     assert torch.equal(els.view(torch.uint8).cpu(), want.view(torch.uint8)) and torch.equal(scs, scales)
 
 
-@pytest.mark.parametrize("N,dense", [(1, None), (5, None), pytest.param(19, None, marks=pytest.mark.slow),
-                                     (19, False), (5, False)],
+@pytest.mark.parametrize("N,dense", [(1, None), pytest.param(5, None, marks=pytest.mark.slow),
+                                     pytest.param(19, None, marks=pytest.mark.slow), (19, False),
+                                     pytest.param(5, False, marks=pytest.mark.slow)],
                          ids=["one-token", "decode", "decode19", "prefill", "compact5"])  # decode19: 40 programs
 def test_fp8_and_mxfp4_mlps_match_the_reference(experts_store, N, dense, monkeypatch):
     # N = 5 fits one token tile of the dense pair layout; N = 19 takes two tiles, dense (a decode batch:
@@ -263,6 +264,7 @@ def test_e8m0_bf16_is_the_scale_exactly():
     assert torch.equal(out[:255].double().cpu(), want[:255]) and out[255].isnan()
 
 
+@pytest.mark.slow  # seconds in the interpreter; the GPU run compiles it
 def test_bf16_z_is_read_as_it_is(experts_store):
     # A bf16 model's z goes to the kernels unconverted; its values are exact in bf16, so the up pass's single
     # bf16 product gives exactly what the fp32 copy's two give (the low halves are zero).
@@ -286,7 +288,7 @@ def test_public_kernels_and_unrouted_tokens(experts_store):
     torch.testing.assert_close(got_fp8, got, **TOL)
 
 
-@pytest.mark.parametrize("N", [2, 20])  # the matrix-vector (decode) and tensor-core (prefill) paths
+@pytest.mark.parametrize("N", [2, pytest.param(20, marks=pytest.mark.slow)])  # matrix-vector and tensor-core paths
 def test_kernels_are_deterministic(experts_store, N, monkeypatch):
     monkeypatch.setattr(mlp, "DENSE_MAX_TOKENS", 16)  # 20 tokens take the compact (prefill) layout, two tiles
     z, experts, gates, els, scs = case(experts_store, N, seed=2)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import tiny_config
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -38,6 +39,7 @@ def one_error_line(stderr: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow  # trains a leg in a CLI process
 def test_resume_over_another_models_checkpoint_is_one_error_line_and_exit_2(tmp_path):
     run = tmp_path / "run"
     first = cli("train", "--out", str(run), *LEG, "--leg-steps", "1")
