@@ -20,6 +20,7 @@ def run(*argv, cwd=ROOT) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.slow  # two processes
 def test_check_checkpoint_takes_default():
     by_name = run("check-checkpoint", "default", "--no-progress")
     by_path = run("check-checkpoint", str(SHIPPED), "--no-progress")

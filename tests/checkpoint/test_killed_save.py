@@ -63,6 +63,7 @@ def leftovers(directory) -> list[str]:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="kills a forked child doing save_pretrained")
+@pytest.mark.slow  # a child process killed eight times or more
 def test_a_save_killed_at_random_moments_leaves_a_checkpoint_and_no_temporary_after_the_next_save(tmp_path, pair):
     rng = random.Random(SEED)
     states = [tensors_of(model) for model, _ in pair]
