@@ -27,6 +27,7 @@ def shipped_report():
     return report, time.perf_counter() - t0
 
 
+@pytest.mark.slow  # the whole ladder, a server process included
 def test_the_shipped_model_passes_every_rung_in_order(shipped_report):
     report, seconds = shipped_report
     assert report.ok, str(report)
@@ -40,6 +41,7 @@ def test_the_shipped_model_passes_every_rung_in_order(shipped_report):
     assert "green triangle" in "".join(report.gates[5].details)  # the shipped model sees the drawn shape
 
 
+@pytest.mark.slow  # the same report
 def test_json_report_round_trips(shipped_report):
     data = json.loads(shipped_report[0].to_json())
     assert data["ok"] and len(data["gates"]) == 7

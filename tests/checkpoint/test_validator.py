@@ -90,6 +90,7 @@ REFERENCE = [
 ]
 
 
+@pytest.mark.slow  # the reference-scale manifest
 def test_reference_manifest_matches_the_release():
     manifest = minidsa.checkpoint_manifest("k3.1-pro")  # meta device
     for name, shape, dtype in REFERENCE:

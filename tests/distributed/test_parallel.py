@@ -61,6 +61,7 @@ def test_an_image_and_greedy_text_equal_one_process():
     assert generate("tiny", "hello", tp=2, ep=2, **kw) == minidsa.generate("hello", "tiny", **kw)
 
 
+@pytest.mark.slow  # two processes per case
 def test_sharded_loading_reads_the_checkpoint_and_a_bad_slice_names_its_rank(tmp_path):
     minidsa.load("tiny").save_pretrained(tmp_path / "ckpt")
     ids, dec = _ids(3)

@@ -154,6 +154,7 @@ def test_auto_form_follows_the_union_size(monkeypatch):
     assert calls == ["absorbed", "union"]
 
 
+@pytest.mark.slow
 def test_a_table_wider_than_the_selections_costs_nothing(monkeypatch):
     """A block table made for a longer sequence (-1 columns past the last block): same output, and the
     decompression covers the selected extent, not the table's reach."""

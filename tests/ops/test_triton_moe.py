@@ -101,7 +101,8 @@ def test_conversion_of_every_byte_value():
 
 
 @pytest.mark.parametrize("N,dense", [(1, None), pytest.param(5, None, marks=pytest.mark.slow),
-                                     pytest.param(19, None, marks=pytest.mark.slow), (19, False),
+                                     pytest.param(19, None, marks=pytest.mark.slow),
+                                     pytest.param(19, False, marks=pytest.mark.slow),
                                      pytest.param(5, False, marks=pytest.mark.slow)],
                          ids=["one-token", "decode", "decode19", "prefill", "compact5"])  # decode19: 40 programs
 def test_fp8_and_mxfp4_mlps_match_the_reference(experts_store, N, dense, monkeypatch):

@@ -123,6 +123,7 @@ def test_indexer_losses_see_the_multimodal_rows_and_focus_only_the_sparse_stage(
     assert "focus" not in step_losses(tm, dataclasses.replace(cfg, focus_loss_weight=0.0), 1)
 
 
+@pytest.mark.slow  # two legs of training
 def test_resume_equals_uninterrupted_training(tmp_path):
     # Bitwise: the data is a function of (seed, step), the schedule of the step, and the training state
     # holds the float master weights and AdamW's moments; a CPU run is deterministic.
@@ -317,6 +318,7 @@ def test_training_state_is_safetensors_and_a_pickle_is_refused(tmp_path):
     assert not (tmp_path / "owned").exists()
 
 
+@pytest.mark.slow
 def test_a_state_write_cut_short_keeps_the_previous_leg(tmp_path, monkeypatch):
     from minidsa.training import state as state_mod
 
@@ -363,6 +365,7 @@ def test_an_unwritable_run_directory_fails_before_any_step(tmp_path, monkeypatch
     assert not steps
 
 
+@pytest.mark.slow
 def test_an_existing_run_is_not_overwritten_without_asking(tmp_path, capsys):
     train(fast(tmp_path, dense_steps=1, warmup_steps=0, sparse_steps=1))
     before = load_state(tmp_path / "run")
