@@ -13,8 +13,8 @@ parameter writes the stacked matrix. Anything that gives a parameter new storage
 ``nn.Parameter``, ``copy.deepcopy``) is noticed on the next call, which stacks the rows again.
 
 Moving a parameter frees its old storage, and a captured CUDA graph keeps reading the address it
-recorded: a stack built lazily by the first prefill, after the decode graphs were captured, left every
-replay reading freed memory (NaN logits from a fresh server). So the model stacks every group when its
+recorded: a stack built in a forward after the decode graphs were captured would leave every replay
+reading freed memory. So the model stacks every group when its
 weights are placed (``fuse_all``, from ``MiniDSA``'s constructor and ``_apply``), no forward moves a
 parameter, and ``moves()`` counts the moves that do happen so that a graph can notice them.
 
