@@ -38,8 +38,9 @@ def test_bench_serving_exits_1_when_requests_fail(monkeypatch, capsys):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     model = minidsa.load("default", progress=False)
-    forward = model.forward
-    monkeypatch.setattr(model, "forward", lambda *a, **kw: forward(*a, **kw).fill_(float("nan")))
+    head = model.language_model.lm_head  # the logits of every path (engine steps, graphs, generate)
+    forward = head.forward
+    monkeypatch.setattr(head, "forward", lambda *a, **kw: forward(*a, **kw).fill_(float("nan")))
     monkeypatch.setattr(minidsa, "load", lambda *a, **kw: model)
     monkeypatch.setattr(sys, "argv", ["bench_serving.py", "--config", "default", "--num-requests", "2", "--input-len",
                                       "10", "20", "--output-len", "2", "3", "--sequential-requests", "0"])

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..cache import CacheContext
+from ..cache import CacheContext, StepContext
 from ..config import ModelConfig
 from ..ops import acc_dtype, cast, causal_conv
 from .fused import FusedLinears, RowStack
@@ -72,6 +72,8 @@ class KimiDeltaAttention(nn.Module):
         receives the per-sequence state; without it the sequence starts from a zero state."""
         B, T, _ = x.shape
         acc = acc_dtype(x)
+        if isinstance(ctx, StepContext):
+            return self._forward_step(x, ctx)
         if ctx is not None and T == 1:  # decode: one fused step reading the states from their cache slots
             return self._decode(x, ctx)
         if ctx is None:
@@ -94,13 +96,42 @@ class KimiDeltaAttention(nn.Module):
         pools at the sequences' slots."""
         B = x.shape[0]
         projected, f_a, b, gate = self.input_proj(x.reshape(B, -1))
+        o = self._decode_rows(ctx, projected, f_a, b)
+        return self.output(o.view(B, 1, self.num_heads, self.head_dim), x, gate.unsqueeze(1))
+
+    def _decode_rows(self, ctx: CacheContext, projected, f_a, b) -> torch.Tensor:
+        """The fused decode step of B rows from their input products ([B, ...]) -> o [B, H*K]; stages both states."""
         pools = ctx.cache.state[self.cache_layer]
         o, recurrent, conv = ops.kda_decode(projected, f_a, b, self.conv_weight.tensor(), self.f_b_proj.weight,
                                             self.A_log, self.dt_bias, self.lower_bound, pools["conv"],
                                             pools["recurrent"], ctx.state_slots)
         ctx.stage_state(self.cache_layer, "recurrent", recurrent)
         ctx.stage_state(self.cache_layer, "conv", conv)
-        return self.output(o.view(B, 1, self.num_heads, self.head_dim), x, gate.unsqueeze(1))
+        return o
+
+    def _forward_step(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """One packed engine step (x [1, N, d]): the input products once over all N tokens, the decode rows
+        through the fused step together, each prefill piece through the chunk form from its own sequence's
+        states (zero where the piece starts its sequence: a new sequence's slot is zeroed). -> [1, N, d]."""
+        acc, n = acc_dtype(x), step.num_decode
+        projected, f_a, b, gate = self.input_proj(x)
+        parts = [self._decode_rows(step.decode_part(), projected[0, :n], f_a[0, :n], b[0, :n]).view(
+            1, n, self.num_heads, self.head_dim)] if n else []
+        if step.num_pieces > n:  # the decay's up-projection once over every prefill token
+            z = cast(self.decay_up(f_a[:, step.query_start[n]:])[0], acc)
+        for i in step.prefill_pieces():
+            ctx, (a, e) = step.piece(i), step.span(i)
+            state = {name: ctx.cache.read_state(self.cache_layer, name, ctx.state_slots) for name in self.STATE_NAMES}
+            y, conv = causal_conv(cast(projected[:, a:e], acc), self.conv_weight.tensor(), state["conv"])
+            qkv = F.silu(y).view(1, e - a, 3, self.num_heads, self.head_dim)
+            off = step.query_start[n]
+            q, k, v, g, beta = ops.kda_step_inputs(qkv, z[:, a - off:e - off], cast(b[:, a:e], acc), self.A_log,
+                                                   self.dt_bias, self.lower_bound)
+            o, recurrent = ops.kda_chunk(q, k, v, g, beta, None, state["recurrent"], self.chunk_size)
+            ctx.stage_state(self.cache_layer, "recurrent", recurrent)
+            ctx.stage_state(self.cache_layer, "conv", conv)
+            parts.append(o)
+        return self.output(torch.cat(parts, 1), x, gate)
 
     def recurrence_inputs(self, x: torch.Tensor, state: dict[str, torch.Tensor]):
         """x [B, T, d] and the conv state -> ((q, k [B, T, H, K], v [B, T, H, K], g [B, T, H, K], beta [B, T, H]),

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..cache import CacheContext, Plane
+from ..cache import CacheContext, Plane, StepContext
 from ..config import ModelConfig
 from ..ops import acc_dtype, cast
 from .fused import FusedLinears
@@ -106,7 +106,9 @@ class GatedMLA(nn.Module):
         """x [B, T, d] (already normalised) -> [B, T, d]. With a ForwardTrace, ``trace.selected[layer_idx]``
         gets the selected positions int32 [B, T, topk]."""
         proj = self._project(x)
-        if ctx is None:
+        if isinstance(ctx, StepContext):
+            idx, o = self._forward_step(ctx, proj)
+        elif ctx is None:
             idx, o = self._forward_uncached(proj)
         else:
             idx = self._store_and_select(ctx, proj)
@@ -123,6 +125,27 @@ class GatedMLA(nn.Module):
         idx = self.indexer.select(proj["q_idx"], proj["w_idx"], self.indexer.dequant_keys(proj), q_pos)
         k, v = self.decompress(proj["kv_latent"], proj["k_pe"])
         return idx, ops.sparse_attention(proj["q"], k, v, idx, self.softmax_scale)
+
+    # ---------------------------------------------------------------- one packed engine step
+    def _forward_step(self, step: StepContext, proj: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens of several sequences on one axis ([1, N, ...]): every new row stored with one call, then the
+        decode rows selected and attended together, each prefill piece over its own sequence's keys.
+        -> (int32 [1, N, topk], o [1, N, H, dv])."""
+        planes = {name: step.cache.plane(self.cache_layer, name) for name in step.cache.layout.plane_names}
+        for name, plane in planes.items():
+            ops.store_kv(plane, step.slot_mapping, proj[name].reshape(step.num_tokens, -1))
+        parts = []
+        if step.num_decode:
+            ctx, n = step.decode_part(), step.num_decode
+            rows = {k: v[0, :n].unsqueeze(1) for k, v in proj.items()}  # [n, 1, ...]: one row per sequence
+            idx = self.indexer.select_paged(rows["q_idx"], rows["w_idx"], planes, ctx)
+            parts.append((idx.view(1, n, -1), self._attend_decode(ctx, rows, idx).flatten(0, 1).unsqueeze(0)))
+        for i in step.prefill_pieces():
+            ctx, (a, b) = step.piece(i), step.span(i)
+            piece = {k: v[:, a:b] for k, v in proj.items()}
+            idx = self.indexer.select_paged(piece["q_idx"], piece["w_idx"], planes, ctx)
+            parts.append((idx, self._attend_prefill(ctx, piece, idx)))
+        return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
 
     # ---------------------------------------------------------------- cached paths: projections + ops
     def _store_and_select(self, ctx: CacheContext, proj: dict) -> torch.Tensor:

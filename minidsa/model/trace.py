@@ -53,8 +53,18 @@ class GenerationTrace:
         """Add batch row ``row`` of one forward's trace (its T tokens) to this sequence's rows."""
         if forward_trace is None:
             return
-        new = [(self.selected, k, v[row]) for k, v in forward_trace.selected.items()]
-        new += [(self.depth_weights, k, v[:, row].T.float()) for k, v in forward_trace.depth_weights.items()]
+        self._add(forward_trace, lambda v: v[row], lambda v: v[:, row])
+
+    def append_span(self, forward_trace: ForwardTrace | None, start: int, end: int) -> None:
+        """Add tokens [start, end) of a packed forward's trace (one row of N tokens: an engine step's pieces)."""
+        if forward_trace is None:
+            return
+        self._add(forward_trace, lambda v: v[0, start:end], lambda v: v[:, 0, start:end])
+
+    def _add(self, forward_trace: ForwardTrace, tokens, depth_tokens) -> None:
+        """Append the rows ``tokens(selected)`` [T, topk] and ``depth_tokens(weights)`` [N, T] of each table."""
+        new = [(self.selected, k, tokens(v)) for k, v in forward_trace.selected.items()]
+        new += [(self.depth_weights, k, depth_tokens(v).T.float()) for k, v in forward_trace.depth_weights.items()]
         for table, key, rows in new:
             rows = rows.cpu()
             table[key] = rows if key not in table else torch.cat([table[key], rows])

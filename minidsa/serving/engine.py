@@ -4,12 +4,12 @@
     outs = engine.generate(["a prompt", "another"], minidsa.SamplingParams(temperature=0, max_tokens=32))
     rid = engine.add_request("hi", params); while engine.has_unfinished_requests(): engine.step()
 
-One step: the scheduler picks requests and token counts under the budget (scheduler.py), the engine
-runs them as cached forwards, samples where a request reached its end, and hands back a RequestOutput
-for every request that moved. The model's forward takes a rectangle of tokens ([B, T]), so a step's
-work runs as a few forwards: the one-token rows (decodes) together, prefill pieces of equal length
-together. Prefill pieces also end where a KDA checkpoint is due (prefix_cache.py), so that the state
-there can be copied.
+One step: the scheduler picks requests and token counts under the budget (scheduler.py), the model
+runner (runner.py) runs them as one forward over packed tokens (decode rows first, then each prefill
+piece) and chooses the next token where a request reached its end, and the engine hands back a
+RequestOutput for every request that moved. A prefill piece also ends where a KDA checkpoint is due
+(prefix_cache.py), so that the state there can be copied: a request whose scheduled tokens cross a
+checkpoint runs its second piece in a second forward of the same step (rare: only long prompts).
 
 A request that fails (its forward raises, or its logits hold NaN or inf where a token is due) finishes
 with finish_reason "error", its ``error`` saying why, and gives back what it held; the others go on.
@@ -34,11 +34,10 @@ from ..cache import PagedKVCache
 from ..model.minidsa import MiniDSA
 from ..model.trace import ForwardTrace
 from .budget import plan_cache
-from .cuda_graphs import DecodeGraphs
 from .params import RequestMetrics, RequestOutput, SamplingParams
 from .prefix_cache import PrefixCache, block_hashes
 from .requests import check_context, check_positive_int, encode_prompts
-from .sampling import sample_next_token
+from .runner import ModelRunner
 from .scheduler import EngineRequest, Scheduler
 
 # Default tokens between KDA checkpoints, at most. Each checkpoint cuts a prefill forward, and pieces shorter
@@ -93,14 +92,21 @@ class Engine:
         self.prefix = PrefixCache(cache, self.max_checkpoints) if enable_prefix_caching else None
         self.scheduler = Scheduler(cache, self.prefix, min(self.max_num_seqs, cache.layout.num_state_slots),
                                    self.max_num_batched_tokens, enable_chunked_prefill, self.align)
-        self.graphs = None
-        if cuda_graphs != "off" and model.device.type == "cuda":
-            self.graphs = DecodeGraphs(model, cache, self.scheduler.max_num_seqs, compile=compile_decode)
-            self.graphs.capture()
+        self.runner = ModelRunner(model, cache, self.scheduler.max_num_seqs,
+                                  cuda_graphs != "off" and model.device.type == "cuda", compile_decode)
         self.requests: dict[str, EngineRequest] = {}
         self.raise_errors = False  # generate() sets it: a failed forward is the caller's exception
         self._ids = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0
+
+    @property
+    def graphs(self):
+        """The runner's captured decode steps (DecodeGraphs), or None where steps run eagerly."""
+        return self.runner.graphs
+
+    @graphs.setter
+    def graphs(self, graphs) -> None:
+        self.runner.graphs = graphs
 
     def _interval(self, interval: int | None) -> int:
         if interval is None:  # CHECKPOINT_TOKENS, or a quarter of a short context, down to a multiple of the alignment
@@ -180,7 +186,7 @@ class Engine:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
         moved = {}
-        for group in _forward_groups(work, self._boundaries):
+        for group in _forward_rounds(work, self._boundaries):
             group = [g for g in group if not g[0].finished]  # failed in an earlier forward of this step
             for req in self._run(group) if group else ():
                 moved[req.request_id] = req
@@ -199,16 +205,13 @@ class Engine:
         return sorted({*(c for c in cuts if c < end), end})
 
     def _run(self, group: list[tuple[EngineRequest, int, int]]) -> list[EngineRequest]:
-        """One cached forward of rows [start, end) of each request; sample where a row reached its end."""
+        """One packed forward of tokens [start, end) of each request; sample where a piece reached its end."""
         reqs = [g[0] for g in group]
         tr = ForwardTrace() if any(r.trace is not None for r in reqs) else None
+        ends = [row for row, (req, _, end) in enumerate(group) if end == req.num_tokens and not req.pending_finish]
         try:
             with torch.inference_mode():
-                if self._graphed(group) and tr is None:
-                    logits = self.graphs.run([r.sid for r in reqs], [r.tokens(a, b)[0] for r, a, b in group])
-                else:
-                    logits = self.model(**self._inputs(group), cache=self.cache, seq_ids=[r.sid for r in reqs],
-                                        trace=tr)
+                last = self.runner.execute(group, ends, tr)  # [len(ends), V] on the host
         except Exception as e:  # noqa: BLE001 -- the request fails, the engine and the others go on
             for req in reqs:
                 req.error = f"{type(e).__name__}: {e}"
@@ -216,14 +219,14 @@ class Engine:
             if self.raise_errors:
                 raise
             return reqs
-        for row, (req, start, end) in enumerate(group):
+        at = 0
+        for req, start, end in group:
             req.num_computed = end
             self.prompt_tokens += max(0, min(end, len(req.prompt_ids)) - start)
             self._remember(req, end)
             if req.trace is not None:
-                req.trace.append(tr, row)
-        ends = [row for row, (req, _, end) in enumerate(group) if end == req.num_tokens and not req.pending_finish]
-        last = logits[ends, -1].float().cpu() if ends else None  # one device-to-host copy per forward
+                req.trace.append_span(tr, at, at + end - start)
+            at += end - start
         # Checked on that copy, over the real vocabulary only (_sample masks the padding ids to -inf): a NaN
         # would otherwise be sampled as token 0 (greedy) or fail inside torch.multinomial.
         bad = (~torch.isfinite(last[:, :self.model.tokenizer.vocab_size])).sum(1).tolist() if ends else []
@@ -252,26 +255,6 @@ class Engine:
         self._finish(req, "error")
         return req.error
 
-    def _graphed(self, group) -> bool:
-        """A decode step (one text token per row) that a captured graph covers."""
-        return (self.graphs is not None and self.graphs.fits(len(group))
-                and all(b - a == 1 and not r.has_media_from(a) for r, a, b in group))
-
-    def _inputs(self, group) -> dict:
-        """input_ids [B, T], or inputs_embeds when a row covers media tokens."""
-        ids = torch.tensor([req.tokens(a, b) for req, a, b in group], device=self.model.device)
-        if not any(req.has_media_from(a) for req, a, _ in group):
-            return {"input_ids": ids}
-        embeds = self.model.language_model.model.embed_tokens(ids)
-        for row, (req, a, b) in enumerate(group):
-            if req.has_media_from(a):
-                if req.embeds is None:
-                    prompt = torch.tensor([req.prompt_ids], device=self.model.device)
-                    req.embeds = self.model.embed(prompt, req.features)[0]
-                stop = min(b, len(req.prompt_ids))
-                embeds[row, : stop - a] = req.embeds[a:stop]
-        return {"inputs_embeds": embeds}
-
     def _remember(self, req: EngineRequest, end: int) -> None:
         """Name the prompt's newly full blocks; copy the KDA state where a checkpoint is due."""
         if self.prefix is None:
@@ -284,9 +267,7 @@ class Engine:
 
     def _sample(self, req: EngineRequest, logits: torch.Tensor) -> None:
         p, tok = req.params, self.model.tokenizer
-        logits = logits.clone()
-        logits[tok.vocab_size:] = float("-inf")  # padding ids of the embedding table
-        token = sample_next_token(logits, p.temperature, p.top_p, req.generator, p.top_k)
+        token = self.runner.sample(req, logits)
         now = time.perf_counter()
         req.output_ids.append(token)
         req.metrics.token_times.append(now)
@@ -362,6 +343,7 @@ class Engine:
             "prefix_cache_hits_kda": pc.kda_hits if pc else 0,
             "kda_checkpoints": len(pc.checkpoints) if pc else 0,
             "cuda_graph_replays": self.graphs.replays if self.graphs else 0,
+            "packed_steps": self.runner.packed_steps,
             "memory": dict(self.budget),
         }
 
@@ -383,18 +365,16 @@ def _media_keys(ids: list[int], features: list[torch.Tensor], pad: int) -> list[
     return out
 
 
-def _forward_groups(work, boundaries) -> list[list[tuple[EngineRequest, int, int]]]:
-    """A step's (request, n) pairs as forwards: each request's range cut at ``boundaries``, the k-th
-    pieces of all requests run in round k, pieces of equal length in one forward."""
+def _forward_rounds(work, boundaries) -> list[list[tuple[EngineRequest, int, int]]]:
+    """A step's (request, n) pairs as packed forwards: each request's range cut at ``boundaries``, the
+    k-th pieces of all requests in forward k (one forward unless a range crosses a KDA checkpoint),
+    pieces of one token first (the decode rows), then the rest in schedule order."""
     pieces = []
     for req, n in work:
         start, cuts = req.num_computed, boundaries(req, req.num_computed, req.num_computed + n)
         pieces.append([(req, a, b) for a, b in zip([start] + cuts[:-1], cuts)])
-    groups = []
+    rounds = []
     for rnd in range(max((len(p) for p in pieces), default=0)):
-        by_len: dict[int, list] = {}
-        for p in pieces:
-            if rnd < len(p):
-                by_len.setdefault(p[rnd][2] - p[rnd][1], []).append(p[rnd])
-        groups += list(by_len.values())
-    return groups
+        group = [p[rnd] for p in pieces if rnd < len(p)]
+        rounds.append(sorted(group, key=lambda g: g[2] - g[1] > 1))  # stable: decode rows first
+    return rounds

@@ -28,8 +28,9 @@ def nan_model(monkeypatch):
     """`python -m minidsa bench` loading a model whose logits are all NaN (the GPU fault that was reported)."""
     from minidsa import cli
     model = minidsa.load("default", progress=False)
-    forward = model.forward
-    monkeypatch.setattr(model, "forward", lambda *a, **kw: forward(*a, **kw).fill_(float("nan")))
+    head = model.language_model.lm_head  # the logits of every path (engine steps, graphs, generate)
+    forward = head.forward
+    monkeypatch.setattr(head, "forward", lambda *a, **kw: forward(*a, **kw).fill_(float("nan")))
     monkeypatch.setattr(cli, "load", lambda *a, **kw: model)
     return model
 

@@ -77,13 +77,13 @@ def test_each_token_is_fed_exactly_once(model, monkeypatch):
     per sequence are the prompt and the output without its last token, in order, with no repeat."""
     engine = Engine(model, max_num_batched_tokens=16, enable_prefix_caching=False)
     fed: dict[int, list[int]] = {}
-    forward = model.forward
+    embeddings = engine.runner.embeddings
 
-    def recording(input_ids=None, *, seq_ids=None, **kw):
-        for sid, row in zip(seq_ids, input_ids.tolist()):
-            fed.setdefault(sid, []).extend(row)
-        return forward(input_ids, seq_ids=seq_ids, **kw)
-    monkeypatch.setattr(model, "forward", recording)
+    def recording(pieces):  # the ids of every piece of a step, as the packed forward embeds them
+        for req, a, b in pieces:
+            fed.setdefault(req.sid, []).extend(req.tokens(a, b))
+        return embeddings(pieces)
+    monkeypatch.setattr(engine.runner, "embeddings", recording)
     rids = [engine.add_request(p, GREEDY) for p in PROMPTS[3:6]]
     sids = {}
     while engine.has_unfinished_requests():
@@ -164,11 +164,12 @@ def test_a_hit_clamps_to_an_earlier_checkpoint_and_diverges_inside_a_block(model
 
 def prompt_end_logits(engine, prompt: str, monkeypatch) -> torch.Tensor:
     """The logits the engine's first token was drawn from (the last prefill forward's last row)."""
-    rows, forward = [], engine.model.forward
-    monkeypatch.setattr(engine.model, "forward", lambda *a, **kw: rows.append(forward(*a, **kw)) or rows[-1])
+    head = engine.model.language_model.lm_head  # a step computes logits only for the rows it samples
+    rows, forward = [], head.forward
+    monkeypatch.setattr(head, "forward", lambda *a, **kw: rows.append(forward(*a, **kw)) or rows[-1])
     engine.generate([prompt], GREEDY, progress=False)
     monkeypatch.undo()
-    return rows[-GREEDY.max_tokens][0, -1]  # then max_tokens - 1 one-token decodes
+    return rows[-GREEDY.max_tokens][-1]  # then max_tokens - 1 one-token decodes
 
 
 @pytest.mark.parametrize("state", ["restored", "zero (the reported bug)"])
@@ -230,7 +231,8 @@ def test_abort_frees_every_block_and_slot(model, when):
 
 def test_a_failing_request_leaves_the_others_and_the_engine_usable(model, expected, monkeypatch):
     engine = Engine(model, max_num_seqs=1)
-    forward = model.forward
+    head = model.language_model.lm_head  # fails after every layer ran (and staged its state)
+    forward = head.forward
     calls = []
 
     def fail_first(*a, **kw):
@@ -238,7 +240,7 @@ def test_a_failing_request_leaves_the_others_and_the_engine_usable(model, expect
         if len(calls) == 1:
             raise RuntimeError("device fell over")
         return forward(*a, **kw)
-    monkeypatch.setattr(model, "forward", fail_first)
+    monkeypatch.setattr(head, "forward", fail_first)
     outs = engine.generate(PROMPTS[:2], GREEDY, progress=False)
     assert outs[0].finish_reason == "error" and "device fell over" in outs[0].error
     assert outs[1].token_ids == expected[1]
@@ -253,16 +255,17 @@ def run_to_the_end(engine) -> dict:
     return final
 
 
-def poison(model, monkeypatch, victim, column: int, value: float) -> None:
-    """model.forward with ``value`` put at ``column`` of every logits row of ``victim``'s cache sequence."""
-    forward = model.forward
+def poison(engine, monkeypatch, victim, column: int, value: float) -> None:
+    """The engine's packed forwards with ``value`` put at ``column`` of every logits row of ``victim``."""
+    forward = engine.runner.forward_packed
 
-    def poisoned(*a, seq_ids=None, **kw):
-        logits = forward(*a, seq_ids=seq_ids, **kw)
-        if victim.sid in (seq_ids or []):
-            logits[seq_ids.index(victim.sid), :, column] = value
+    def poisoned(pieces, sample, trace):
+        logits = forward(pieces, sample, trace)
+        for k, i in enumerate(sample):
+            if pieces[i][0] is victim:
+                logits[k, column] = value
         return logits
-    monkeypatch.setattr(model, "forward", poisoned)
+    monkeypatch.setattr(engine.runner, "forward_packed", poisoned)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
@@ -271,7 +274,7 @@ def test_non_finite_logits_fail_their_request_only(model, expected, monkeypatch,
     engine = Engine(model)
     rids = [engine.add_request(p, GREEDY) for p in PROMPTS[3:7]]
     victim = engine.requests[rids[-1]]  # 70 tokens: a KDA checkpoint at 64 and eight named blocks
-    poison(model, monkeypatch, victim, 5, value)
+    poison(engine, monkeypatch, victim, 5, value)
     final = run_to_the_end(engine)
     bad = final[victim.request_id]
     assert bad.finish_reason == "error" and bad.token_ids == []
@@ -292,7 +295,7 @@ def test_the_padding_ids_past_the_vocabulary_are_not_checked(model, expected, mo
     engine = Engine(model)
     rid = engine.add_request(PROMPTS[5], GREEDY)
     assert model.config.vocab_size > model.tokenizer.vocab_size
-    poison(model, monkeypatch, engine.requests[rid], model.tokenizer.vocab_size, float("nan"))
+    poison(engine, monkeypatch, engine.requests[rid], model.tokenizer.vocab_size, float("nan"))
     out = run_to_the_end(engine)[rid]
     assert out.finish_reason == "length" and out.token_ids == expected[5]
 
@@ -302,14 +305,15 @@ def test_generate_raises_on_non_finite_logits_and_stays_usable(model, monkeypatc
     cache = model.new_cache()
     kw = dict(max_new_tokens=4, temperature=temperature, seed=3, cache=cache, stop_at_eos=False)
     before = minidsa.generate(PROMPTS[4:6], model, **kw)
-    forward = model.forward
+    head = model.language_model.lm_head
+    forward = head.forward
     calls = []
 
-    def nan_on_the_third_forward(*a, **kw):  # the two prefills go well, the first decode step does not
+    def nan_on_the_second_forward(*a, **kw):  # the prefill goes well, the first decode step does not
         calls.append(1)
         logits = forward(*a, **kw)
-        return logits.fill_(float("nan")) if len(calls) == 3 else logits
-    monkeypatch.setattr(model, "forward", nan_on_the_third_forward)
+        return logits.fill_(float("nan")) if len(calls) == 2 else logits
+    monkeypatch.setattr(head, "forward", nan_on_the_second_forward)
     with pytest.raises(minidsa.serving.NonFiniteLogitsError, match=r"hold NaN or inf \(263 of 263 values\)") as e:
         minidsa.generate(PROMPTS[4:6], model, **kw)
     assert isinstance(e.value, RuntimeError)

@@ -96,13 +96,14 @@ def test_trace_covers_every_token_and_matches_full_forward(tiny_model64):
 
 def test_stop_at_eos(tiny_model, monkeypatch):
     # Make eos the most likely token: generation ends after one token and eos adds no text.
-    original = tiny_model.forward
+    head = tiny_model.language_model.lm_head
+    original = head.forward
 
     def eos_first(*args, **kwargs):
         logits = original(*args, **kwargs)
         logits[..., TOK.eos_id] = 1e4
         return logits
-    monkeypatch.setattr(tiny_model, "forward", eos_first)
+    monkeypatch.setattr(head, "forward", eos_first)
     text, trace = minidsa.generate("hi", tiny_model, max_new_tokens=8, temperature=0, return_trace=True)
     assert generated_ids(trace) == [TOK.eos_id] and text == ""
     text = minidsa.generate("hi", tiny_model, max_new_tokens=3, temperature=0, stop_at_eos=False)

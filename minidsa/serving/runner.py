@@ -1,0 +1,87 @@
+"""The model runner: one scheduled step of pieces in, the logits of the rows to sample out (docs/design.md §16).
+
+The engine (engine.py) keeps the requests, the schedule and the outputs; the runner owns what touches the
+model: it builds the step's metadata (``cache.prepare_step``), runs the step as one forward over packed
+tokens, or replays a captured CUDA graph when the step is a uniform decode, computes ``lm_head`` only on
+the rows that end their piece, and chooses the next tokens.
+
+    pieces (request, start, end), decode rows first -> one StepContext -> [1, N, d] -> lm_head(rows) -> tokens
+
+A forward that raises leaves the cache as it was (the blocks it reserved go back, no state is written), so
+the engine can fail the step's requests and go on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from ..cache import prepare_step
+from ..model.minidsa import MiniDSA
+from ..model.trace import ForwardTrace
+from .cuda_graphs import DecodeGraphs
+from .sampling import sample_next_token
+
+
+class ModelRunner:
+    """Runs the steps of one engine on its model and cache; ``graphs``: the captured decode steps, or None."""
+
+    def __init__(self, model: MiniDSA, cache, max_num_seqs: int, graphs: bool, compile_decode: bool) -> None:
+        self.model, self.cache = model, cache
+        self.graphs = None
+        if graphs:
+            self.graphs = DecodeGraphs(model, cache, max_num_seqs, compile=compile_decode)
+            self.graphs.capture()
+        self.packed_steps = self.graph_steps = 0
+
+    def execute(self, pieces: list, sample: list[int], trace: ForwardTrace | None) -> torch.Tensor:
+        """Run ``pieces`` [(request, start, end)] (one per request, decode rows first) as one step and return the
+        fp32 logits [len(sample), V] of the last token of each piece listed in ``sample``, on the host."""
+        if self.graphs is not None and trace is None and self.graphs.fits(len(pieces)) and all(
+                b - a == 1 and not r.has_media_from(a) for r, a, b in pieces):
+            logits = self.graphs.run([r.sid for r, _, _ in pieces], [r.tokens(a, b)[0] for r, a, b in pieces])
+            self.graph_steps += 1
+            return logits[sample, -1].float().cpu()  # one device-to-host copy per step
+        self.packed_steps += 1
+        return self.forward_packed(pieces, sample, trace).float().cpu()
+
+    def forward_packed(self, pieces: list, sample: list[int], trace: ForwardTrace | None) -> torch.Tensor:
+        """The step as one forward over its packed tokens -> logits [len(sample), V] (device)."""
+        m = self.model
+        step = prepare_step(self.cache, [r.sid for r, _, _ in pieces], [b - a for _, a, b in pieces], m.device,
+                            max_len=m.config.max_seq_len)
+        rows = torch.tensor([step.query_start[i + 1] - 1 for i in sample], dtype=torch.long).to(m.device)
+        try:
+            h = self.embeddings(pieces)
+            if m._workspace is not None:
+                m._workspace.routed[1].zero_()  # this forward's conversion count
+            with ops.use_backend(m.backend):
+                hidden = m.language_model.model(h, step, trace)
+                logits = m.language_model.lm_head(hidden[0, rows])
+        except BaseException:
+            step.rollback()  # the blocks this step reserved go back; nothing was committed
+            raise
+        step.publish()
+        return logits
+
+    def embeddings(self, pieces: list) -> torch.Tensor:
+        """[1, N, d]: the token embeddings of every piece, with the media features where a piece covers them."""
+        m = self.model
+        ids = torch.tensor([t for r, a, b in pieces for t in r.tokens(a, b)], dtype=torch.long)
+        h = m.language_model.model.embed_tokens(ids.to(m.device)).unsqueeze(0)
+        at = 0
+        for req, a, b in pieces:
+            if req.has_media_from(a):
+                if req.embeds is None:  # the whole prompt embedded once, media filled (cut into chunks later)
+                    req.embeds = m.embed(torch.tensor([req.prompt_ids], device=m.device), req.features)[0]
+                stop = min(b, len(req.prompt_ids))
+                h[0, at: at + stop - a] = req.embeds[a:stop]
+            at += b - a
+        return h
+
+    def sample(self, req, logits: torch.Tensor) -> int:
+        """The next token of ``req`` from its logits [V] (host), padding ids of the embedding table excluded."""
+        p = req.params
+        logits = logits.clone()
+        logits[self.model.tokenizer.vocab_size:] = float("-inf")
+        return sample_next_token(logits, p.temperature, p.top_p, req.generator, p.top_k)
