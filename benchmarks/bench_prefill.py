@@ -1,0 +1,158 @@
+"""Prefill of fresh sequences on the GPU against a plain dense decoder of the same size, in one run.
+
+    PYTHONPATH=. python benchmarks/bench_prefill.py [--config small] [--shapes 1x128 1x1024 1x4096 8x512]
+    PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/bench_prefill.py --dry-run   # CPU, tiny config
+
+minidsa runs what the engine runs for a prefill-only step: B fresh sequences of T tokens packed on one
+token axis (``prepare_step``, one forward, ``lm_head`` on each sequence's last token, the step published),
+backend triton, eager, wall clock from the host's call to the GPU's end (a prefill is not graph-replayed,
+so the host's cost is part of it). Each repetition prefills new sequences (freed after). The peer is a
+plain dense decoder of the same width and depth whose layers hold the same active parameters per token
+(bench_decode.py's peer: fused QKV, SDPA causal, SwiGLU), eager, no cache. Printed per shape: both times,
+the ratio, minidsa's kernels and host synchronisations per forward (counted by the profiler: a
+``cudaStreamSynchronize`` or a blocking device-to-host copy), and the fixed cost (the time of the 1 x 128
+forward, nearly all of it per-forward overhead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from _bench import warm_up, write_results
+from bench_decode import active_params_per_layer
+
+import minidsa
+from minidsa.cache import prepare_step
+
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+class DensePrefill(torch.nn.Module):
+    """Per layer: RMSNorm, fused QKV, causal SDPA, output projection, RMSNorm, SwiGLU; no cache."""
+
+    def __init__(self, d: int, layers: int, ffn: int, heads: int, vocab: int, dtype, device) -> None:
+        super().__init__()
+        self.h, self.hd = heads, d // heads
+        mk = lambda *s: torch.nn.Parameter(torch.randn(*s, dtype=dtype, device=device) * 0.02)
+        self.emb, self.head = mk(vocab, d), mk(vocab, d)
+        self.wqkv = torch.nn.ParameterList(mk(3 * d, d) for _ in range(layers))
+        self.wo = torch.nn.ParameterList(mk(d, d) for _ in range(layers))
+        self.w13 = torch.nn.ParameterList(mk(2 * ffn, d) for _ in range(layers))
+        self.w2 = torch.nn.ParameterList(mk(d, ffn) for _ in range(layers))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb[ids]
+        B, T, _ = x.shape
+        for l in range(len(self.wqkv)):
+            q, k, v = F.linear(F.rms_norm(x, (x.shape[-1],)), self.wqkv[l]).view(B, T, 3, self.h, self.hd).transpose(
+                1, 3).unbind(2)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + F.linear(o.transpose(1, 2).reshape(B, T, -1), self.wo[l])
+            g, u = F.linear(F.rms_norm(x, (x.shape[-1],)), self.w13[l]).chunk(2, -1)
+            x = x + F.linear(F.silu(g) * u, self.w2[l])
+        return F.linear(F.rms_norm(x[:, -1], (x.shape[-1],)), self.head)
+
+
+def prefill_fn(model, cache, ids: torch.Tensor):
+    """One prefill-only engine step of the rows of ``ids`` [B, T] as new sequences -> last logits [B, V]."""
+    B, T = ids.shape
+    flat = ids.reshape(1, -1)
+
+    def run():
+        sids = [cache.add_sequence() for _ in range(B)]
+        try:
+            step = prepare_step(cache, sids, [T] * B, ids.device, model.config.max_seq_len)
+            rows = torch.tensor([(i + 1) * T - 1 for i in range(B)], device=ids.device)
+            with minidsa.ops.use_backend(model.backend):
+                hidden = model.language_model.model(model.language_model.model.embed_tokens(flat), step, None)
+                logits = model.language_model.lm_head(hidden[0, rows])
+            step.publish()
+            return logits
+        finally:
+            for s in sids:
+                cache.free(s)
+    return run
+
+
+def wall(fn, device: str, reps: int) -> float:
+    """Median wall seconds of fn(), synchronised on both sides (host cost included)."""
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def census(fn, device: str) -> tuple[int, int]:
+    """(GPU kernels, host synchronisations) of one call, from the profiler."""
+    if device != "cuda":
+        return 0, 0
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.events()
+    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()
+                  and "memset" not in e.name.lower())
+    syncs = sum(1 for e in events if e.name in SYNC_EVENTS)
+    return kernels, syncs
+
+
+def run_shape(model, peer, batch: int, tokens: int, device: str, reps: int) -> dict:
+    cache = model.new_cache(num_blocks=batch * -(-tokens // model.config.kv_block_size) + 1)
+    ids = torch.randint(1, model.tokenizer.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    ours = prefill_fn(model, cache, ids)
+    with torch.inference_mode():
+        for _ in range(2):  # compiles, autotuning, first allocations
+            ours(), peer(ids)
+        row = {"batch": batch, "tokens": tokens, "minidsa_ms": wall(ours, device, reps) * 1e3,
+               "peer_ms": wall(lambda: peer(ids), device, reps) * 1e3}
+        row["kernels"], row["syncs"] = census(ours, device)
+        row["peer_kernels"], _ = census(lambda: peer(ids), device)
+    row["ratio"] = row["minidsa_ms"] / row["peer_ms"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="small")
+    ap.add_argument("--shapes", nargs="+", default=["1x128", "1x1024", "1x4096", "8x512"], help="BxT: B sequences of T")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny config, one small shape: the script checked")
+    args = ap.parse_args()
+    device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
+    if device == "cpu" and not args.dry_run:
+        raise SystemExit("bench_prefill.py needs a CUDA GPU; --dry-run checks it on the CPU")
+    config = minidsa.load_config("tiny" if args.dry_run else args.config)
+    shapes = [(1, 40), (2, 24)] if args.dry_run else [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+    config = config.replace(max_seq_len=max(config.max_seq_len, max(t for _, t in shapes)),
+                            max_sequences=max(config.max_sequences, max(b for b, _ in shapes)))
+    warm_up(device)
+    model = minidsa.MiniDSA(config, device=device).set_backend("triton" if device == "cuda" else "torch")
+    ffn = max(64, int((active_params_per_layer(model) - 4 * config.hidden_size ** 2) / (3 * config.hidden_size)))
+    peer = DensePrefill(config.hidden_size, config.num_layers, ffn // 64 * 64 or 64, config.mla.num_heads,
+                        config.vocab_size, model.language_model.lm_head.weight.dtype, device)
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run: timings meaningless)"
+    print(f"prefill, {config.name} {config.dtype} on {name}; peer: dense, ffn {ffn // 64 * 64}, SDPA causal, eager")
+    print(f"{'batch x tokens':>15s} {'minidsa':>10s} {'kernels':>8s} {'syncs':>6s} {'dense peer':>11s} {'ratio':>8s}")
+    rows = []
+    for b, t in shapes:
+        r = run_shape(model, peer, b, t, device, 2 if args.dry_run else args.reps)
+        rows.append(r)
+        faster = f"{1 / r['ratio']:.2f}x faster" if r["ratio"] < 1 else f"{r['ratio']:.2f}x slower"
+        print(f"{b:>7d} x {t:<5d} {r['minidsa_ms']:8.1f} ms {r['kernels']:8d} {r['syncs']:6d} {r['peer_ms']:8.1f} ms "
+              f"  {faster}")
+    write_results("bench_prefill", rows)
+
+
+if __name__ == "__main__":
+    main()
