@@ -13,9 +13,15 @@ of pieces.
 The host builds it once per step, before the forward (``prepare_step``), so no layer asks the host
 anything: positions, slot mapping, block tables, context lengths and state slots are device tensors,
 and every slice a layer takes is at offsets known on the host. Each layer reads its parts through
-``decode_part()`` and ``piece(i)``, which are ordinary ``CacheContext``s over views of these tensors:
-the decode and prefill code of the rectangle forward (``model(ids, cache=...)``, the reference) runs
+``decode_part()`` and ``prefill_part()``, which are ordinary ``CacheContext``s over these tensors: the
+decode and prefill code of the rectangle forward (``model(ids, cache=...)``, the reference) runs
 unchanged on them.
+
+The prefill pieces run as one rectangle [P', T_max] (P' pieces, the longest T_max tokens): ``pad`` puts
+each piece's tokens in its row, the rest of the row is padding at position -1 (no causal key, so the
+sparse ops select nothing and attend to nothing there; slot -1 writes nothing), and ``unpad`` takes
+the real tokens back. One call of each op then serves every piece, whatever their lengths: the cost of
+a step no longer grows with its number of pieces. Pieces of one length need no padding (views only).
 """
 
 from __future__ import annotations
@@ -43,6 +49,10 @@ class StepContext:
     context_lens: torch.Tensor  # int32 [P] tokens each sequence holds once the step's are stored
     state_slots: torch.Tensor  # int64 [P] KDA state slot of each piece's sequence
     query_start_loc: torch.Tensor  # int32 [P + 1] query_start on the device (for varlen kernels)
+    prefill_max: int = 0  # T_max: tokens of the longest prefill piece
+    prefill_dest: torch.Tensor | None = None  # int64 [N - num_decode]: each prefill token's row * T_max + column
+    prefill_positions: torch.Tensor | None = None  # int64 [P', T_max]: positions, -1 where a row is padding
+    prefill_lengths: torch.Tensor | None = None  # int64 [P'] tokens of each prefill piece (device)
     tables_before: dict = field(default_factory=dict)  # blocks each sequence owned before this step
     staged: list = field(default_factory=list)  # (cache layer, state name, state slots, new state)
 
@@ -69,12 +79,38 @@ class StepContext:
                      self.slot_mapping[:n], self.block_table[:n], self.context_lens[:n], self.state_slots[:n],
                      parent=self)
 
-    def piece(self, i: int) -> CacheContext:
-        """Piece ``i`` as a [1, T_i] context (the rectangle prefill's, for one sequence)."""
-        a, b = self.span(i)
-        return _Part(self.cache, self.seq_ids[i:i + 1], self.starts[i:i + 1], self.positions[a:b].view(1, b - a),
-                     self.slot_mapping[a:b], self.block_table[i:i + 1], self.context_lens[i:i + 1],
-                     self.state_slots[i:i + 1], parent=self)
+    @property
+    def padded(self) -> bool:
+        """Whether the prefill pieces differ in length (so ``pad`` copies into a padded rectangle)."""
+        return self.prefill_dest is not None
+
+    def prefill_part(self) -> CacheContext:
+        """Every prefill piece as one [P', T_max] context (rows past a piece's end: position and slot -1)."""
+        n, P = self.num_decode, self.num_pieces - self.num_decode
+        a = self.query_start[n]
+        if self.padded:
+            positions = self.prefill_positions
+            slots = self.pad(self.slot_mapping[a:].unsqueeze(0), fill=-1).reshape(-1)
+        else:
+            positions, slots = self.positions[a:].view(P, self.prefill_max), self.slot_mapping[a:]
+        return _Part(self.cache, self.seq_ids[n:], self.starts[n:], positions, slots, self.block_table[n:],
+                     self.context_lens[n:], self.state_slots[n:], parent=self)
+
+    def pad(self, t: torch.Tensor, fill: float = 0) -> torch.Tensor:
+        """The prefill tokens of ``t`` -> [P', T_max, ...], ``fill`` in the padding. ``t`` is [1, N, ...] (the
+        packed axis) or [1, N - num_decode, ...] (the prefill tokens alone)."""
+        first = self.query_start[self.num_decode] if t.shape[1] == self.num_tokens else 0
+        flat = t[0, first:]
+        P = self.num_pieces - self.num_decode
+        if not self.padded:
+            return flat.reshape(P, self.prefill_max, *t.shape[2:])
+        out = flat.new_full((P * self.prefill_max, *t.shape[2:]), fill)
+        return out.index_copy_(0, self.prefill_dest, flat).view(P, self.prefill_max, *t.shape[2:])
+
+    def unpad(self, t: torch.Tensor) -> torch.Tensor:
+        """[P', T_max, ...] -> the prefill tokens [1, N - num_decode, ...] in packed order (inverse of ``pad``)."""
+        flat = t.reshape(-1, *t.shape[2:])
+        return (flat.index_select(0, self.prefill_dest) if self.padded else flat).unsqueeze(0)
 
     def rollback(self) -> None:
         """The forward failed: give back the blocks this step reserved (sequences freed meanwhile are skipped)."""
@@ -133,10 +169,24 @@ def prepare_step(cache: PagedKVCache, seq_ids: list[int], num_tokens: list[int],
     piece_of = torch.repeat_interleave(torch.arange(len(seq_ids)), torch.tensor(num_tokens))
     slots = paged_slots(table[piece_of], positions.unsqueeze(1), cache.block_size).reshape(-1)
     lens = torch.tensor([s + n for s, n in zip(starts, num_tokens)])
+    lengths = num_tokens[num_decode:]
+    t_max = max(lengths, default=0)
+    padded = len(set(lengths)) > 1  # pieces of one length are a rectangle already
+    dest = pad_pos = torch.zeros(0, dtype=torch.long)
+    if padded:
+        dest = torch.cat([torch.arange(n) + r * t_max for r, n in enumerate(lengths)])
+        pad_pos = torch.full((len(lengths), t_max), -1, dtype=torch.long)
+        for r, (s, n) in enumerate(zip(starts[num_decode:], lengths)):
+            pad_pos[r, :n] = torch.arange(s, s + n)
     # One upload for all metadata (a host-to-device copy per tensor would be one wait each).
     packed = torch.cat([positions, slots.long(), table.reshape(-1).long(), lens, state_slots,
-                        torch.tensor(query_start)]).to(device)
+                        torch.tensor(query_start), dest, pad_pos.reshape(-1),
+                        torch.tensor(lengths, dtype=torch.long)]).to(device)
     P, N = len(seq_ids), query_start[-1]
-    pos, slot_mapping, tab, context_lens, slots_dev, qsl = packed.split([N, N, table.numel(), P, P, P + 1])
+    pos, slot_mapping, tab, context_lens, slots_dev, qsl, dest, pad_pos, lengths_dev = packed.split(
+        [N, N, table.numel(), P, P, P + 1, dest.numel(), pad_pos.numel(), len(lengths)])
     return StepContext(cache, list(seq_ids), starts, query_start, num_decode, pos, slot_mapping,
-                       tab.view(table.shape).int(), context_lens.int(), slots_dev, qsl.int(), tables_before)
+                       tab.view(table.shape).int(), context_lens.int(), slots_dev, qsl.int(), prefill_max=t_max,
+                       prefill_dest=dest if padded else None,
+                       prefill_positions=pad_pos.view(len(lengths), t_max) if padded else None,
+                       prefill_lengths=lengths_dev, tables_before=tables_before)

@@ -111,27 +111,41 @@ class KimiDeltaAttention(nn.Module):
 
     def _forward_step(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         """One packed engine step (x [1, N, d]): the input products once over all N tokens, the decode rows
-        through the fused step together, each prefill piece through the chunk form from its own sequence's
-        states (zero where the piece starts its sequence: a new sequence's slot is zeroed). -> [1, N, d]."""
+        through the fused step together, then every prefill piece at once through the chunk form, as one
+        [P', T_max] rectangle from the pieces' own states (zero where a piece starts its sequence: a new
+        sequence's slot is zeroed). -> [1, N, d]."""
         acc, n = acc_dtype(x), step.num_decode
         projected, f_a, b, gate = self.input_proj(x)
         parts = [self._decode_rows(step.decode_part(), projected[0, :n], f_a[0, :n], b[0, :n]).view(
             1, n, self.num_heads, self.head_dim)] if n else []
-        if step.num_pieces > n:  # the decay's up-projection once over every prefill token
-            z = cast(self.decay_up(f_a[:, step.query_start[n]:])[0], acc)
-        for i in step.prefill_pieces():
-            ctx, (a, e) = step.piece(i), step.span(i)
-            state = {name: ctx.cache.read_state(self.cache_layer, name, ctx.state_slots) for name in self.STATE_NAMES}
-            y, conv = causal_conv(cast(projected[:, a:e], acc), self.conv_weight.tensor(), state["conv"])
-            qkv = F.silu(y).view(1, e - a, 3, self.num_heads, self.head_dim)
-            off = step.query_start[n]
-            q, k, v, g, beta = ops.kda_step_inputs(qkv, z[:, a - off:e - off], cast(b[:, a:e], acc), self.A_log,
-                                                   self.dt_bias, self.lower_bound)
-            o, recurrent = ops.kda_chunk(q, k, v, g, beta, None, state["recurrent"], self.chunk_size)
-            ctx.stage_state(self.cache_layer, "recurrent", recurrent)
-            ctx.stage_state(self.cache_layer, "conv", conv)
-            parts.append(o)
+        if step.num_pieces > n:
+            parts.append(step.unpad(self._prefill_rect(step, projected, f_a, b)))
         return self.output(torch.cat(parts, 1), x, gate)
+
+    def _prefill_rect(self, step: StepContext, projected, f_a, b) -> torch.Tensor:
+        """The prefill pieces of a step as one [P', T_max] chunk-form call -> o [P', T_max, H, K]; stages both
+        states. Padding rows past a piece's end must leave its states as the piece left them: they get
+        q = k = v = 0, no decay (g = 0) and beta = 0, so the recurrence adds nothing there, and the conv state
+        is read at each piece's own end."""
+        acc, ctx = acc_dtype(projected), step.prefill_part()
+        state = {name: ctx.cache.read_state(self.cache_layer, name, ctx.state_slots) for name in self.STATE_NAMES}
+        first = step.query_start[step.num_decode]  # the first prefill token
+        inputs = step.pad(cast(projected, acc))  # [P', T_max, 3HK]
+        y, conv = causal_conv(inputs, self.conv_weight.tensor(), state["conv"])
+        P, T = y.shape[:2]
+        qkv = F.silu(y).view(P, T, 3, self.num_heads, self.head_dim)
+        z = cast(self.decay_up(f_a[:, first:])[0], acc)  # the decay's up-projection over the prefill tokens only
+        q, k, v, g, beta = ops.kda_step_inputs(qkv, step.pad(z), step.pad(cast(b, acc)), self.A_log, self.dt_bias,
+                                               self.lower_bound)
+        if step.padded:
+            real = (step.prefill_positions >= 0).to(acc)  # [P', T_max]
+            q, k, v, g = (t * real[..., None, None] for t in (q, k, v, g))
+            beta = beta * real[..., None]
+            conv = _conv_state_at_ends(state["conv"], inputs, step.prefill_lengths)
+        o, recurrent = ops.kda_chunk(q, k, v, g, beta, None, state["recurrent"], self.chunk_size)
+        ctx.stage_state(self.cache_layer, "recurrent", recurrent)
+        ctx.stage_state(self.cache_layer, "conv", conv)
+        return o
 
     def recurrence_inputs(self, x: torch.Tensor, state: dict[str, torch.Tensor]):
         """x [B, T, d] and the conv state -> ((q, k [B, T, H, K], v [B, T, H, K], g [B, T, H, K], beta [B, T, H]),
@@ -163,3 +177,11 @@ class KimiDeltaAttention(nn.Module):
         o = self.o_norm(o).reshape(B, T, self.num_heads * self.head_dim) * gate
         out = ops.linear(cast(o, self.o_proj.weight.dtype), self.o_proj.weight)
         return out if self.parallel is None else self.parallel.tp_all_reduce(out)  # this rank's heads: partial
+
+
+def _conv_state_at_ends(state: torch.Tensor, inputs: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The last W-1 inputs of each row of a padded rectangle: state [P, W-1, C] (before), inputs [P, T_max, C]
+    (row r real up to lengths[r], int64 [P] on the device) -> [P, W-1, C] (``causal_conv``'s for an unpadded row)."""
+    full = torch.cat([cast(state, inputs.dtype), inputs], 1)  # row r's last W-1 real inputs end at W-1+len_r
+    index = lengths.view(-1, 1) + torch.arange(state.shape[1], device=inputs.device)  # [P, W-1]
+    return full.gather(1, index.unsqueeze(-1).expand(-1, -1, full.shape[-1]))

@@ -129,22 +129,24 @@ class GatedMLA(nn.Module):
     # ---------------------------------------------------------------- one packed engine step
     def _forward_step(self, step: StepContext, proj: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens of several sequences on one axis ([1, N, ...]): every new row stored with one call, then the
-        decode rows selected and attended together, each prefill piece over its own sequence's keys.
+        decode rows selected and attended together, then the prefill pieces together, each over its own
+        sequence's keys.
         -> (int32 [1, N, topk], o [1, N, H, dv])."""
         planes = {name: step.cache.plane(self.cache_layer, name) for name in step.cache.layout.plane_names}
         for name, plane in planes.items():
             ops.store_kv(plane, step.slot_mapping, proj[name].reshape(step.num_tokens, -1))
         parts = []
-        if step.num_decode:
-            ctx, n = step.decode_part(), step.num_decode
+        n = step.num_decode
+        if n:
+            ctx = step.decode_part()
             rows = {k: v[0, :n].unsqueeze(1) for k, v in proj.items()}  # [n, 1, ...]: one row per sequence
             idx = self.indexer.select_paged(rows["q_idx"], rows["w_idx"], planes, ctx)
             parts.append((idx.view(1, n, -1), self._attend_decode(ctx, rows, idx).flatten(0, 1).unsqueeze(0)))
-        for i in step.prefill_pieces():
-            ctx, (a, b) = step.piece(i), step.span(i)
-            piece = {k: v[:, a:b] for k, v in proj.items()}
-            idx = self.indexer.select_paged(piece["q_idx"], piece["w_idx"], planes, ctx)
-            parts.append((idx, self._attend_prefill(ctx, piece, idx)))
+        if step.num_pieces > n:  # every prefill piece in one [P', T_max] rectangle, padded where lengths differ
+            ctx = step.prefill_part()
+            rect = {k: step.pad(proj[k]) for k in ("q", "q_idx", "w_idx")}
+            idx = self.indexer.select_paged(rect["q_idx"], rect["w_idx"], planes, ctx)  # -1 on padding rows
+            parts.append((step.unpad(idx), step.unpad(self._attend_prefill(ctx, rect, idx))))
         return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
 
     # ---------------------------------------------------------------- cached paths: projections + ops

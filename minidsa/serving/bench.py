@@ -9,6 +9,11 @@ prompt with the same N tokens, primed by one untimed warm-up request (a system p
 ``--images K`` gives every prompt K seeded random images. All requests arrive at once, so TTFT includes
 the time a request waits for a slot.
 
+The report also gives the decode ceiling of the same model at the engine's mean decode batch: one static
+decode step of that many sequences (of the workload's mean prompt length) replayed from a CUDA graph on a
+GPU, run eagerly on the CPU, with no scheduling, sampling or host bookkeeping around it; and the engine's
+decode-only steps (every row one token) against it, whole steps as the engine ran them.
+
 Every request must end by reaching its output length (finish_reason "length"): eos is ignored and no
 stop string is set, so "stop" is as wrong as "error" or "abort". ``failure(result)`` says how many did
 not and why; the CLI then exits 1, so a broken run never reads as a slow one.
@@ -22,8 +27,11 @@ import time
 from collections import Counter
 
 import numpy as np
+import torch
 
+from .. import ops
 from ..model.minidsa import MiniDSA
+from .cuda_graphs import decode_logits, padded_decode_context
 from .engine import Engine
 from .generation import generate
 from .params import SamplingParams
@@ -89,7 +97,43 @@ def run_engine(model: MiniDSA, requests: list[dict], warmup: dict | None = None,
         "prefix_hit_rate_kv": (s["prefix_cache_hits_kv"] - before["prefix_cache_hits_kv"]) / max(1, queries),
         "prefix_hit_rate": (s["prefix_cache_hits"] - before["prefix_cache_hits"]) / max(1, queries),
         "num_blocks": engine.cache.layout.num_blocks, "cache_bound": s["memory"]["bound"],
+        "decode_steps": s["decode_steps"] - before["decode_steps"],
+        "decode_tokens_per_s": (s["decode_tokens"] - before["decode_tokens"]) / max(
+            1e-9, s["decode_seconds"] - before["decode_seconds"]),
+        "mean_decode_batch": (s["decode_tokens"] - before["decode_tokens"]) / max(
+            1, s["decode_steps"] - before["decode_steps"]),
     }
+
+
+def decode_ceiling(model: MiniDSA, batch: int, context: int, reps: int = 20) -> float:
+    """Tokens/s of one static decode step of ``batch`` sequences holding ``context`` tokens each: the step
+    captured once and replayed (CUDA), or run again on the same context (CPU); nothing else timed."""
+    batch, context = max(1, batch), max(1, min(context, model.config.max_seq_len - 1))
+    cache = model.new_cache(num_blocks=batch * -(-(context + 1) // model.config.kv_block_size))
+    sids = [cache.add_sequence() for _ in range(batch)]
+    dev = model.device
+    ids = torch.randint(1, model.tokenizer.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        model(ids.to(dev), cache=cache, seq_ids=sids)
+        cache.reserve({s: context + 1 for s in sids})
+        ctx = padded_decode_context(cache, sids, batch, -(-(context + 1) // cache.block_size), dev)
+        tokens = torch.ones(batch, 1, dtype=torch.long, device=dev)
+        with ops.use_backend(model.backend):
+            step = lambda: decode_logits(model, tokens, ctx)
+            step()
+            if dev.type == "cuda":
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                step = graph.replay
+                step()
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(reps):
+                step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+    return batch * reps / (time.perf_counter() - start)
 
 
 def _failures(outs) -> dict[str, int]:
@@ -153,6 +197,11 @@ def format_report(result: dict, title: str = "Serving Benchmark Result") -> str:
         lines += [f"{'Sequential generate() duration (s):':<40}{seq['duration_s']:>10.2f}",
                   f"{'Sequential output throughput (tok/s):':<40}{seq['output_throughput']:>10.2f}",
                   f"{'Engine / sequential throughput:':<40}{r['output_throughput'] / seq['output_throughput']:>9.2f}x"]
+    if "decode_ceiling" in r:
+        lines += [f"{'Decode-only steps (tok/s):':<40}{r['decode_tokens_per_s']:>10.2f}",
+                  f"{'Decode ceiling, batch ' + str(round(r['mean_decode_batch'])) + ' (tok/s):':<40}"
+                  f"{r['decode_ceiling']:>10.2f}",
+                  f"{'Decode-only steps / ceiling:':<40}{r['decode_tokens_per_s'] / r['decode_ceiling']:>9.2f}x"]
     return "\n".join(lines + ["=" * 50])
 
 
@@ -165,4 +214,6 @@ def benchmark(model: MiniDSA, num_requests: int = 32, input_len: tuple[int, int]
     result = run_engine(model, requests, warmup_request(requests, shared_prefix), **engine_kw)
     if sequential and not result["failures"]:
         result["sequential"] = run_sequential(model, requests)
+    if result["decode_steps"] and not result["failures"]:
+        result["decode_ceiling"] = decode_ceiling(model, round(result["mean_decode_batch"]), sum(input_len) // 2)
     return result

@@ -98,6 +98,7 @@ class Engine:
         self.raise_errors = False  # generate() sets it: a failed forward is the caller's exception
         self._ids = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0
+        self.decode_steps, self.decode_tokens, self.decode_seconds = 0, 0, 0.0  # steps whose rows were all decodes
 
     @property
     def graphs(self):
@@ -182,6 +183,7 @@ class Engine:
         """Schedule, run and sample one step; the outputs of every request that moved."""
         now = time.perf_counter()
         work = self.scheduler.schedule()
+        decode_only = bool(work) and all(n == 1 and req.num_computed >= len(req.prompt_ids) for req, n in work)
         for req, _ in work:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
@@ -194,6 +196,10 @@ class Engine:
         for r in moved.values():
             if r.finished:
                 self.requests.pop(r.request_id, None)
+        if decode_only:
+            self.decode_steps += 1
+            self.decode_tokens += len(work)
+            self.decode_seconds += time.perf_counter() - now
         return outs
 
     def _boundaries(self, req: EngineRequest, start: int, end: int) -> list[int]:
@@ -344,6 +350,8 @@ class Engine:
             "kda_checkpoints": len(pc.checkpoints) if pc else 0,
             "cuda_graph_replays": self.graphs.replays if self.graphs else 0,
             "packed_steps": self.runner.packed_steps,
+            "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens,
+            "decode_seconds": self.decode_seconds,
             "memory": dict(self.budget),
         }
 

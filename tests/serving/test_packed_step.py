@@ -56,7 +56,8 @@ def two_caches(model, history: list[int]):
     """Two caches holding the same sequences, sequence i with ``history[i]`` tokens already prefilled."""
     torch.manual_seed(1)
     d = model.config.hidden_size
-    past = [torch.randn(n, d, dtype=torch.float64) for n in history]
+    dtype = model.language_model.lm_head.weight.dtype
+    past = [torch.randn(n, d, dtype=dtype) for n in history]
     caches = []
     for _ in range(2):
         cache = model.new_cache()
@@ -145,3 +146,43 @@ def test_an_engine_step_is_one_forward(model):
     engine.generate(["a", "a longer prompt", "the longest prompt of the three"],
                     minidsa.SamplingParams(temperature=0, max_tokens=3), progress=False)
     assert engine.stats()["packed_steps"] == 3
+
+
+@pytest.mark.slow  # about 50 s per layer kind in the interpreter
+@pytest.mark.parametrize("kind", ["mla", "kda"])
+def test_the_kernels_take_the_packed_step_too(kind):
+    """The triton kernels (Triton's interpreter on the CPU) on one attention layer of a mixed, padded step: fp32,
+    against the same kernels run piece by piece as rectangles. 1e-5 relative: fp32 rounding of the same
+    kernels over different row counts."""
+    torch.manual_seed(0)
+    model = minidsa.MiniDSA(tiny_config())
+    layer = next(x.self_attn for x in model.language_model.model.layers if x.layer_type == kind)
+    history, lengths = [9, 0, 16], [1, 5, 3]
+    out, caches = [], []
+    for packed in (True, False):
+        cache = model.new_cache()
+        sids = [cache.add_sequence() for _ in history]
+        torch.manual_seed(1)
+        with torch.inference_mode(), minidsa.ops.use_backend("triton"):
+            for sid, n in zip(sids, history):  # the same history in both caches
+                if n:
+                    ctx = cache.prepare([sid], n, "cpu")
+                    layer(torch.randn(1, n, model.config.hidden_size), ctx)
+                    ctx.publish()
+            xs = [torch.randn(1, n, model.config.hidden_size) for n in lengths]
+            if packed:
+                step = prepare_step(cache, sids, lengths, "cpu")
+                out.append(layer(torch.cat(xs, 1), step)[0])
+                step.publish()
+            else:
+                for sid, x in zip(sids, xs):
+                    ctx = cache.prepare([sid], x.shape[1], "cpu")
+                    out.append(layer(x, ctx)[0])
+                    ctx.publish()
+        caches.append(cache)
+    rect = torch.cat(out[1:])
+    assert (out[0] - rect).abs().max() <= 1e-5 * rect.abs().max()
+    mine, ref = caches
+    for a, b in zip(mine.storage + mine.state, ref.storage + ref.state):
+        for name in a:
+            assert (a[name].float() - b[name].float()).abs().max() <= 1e-5 * b[name].float().abs().max(), name
