@@ -125,7 +125,7 @@ def main() -> None:
                               args.shared_prefix)
     warmup = bench.warmup_request(requests, args.shared_prefix)
     kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    result = bench.run_engine(model, requests, warmup, **kw)
+    result = bench.add_ceiling(model, bench.run_engine(model, requests, warmup, **kw), tuple(args.input_len))
     print(bench.format_report(result), flush=True)
     failed = bench.failure(result)
     if failed:  # the figures measure nothing: say why, keep them in --json for the post-mortem, exit 1

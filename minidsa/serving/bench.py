@@ -214,6 +214,12 @@ def benchmark(model: MiniDSA, num_requests: int = 32, input_len: tuple[int, int]
     result = run_engine(model, requests, warmup_request(requests, shared_prefix), **engine_kw)
     if sequential and not result["failures"]:
         result["sequential"] = run_sequential(model, requests)
+    return add_ceiling(model, result, input_len)
+
+
+def add_ceiling(model: MiniDSA, result: dict, input_len: tuple[int, int]) -> dict:
+    """``result`` with the decode ceiling at its mean decode batch and mean prompt length (when it has
+    decode-only steps and no failed request)."""
     if result["decode_steps"] and not result["failures"]:
         result["decode_ceiling"] = decode_ceiling(model, round(result["mean_decode_batch"]), sum(input_len) // 2)
     return result
