@@ -21,6 +21,7 @@ not and why; the CLI then exits 1, so a broken run never reads as a slow one.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import time
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from .. import ops
+from ..cache import PagedKVCache
 from ..model.minidsa import MiniDSA
 from .cuda_graphs import decode_logits, padded_decode_context
 from .engine import Engine
@@ -109,7 +111,8 @@ def decode_ceiling(model: MiniDSA, batch: int, context: int, reps: int = 20) -> 
     """Tokens/s of one static decode step of ``batch`` sequences holding ``context`` tokens each: the step
     captured once and replayed (CUDA), or run again on the same context (CPU); nothing else timed."""
     batch, context = max(1, batch), max(1, min(context, model.config.max_seq_len - 1))
-    cache = model.new_cache(num_blocks=batch * -(-(context + 1) // model.config.kv_block_size))
+    layout = model.cache_layout(batch * -(-(context + 1) // model.config.kv_block_size))
+    cache = PagedKVCache(dataclasses.replace(layout, num_state_slots=batch), model.device)  # a slot per row
     sids = [cache.add_sequence() for _ in range(batch)]
     dev = model.device
     ids = torch.randint(1, model.tokenizer.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
