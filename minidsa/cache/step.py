@@ -137,12 +137,9 @@ class _Part(CacheContext):
         self.parent.staged.append((layer, name, self.state_slots, value))
 
 
-def prepare_step(cache: PagedKVCache, seq_ids: list[int], num_tokens: list[int], device,
-                 max_len: int | None = None) -> StepContext:
-    """Reserve room for ``num_tokens[i]`` more tokens of sequence ``seq_ids[i]`` (all-or-nothing; no
-    sequence past ``max_len``) and describe the packed step as device tensors, one upload. The pieces
-    must come decode rows first (every piece of one token before any longer one) and name distinct
-    sequences. Nothing is committed until ``StepContext.publish``."""
+def _check_pieces(seq_ids: list[int], num_tokens: list[int]) -> int:
+    """ValueError unless the pieces make a step (distinct sequences, counts >= 1, decode rows first);
+    returns the number of decode rows."""
     if len(seq_ids) != len(num_tokens) or not seq_ids:
         raise ValueError(f"one token count per sequence, at least one piece: {len(seq_ids)} sequences, "
                          f"{len(num_tokens)} counts")
@@ -153,6 +150,28 @@ def prepare_step(cache: PagedKVCache, seq_ids: list[int], num_tokens: list[int],
     num_decode = next((i for i, n in enumerate(num_tokens) if n > 1), len(num_tokens))
     if any(n == 1 for n in num_tokens[num_decode:]):
         raise ValueError(f"the pieces of one token (decode rows) must come first, got lengths {num_tokens}")
+    return num_decode
+
+
+def _padding(starts: list[int], lengths: list[int], t_max: int, padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each prefill token's row * t_max + column [sum(lengths)], positions [P', t_max] with -1 as padding);
+    empty tensors when the pieces need no padding."""
+    if not padded:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    dest = torch.cat([torch.arange(n) + r * t_max for r, n in enumerate(lengths)])
+    positions = torch.full((len(lengths), t_max), -1, dtype=torch.long)
+    for r, (s, n) in enumerate(zip(starts, lengths)):
+        positions[r, :n] = torch.arange(s, s + n)
+    return dest, positions
+
+
+def prepare_step(cache: PagedKVCache, seq_ids: list[int], num_tokens: list[int], device,
+                 max_len: int | None = None) -> StepContext:
+    """Reserve room for ``num_tokens[i]`` more tokens of sequence ``seq_ids[i]`` (all-or-nothing; no
+    sequence past ``max_len``) and describe the packed step as device tensors, one upload. The pieces
+    must come decode rows first (every piece of one token before any longer one) and name distinct
+    sequences. Nothing is committed until ``StepContext.publish``."""
+    num_decode = _check_pieces(seq_ids, num_tokens)
     with cache._lock:
         starts = [cache.seq_len(s) for s in seq_ids]
         for sid, start, n in zip(seq_ids, starts, num_tokens):
@@ -172,12 +191,7 @@ def prepare_step(cache: PagedKVCache, seq_ids: list[int], num_tokens: list[int],
     lengths = num_tokens[num_decode:]
     t_max = max(lengths, default=0)
     padded = len(set(lengths)) > 1  # pieces of one length are a rectangle already
-    dest = pad_pos = torch.zeros(0, dtype=torch.long)
-    if padded:
-        dest = torch.cat([torch.arange(n) + r * t_max for r, n in enumerate(lengths)])
-        pad_pos = torch.full((len(lengths), t_max), -1, dtype=torch.long)
-        for r, (s, n) in enumerate(zip(starts[num_decode:], lengths)):
-            pad_pos[r, :n] = torch.arange(s, s + n)
+    dest, pad_pos = _padding(starts[num_decode:], lengths, t_max, padded)
     # One upload for all metadata (a host-to-device copy per tensor would be one wait each).
     packed = torch.cat([positions, slots.long(), table.reshape(-1).long(), lens, state_slots,
                         torch.tensor(query_start), dest, pad_pos.reshape(-1),

@@ -114,7 +114,7 @@ class KimiDeltaAttention(nn.Module):
         through the fused step together, then every prefill piece at once through the chunk form, as one
         [P', T_max] rectangle from the pieces' own states (zero where a piece starts its sequence: a new
         sequence's slot is zeroed). -> [1, N, d]."""
-        acc, n = acc_dtype(x), step.num_decode
+        n = step.num_decode
         projected, f_a, b, gate = self.input_proj(x)
         parts = [self._decode_rows(step.decode_part(), projected[0, :n], f_a[0, :n], b[0, :n]).view(
             1, n, self.num_heads, self.head_dim)] if n else []

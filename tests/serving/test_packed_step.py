@@ -13,12 +13,11 @@ piece boundary costs O(1). The selections are integers and must be equal.
 
 import pytest
 import torch
+from conftest import tiny_config, with_indexer
 
 import minidsa
 from minidsa.cache import prepare_step
 from minidsa.serving.engine import Engine
-
-from conftest import tiny_config, with_indexer
 
 TOL = 1e-12  # relative, fp64 (see above)
 
