@@ -33,6 +33,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, cache, max_num_seqs, compile=compile_decode)
             self.graphs.capture()
         self.packed_steps = self.graph_steps = 0
+        self.last_step = None  # the StepContext of the last packed forward (for pictures and checks)
 
     def execute(self, pieces: list, sample: list[int], trace: ForwardTrace | None) -> torch.Tensor:
         """Run ``pieces`` [(request, start, end)] (one per request, decode rows first) as one step and return the
@@ -50,6 +51,7 @@ class ModelRunner:
         m = self.model
         step = prepare_step(self.cache, [r.sid for r, _, _ in pieces], [b - a for _, a, b in pieces], m.device,
                             max_len=m.config.max_seq_len)
+        self.last_step = step
         rows = torch.tensor([step.query_start[i + 1] - 1 for i in sample], dtype=torch.long).to(m.device)
         try:
             h = self.embeddings(pieces)

@@ -9,6 +9,7 @@ return numpy arrays, floats or dicts that tests and notebooks can assert on.
 - ``moe.py``: expert load and routing, and the shared FP8 expert workspace.
 - ``mxfp4.py``: the E2M1 values, MXFP4 round-trip error, and expert bytes per format.
 - ``cache.py``: the paged KV cache's block tables.
+- ``step.py``: one packed engine step: its token axis, pieces, blocks and state slots.
 - ``budget.py``: the memory budget of a config at a context length.
 - ``training.py``: the losses of a training run, its stages marked.
 """
@@ -36,6 +37,7 @@ from .selection import (
     selection_matrix,
     selection_recall,
 )
+from .step import plot_packed_step, step_table
 from .tokens import find_span, token_labels
 from .training import load_history, plot_training_curves, stage_spans
 
@@ -44,12 +46,12 @@ __all__ = [
     "depth_weight_matrix", "find_span", "indexer_scores", "pick_share", "plot_depth_weights", "plot_index_scores",
     "plot_recall", "plot_selection", "random_pick_share", "selection_matrix", "selection_recall", "source_names",
     "token_labels",
-    # kda, moe, mxfp4, cache, budget, training
+    # kda, moe, mxfp4, cache, step, budget, training
     "kda_gates", "plot_kda_gates", "plot_state_memory", "state_memory",
     "expert_load", "expert_routing", "plot_expert_load", "plot_routed_experts", "plot_workspace", "workspace_bytes",
     "expert_format_bytes", "plot_format_bytes", "plot_mxfp4_values", "plot_quantisation_error", "relative_error",
     "round_trip",
-    "plot_block_tables",
+    "plot_block_tables", "plot_packed_step", "step_table",
     "memory_budget", "plot_memory_budget",
     "load_history", "plot_training_curves", "stage_spans",
 ]
