@@ -49,7 +49,7 @@ def plot_packed_step(step: StepContext, *, ax=None):
     ax.set_yticks([])
     ax.set_xticks(step.query_start)
     ax.set_xlabel("token axis of the step's one forward (ticks: query_start); left of the black line: decode rows")
-    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(0, -0.45), ncol=1)
-    ax.set_title(f"One packed step: {step.num_decode} decode rows, {step.num_pieces - step.num_decode} prefill pieces, "
-                 f"{n} tokens")
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(0, -0.3), ncol=1)
+    k = step.num_pieces - step.num_decode
+    ax.set_title(f"One packed step: {step.num_decode} decode rows, {k} prefill piece{'s' * (k != 1)}, {n} tokens")
     return fig
