@@ -281,7 +281,9 @@ class LatentMoE(nn.Module):
         for start in range(0, experts.numel(), step):
             batch = experts[start: start + step]
             gates = ((ids.unsqueeze(0) == batch.view(-1, 1, 1)) * weights).sum(-1)  # [m, N], 0 = not routed
-            part = ops.expert_mlp_fp8(z, *self._slots(batch), cast(gates, acc), self.beta_gate, self.beta_up)
+            # at most top_k pairs per token: the kernel's buffers sized without reading the count back
+            part = ops.expert_mlp_fp8(z, *self._slots(batch), cast(gates, acc), self.beta_gate, self.beta_up,
+                                      ids.numel())
             y_lat = part if y_lat is None else y_lat + part
         return y_lat
 

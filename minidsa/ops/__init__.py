@@ -153,10 +153,12 @@ def mxfp4_to_fp8(packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tens
 
 
 def expert_mlp_fp8(z: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor, gates: torch.Tensor,
-                   beta_gate: float, beta_up: float, *, backend: str | None = None) -> torch.Tensor:
+                   beta_gate: float, beta_up: float, max_pairs: int = 0, *, backend: str | None = None) -> torch.Tensor:
     """Routed-expert MLPs over FP8 workspace slots. z [N,L], elements [cap,3,I*L], scales [cap,3,I*L/32],
-    gates [m,N] (0 = not routed) -> y_lat [N,L] fp32."""
-    return pick("expert_mlp_fp8", backend, expert_mlp_fp8_ref, z, gates)(z, elements, scales, gates, beta_gate, beta_up)
+    gates [m,N] (0 = not routed) -> y_lat [N,L] fp32. ``max_pairs``: at least the number of nonzero gates
+    (N * top_k for a MoE layer), so a kernel sizes its buffers without reading the count back; 0 = count."""
+    return pick("expert_mlp_fp8", backend, expert_mlp_fp8_ref, z, gates)(z, elements, scales, gates, beta_gate,
+                                                                          beta_up, max_pairs)
 
 
 def expert_mlp_mxfp4(z: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,

@@ -41,7 +41,7 @@ SCHEMAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mxfp4_to_fp8": ("(Tensor packed, Tensor scales, Tensor experts, Tensor(a!) out_elements, "
                      "Tensor(b!) out_scales) -> ()", ("out_elements", "out_scales")),
     "expert_mlp_fp8": ("(Tensor z, Tensor elements, Tensor scales, Tensor gates, float beta_gate, "
-                       "float beta_up) -> Tensor", ()),
+                       "float beta_up, int max_pairs=0) -> Tensor", ()),
     "expert_mlp_mxfp4": ("(Tensor z, Tensor packed, Tensor scales, Tensor experts, Tensor gates, "
                          "float beta_gate, float beta_up) -> Tensor", ()),
     "situ_glu": ("(Tensor g, Tensor u, float beta_gate, float beta_up) -> Tensor", ()),
@@ -83,7 +83,7 @@ FAKES: dict[str, Callable] = {
                                         _new(projected, (projected.shape[0], *state_pool.shape[1:])),
                                         _new(projected, (projected.shape[0], *conv_pool.shape[1:]))),
     "mxfp4_to_fp8": lambda packed, scales, experts, out_elements, out_scales: None,
-    "expert_mlp_fp8": lambda z, elements, scales, gates, beta_gate, beta_up: _new(z, z.shape),
+    "expert_mlp_fp8": lambda z, elements, scales, gates, beta_gate, beta_up, max_pairs=0: _new(z, z.shape),
     "expert_mlp_mxfp4": lambda z, packed, scales, experts, gates, beta_gate, beta_up: _new(z, z.shape),
     "situ_glu": lambda g, u, beta_gate, beta_up: _new(g, g.shape),
     "linear": lambda x, weight: x.new_empty((*x.shape[:-1], weight.shape[0])),

@@ -346,3 +346,16 @@ def test_fp64_goes_to_the_reference(experts_store):
     got = mlp.expert_mlp_fp8(z64, els[keep], scs[keep], g64[keep], 4.0, 25.0)
     assert got.dtype == torch.float64
     assert torch.equal(got, ref.expert_mlp_fp8_ref(z64, els[keep], scs[keep], g64[keep], 4.0, 25.0))
+
+
+def test_a_pair_bound_sizes_the_compact_layout_without_reading_back(experts_store, monkeypatch):
+    """With max_pairs (a MoE layer passes N * top_k) the prefill layout reads nothing back to the host and gives
+    the counted layout's result bit for bit; a bound below the real count is refused, not overrun."""
+    z, experts, gates, els, scs = case(experts_store, 5)
+    counted = mlp._launch_mlp(z, els, scs, None, gates, 4.0, 25.0, L, I, dense=False)
+    pairs = int((gates != 0).sum())
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda *a: pytest.fail("the pair count was read back"))
+    bounded = mlp._launch_mlp(z, els, scs, None, gates, 4.0, 25.0, L, I, dense=False, max_pairs=pairs + 7)
+    assert torch.equal(bounded, counted)
+    with pytest.raises(RuntimeError, match="more routed pairs than max_pairs"):
+        mlp._launch_mlp(z, els, scs, None, gates, 4.0, 25.0, L, I, dense=False, max_pairs=pairs - 1)

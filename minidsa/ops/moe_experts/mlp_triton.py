@@ -267,23 +267,30 @@ def _config(on_gpu: bool, dense: bool, N: int = 1) -> dict:
     return dict(BLOCK_T=64, BLOCK_R=128, BLOCK_K=64, num_warps=8, num_stages=3, BLOCK_S=16, BLOCK_L=256)
 
 
-def _compact(gates: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _compact(gates: torch.Tensor, max_pairs: int = 0) -> tuple[torch.Tensor, ...]:
     """Per-slot lists of routed tokens: (rank int32 [m, N] inclusive, count int32 [m], offset int32 [m],
-    token int32 [pairs + 1], pairs, the longest list). Reads those two numbers back to the host (one
-    sync): the buffers are sized by the pairs and the grid by the longest list, not by N."""
+    token int32 [pairs + 1], pairs, the longest list). With ``max_pairs`` (a bound the caller knows, N * top_k)
+    the buffers are sized by it and the grid by N, and nothing is read back: the programs past a slot's list
+    return at once, and a bound below the true count stops the device with an assertion. Without it the two
+    numbers are read back (one host synchronisation) to size both exactly."""
     m, N = gates.shape
     routed = gates != 0
     rank = torch.cumsum(routed, 1, dtype=torch.int32)
     count = rank[:, -1].contiguous()
     offset = torch.cumsum(count, 0, dtype=torch.int32) - count
-    pairs, longest = torch.stack([count.sum(), count.max()]).tolist()
+    if max_pairs > 0:
+        torch._assert_async(count.sum() <= max_pairs, "expert_mlp_fp8: more routed pairs than max_pairs")
+        pairs, longest = max_pairs, N
+    else:
+        pairs, longest = torch.stack([count.sum(), count.max()]).tolist()
     dest = torch.where(routed, offset[:, None] + rank - 1, pairs).view(-1).long()  # unrouted -> a spare row
     tokens = torch.arange(N, dtype=torch.int32, device=gates.device).expand(m, N).reshape(-1)
     token = torch.empty(pairs + 1, dtype=torch.int32, device=gates.device).scatter_(0, dest, tokens)
     return rank, count, offset, token, pairs, longest
 
 
-def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool | None = None) -> torch.Tensor:
+def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool | None = None,
+                max_pairs: int = 0) -> torch.Tensor:
     """The three passes; ``experts`` None means slot j is storage row j (the FP8 workspace)."""
     N, m = z.shape[0], gates.shape[0]
     if N == 0 or m == 0:
@@ -302,7 +309,7 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
         rank = count = offset = token = gates  # unused pointers
         pairs, longest = m * N, N
     else:
-        rank, count, offset, token, pairs, longest = _compact(gates)
+        rank, count, offset, token, pairs, longest = _compact(gates, max_pairs)
         if pairs == 0:  # no token routed anywhere
             return out.zero_()
     h = torch.empty(pairs, I, dtype=torch.float32, device=z.device)
@@ -329,7 +336,7 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
 
 
 def expert_mlp_fp8(z: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor, gates: torch.Tensor,
-                   beta_gate: float, beta_up: float) -> torch.Tensor:
+                   beta_gate: float, beta_up: float, max_pairs: int = 0) -> torch.Tensor:
     """Routed-expert MLPs over the FP8 workspace slots: z [N, L], elements float8_e4m3fn [cap, 3, I*L],
     scales uint8 [cap, 3, I*L/32], gates [m, N] (0 = not routed) -> y_lat [N, L] fp32."""
     N, L, I, m = check_fp8_mlp(z, elements, scales, gates)
@@ -337,7 +344,7 @@ def expert_mlp_fp8(z: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor
         return expert_mlp_fp8_ref(z, elements, scales, gates, beta_gate, beta_up)
     _require_rows_contiguous("elements", elements)
     _require_rows_contiguous("scales", scales)
-    return _launch_mlp(z, elements, scales, None, gates, beta_gate, beta_up, L, I)
+    return _launch_mlp(z, elements, scales, None, gates, beta_gate, beta_up, L, I, max_pairs=max_pairs)
 
 
 def expert_mlp_mxfp4(z: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,

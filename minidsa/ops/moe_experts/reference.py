@@ -212,7 +212,7 @@ def check_mxfp4_mlp(z, packed, scales, experts, gates) -> tuple[int, int, int, i
 
 
 def expert_mlp_fp8_ref(z: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor, gates: torch.Tensor,
-                       beta_gate: float, beta_up: float) -> torch.Tensor:
+                       beta_gate: float, beta_up: float, max_pairs: int = 0) -> torch.Tensor:
     """Routed-expert MLPs over the FP8 workspace; slot j holds one expert.
 
     Args:
