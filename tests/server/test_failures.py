@@ -1,8 +1,9 @@
 """A request the engine fails is never answered as a success: a 500 whose OpenAI error body names the cause,
 plain or (once tokens have gone out) as the stream's last event, and the server goes on serving.
 
-The failure is injected through the model's forward, the seam every engine step goes through: the served
-model is its own instance whose ``forward`` raises or returns NaN logits while ``fault`` says so. Expected
+The failure is injected through the decoder's forward, the seam every engine step goes through (a packed
+step or a graph): the served model is its own instance whose decoder raises or returns NaN while ``fault``
+says so. Expected
 answers come from an independent Engine on an unpatched copy of the shipped model.
 """
 
@@ -14,6 +15,7 @@ import pytest
 
 import minidsa
 from minidsa import Engine, SamplingParams
+from minidsa.cache import StepContext
 from minidsa.server import start_server
 
 openai = pytest.importorskip("openai")
@@ -36,20 +38,21 @@ def faulty():
     model = minidsa.load("default", progress=False)
     fault = {"mode": None, "gate": threading.Event()}
     fault["gate"].set()
-    forward = model.forward
+    decoder = model.language_model.model
+    forward = decoder.forward
 
-    def patched(*args, **kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
+    def patched(emb, ctx, trace):
         mode = fault["mode"]
-        if mode == "decode" and ids is not None and ids.shape[1] == 1:
+        decode = emb.shape[1] == 1 or (isinstance(ctx, StepContext) and ctx.num_decode == ctx.num_pieces)
+        if mode == "decode" and decode:
             fault["gate"].wait(TIMEOUT)
             raise RuntimeError(CAUSE)
         if mode == "all":
             raise RuntimeError(CAUSE)
-        logits = forward(*args, **kwargs)
-        return logits * float("nan") if mode == "nan" else logits
+        hidden = forward(emb, ctx, trace)
+        return hidden * float("nan") if mode == "nan" else hidden
 
-    model.forward = patched
+    decoder.forward = patched
     with start_server(model, port=0) as srv:
         yield srv, fault
 

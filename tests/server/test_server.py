@@ -386,12 +386,13 @@ def test_overload_is_a_503_with_retry_after_and_close_ends_live_requests(model):
 def test_an_engine_failure_is_a_500_never_a_success():
     broken = minidsa.load("default", progress=False)  # its own model: the forward is patched to fail
     with start_server(broken, port=0) as srv:
-        broken.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected failure"))
+        decoder = broken.language_model.model  # what every engine step runs, packed or graphed
+        decoder.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected failure"))
         for stream in (False, True):
             status, _, reply = request(srv, "POST", "/v1/completions", {"prompt": "hi", "stream": stream})
             assert status == 500 and "injected failure" in reply["error"]["message"], reply
             assert reply["error"]["type"] == "server_error"
-        del broken.forward
+        del decoder.forward
         status, _, reply = request(srv, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert status == 200 and reply["usage"]["completion_tokens"] == 2  # the engine went on
         assert metrics(srv)[("minidsa:request_success_total", (("finished_reason", "error"),))] == 2
