@@ -152,6 +152,22 @@ def main() -> None:
         print(f"{b:>7d} x {t:<5d} {r['minidsa_ms']:8.1f} ms {r['kernels']:8d} {r['syncs']:6d} {r['peer_ms']:8.1f} ms "
               f"  {faster}")
     write_results("bench_prefill", rows)
+    if args.dry_run:
+        diff = check_against_rectangle(model)
+        print(f"{'PASS' if diff <= 1e-4 else 'FAIL'}: the packed prefill's last logits against the rectangle forward's, "
+              f"max |diff| {diff:.2g} (fp32, tolerance 1e-4)")
+        if diff > 1e-4:
+            raise SystemExit(1)
+
+
+def check_against_rectangle(model) -> float:
+    """Max |diff| of the benchmarked step's last-token logits against ``model(ids, cache=...)`` per sequence."""
+    ids = torch.randint(1, model.tokenizer.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        packed = prefill_fn(model, model.new_cache(), ids)()
+        cache = model.new_cache()
+        rect = torch.stack([model(ids[i:i + 1], cache=cache, seq_ids=[cache.add_sequence()])[0, -1] for i in range(2)])
+    return (packed.float() - rect).abs().max().item()
 
 
 if __name__ == "__main__":
