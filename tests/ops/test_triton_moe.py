@@ -357,5 +357,6 @@ def test_a_pair_bound_sizes_the_compact_layout_without_reading_back(experts_stor
     monkeypatch.setattr(torch.Tensor, "tolist", lambda *a: pytest.fail("the pair count was read back"))
     bounded = mlp._launch_mlp(z, els, scs, None, gates, 4.0, 25.0, L, I, dense=False, max_pairs=pairs + 7)
     assert torch.equal(bounded, counted)
-    with pytest.raises(RuntimeError, match="more routed pairs than max_pairs"):
-        mlp._launch_mlp(z, els, scs, None, gates, 4.0, 25.0, L, I, dense=False, max_pairs=pairs - 1)
+    if DEV == "cpu":  # on a GPU the assertion stops the device for good: the process (this test run) is over
+        with pytest.raises(RuntimeError, match="more routed pairs than max_pairs"):
+            mlp._launch_mlp(z, els, scs, None, gates, 4.0, 25.0, L, I, dense=False, max_pairs=pairs - 1)
