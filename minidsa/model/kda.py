@@ -130,13 +130,13 @@ class KimiDeltaAttention(nn.Module):
         acc, ctx = acc_dtype(projected), step.prefill_part()
         state = {name: ctx.cache.read_state(self.cache_layer, name, ctx.state_slots) for name in self.STATE_NAMES}
         first = step.query_start[step.num_decode]  # the first prefill token
-        inputs = step.pad(cast(projected, acc))  # [P', T_max, 3HK]
+        inputs = step.pad(cast(projected[:, first:], acc))  # [P', T_max, 3HK]
         y, conv = causal_conv(inputs, self.conv_weight.tensor(), state["conv"])
         P, T = y.shape[:2]
         qkv = F.silu(y).view(P, T, 3, self.num_heads, self.head_dim)
         z = cast(self.decay_up(f_a[:, first:])[0], acc)  # the decay's up-projection over the prefill tokens only
-        q, k, v, g, beta = ops.kda_step_inputs(qkv, step.pad(z), step.pad(cast(b, acc)), self.A_log, self.dt_bias,
-                                               self.lower_bound)
+        q, k, v, g, beta = ops.kda_step_inputs(qkv, step.pad(z), step.pad(cast(b[:, first:], acc)), self.A_log,
+                                               self.dt_bias, self.lower_bound)
         if step.padded:
             real = (step.prefill_positions >= 0).to(acc)  # [P', T_max]
             q, k, v, g = (t * real[..., None, None] for t in (q, k, v, g))
