@@ -64,11 +64,10 @@ def prefill_fn(model, cache, ids: torch.Tensor):
     def run():
         sids = [cache.add_sequence() for _ in range(B)]
         try:
-            step = prepare_step(cache, sids, [T] * B, ids.device, model.config.max_seq_len)
-            rows = torch.tensor([(i + 1) * T - 1 for i in range(B)], device=ids.device)
+            step = prepare_step(cache, sids, [T] * B, ids.device, model.config.max_seq_len, sample=range(B))
             with minidsa.ops.use_backend(model.backend):
                 hidden = model.language_model.model(model.language_model.model.embed_tokens(flat), step, None)
-                logits = model.language_model.lm_head(hidden[0, rows])
+                logits = model.language_model.lm_head(hidden[0, step.logits_indices])
             step.publish()
             return logits
         finally:

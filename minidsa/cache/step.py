@@ -53,6 +53,7 @@ class StepContext:
     prefill_dest: torch.Tensor | None = None  # int64 [N - num_decode]: each prefill token's row * T_max + column
     prefill_positions: torch.Tensor | None = None  # int64 [P', T_max]: positions, -1 where a row is padding
     prefill_lengths: torch.Tensor | None = None  # int64 [P'] tokens of each prefill piece (device)
+    logits_indices: torch.Tensor | None = None  # int64 [S] the last token of each piece to sample (lm_head rows)
     tables_before: dict = field(default_factory=dict)  # blocks each sequence owned before this step
     staged: list = field(default_factory=list)  # (cache layer, state name, state slots, new state)
 
@@ -166,11 +167,12 @@ def _padding(starts: list[int], lengths: list[int], t_max: int, padded: bool) ->
 
 
 def prepare_step(cache: PagedKVCache, seq_ids: list[int], num_tokens: list[int], device,
-                 max_len: int | None = None) -> StepContext:
+                 max_len: int | None = None, sample=()) -> StepContext:
     """Reserve room for ``num_tokens[i]`` more tokens of sequence ``seq_ids[i]`` (all-or-nothing; no
     sequence past ``max_len``) and describe the packed step as device tensors, one upload. The pieces
     must come decode rows first (every piece of one token before any longer one) and name distinct
-    sequences. Nothing is committed until ``StepContext.publish``."""
+    sequences; ``sample``: the pieces whose last token's logits are wanted (``logits_indices``). Nothing is
+    committed until ``StepContext.publish``."""
     num_decode = _check_pieces(seq_ids, num_tokens)
     with cache._lock:
         starts = [cache.seq_len(s) for s in seq_ids]
@@ -195,12 +197,13 @@ def prepare_step(cache: PagedKVCache, seq_ids: list[int], num_tokens: list[int],
     # One upload for all metadata (a host-to-device copy per tensor would be one wait each).
     packed = torch.cat([positions, slots.long(), table.reshape(-1).long(), lens, state_slots,
                         torch.tensor(query_start), dest, pad_pos.reshape(-1),
-                        torch.tensor(lengths, dtype=torch.long)]).to(device)
+                        torch.tensor(lengths, dtype=torch.long),
+                        torch.tensor([query_start[i + 1] - 1 for i in sample], dtype=torch.long)]).to(device)
     P, N = len(seq_ids), query_start[-1]
-    pos, slot_mapping, tab, context_lens, slots_dev, qsl, dest, pad_pos, lengths_dev = packed.split(
-        [N, N, table.numel(), P, P, P + 1, dest.numel(), pad_pos.numel(), len(lengths)])
+    pos, slot_mapping, tab, context_lens, slots_dev, qsl, dest, pad_pos, lengths_dev, rows = packed.split(
+        [N, N, table.numel(), P, P, P + 1, dest.numel(), pad_pos.numel(), len(lengths), len(sample)])
     return StepContext(cache, list(seq_ids), starts, query_start, num_decode, pos, slot_mapping,
                        tab.view(table.shape).int(), context_lens.int(), slots_dev, qsl.int(), prefill_max=t_max,
                        prefill_dest=dest if padded else None,
                        prefill_positions=pad_pos.view(len(lengths), t_max) if padded else None,
-                       prefill_lengths=lengths_dev, tables_before=tables_before)
+                       prefill_lengths=lengths_dev, logits_indices=rows, tables_before=tables_before)

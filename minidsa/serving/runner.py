@@ -50,16 +50,15 @@ class ModelRunner:
         """The step as one forward over its packed tokens -> logits [len(sample), V] (device)."""
         m = self.model
         step = prepare_step(self.cache, [r.sid for r, _, _ in pieces], [b - a for _, a, b in pieces], m.device,
-                            max_len=m.config.max_seq_len)
+                            max_len=m.config.max_seq_len, sample=sample)
         self.last_step = step
-        rows = torch.tensor([step.query_start[i + 1] - 1 for i in sample], dtype=torch.long).to(m.device)
         try:
             h = self.embeddings(pieces)
             if m._workspace is not None:
                 m._workspace.routed[1].zero_()  # this forward's conversion count
             with ops.use_backend(m.backend):
                 hidden = m.language_model.model(h, step, trace)
-                logits = m.language_model.lm_head(hidden[0, rows])
+                logits = m.language_model.lm_head(hidden[0, step.logits_indices])
         except BaseException:
             step.rollback()  # the blocks this step reserved go back; nothing was committed
             raise
