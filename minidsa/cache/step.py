@@ -26,6 +26,7 @@ a step no longer grows with its number of pieces. Pieces of one length need no p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -167,7 +168,7 @@ def _padding(starts: list[int], lengths: list[int], t_max: int, padded: bool) ->
 
 
 def prepare_step(cache: PagedKVCache, seq_ids: list[int], num_tokens: list[int], device,
-                 max_len: int | None = None, sample=()) -> StepContext:
+                 max_len: int | None = None, sample: Sequence[int] = ()) -> StepContext:
     """Reserve room for ``num_tokens[i]`` more tokens of sequence ``seq_ids[i]`` (all-or-nothing; no
     sequence past ``max_len``) and describe the packed step as device tensors, one upload. The pieces
     must come decode rows first (every piece of one token before any longer one) and name distinct
