@@ -12,17 +12,23 @@ plain dense decoder of the same width and depth whose layers hold the same activ
 the ratio, minidsa's kernels and host synchronisations per forward (counted by the profiler: a
 ``cudaStreamSynchronize`` or a blocking device-to-host copy), and the fixed cost (the time of the 1 x 128
 forward, nearly all of it per-forward overhead).
+
+``--by-module`` also counts, for one 1 x 128 forward, the aten ops each kind of module dispatches (on a GPU
+nearly one kernel launch each; the Triton kernels do not go through aten and are not counted): where the
+glue between the kernels is, by module and by op.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import time
 
 import torch
 import torch.nn.functional as F
 from _bench import warm_up, write_results
 from bench_decode import active_params_per_layer
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import minidsa
 from minidsa.cache import prepare_step
@@ -105,6 +111,56 @@ def census(fn, device: str) -> tuple[int, int]:
     return kernels, syncs
 
 
+MODULE_KINDS = ("KimiDeltaAttention", "GatedMLA", "LightningIndexer", "LatentMoE", "SituGluMLP", "RMSNorm")
+VIEWS = {"view", "_unsafe_view", "reshape", "select", "slice", "unsqueeze", "squeeze", "mT", "t", "transpose", "permute",
+         "expand", "as_strided", "split", "split_with_sizes", "unbind", "detach", "alias", "diagonal", "unfold",
+         "narrow", "chunk", "view_as", "lift_fresh", "empty", "empty_strided", "new_empty"}  # launch no kernel
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts every aten op but views and allocations (which launch nothing) by the innermost module kind
+    running it ("decoder" for the residual mixers and the embedding)."""
+
+    def __init__(self, stack: list[str]) -> None:
+        super().__init__()
+        self.stack, self.counts = stack, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name not in VIEWS:
+            where = self.stack[-1] if self.stack else "decoder"
+            self.counts[where] += 1
+            self.counts[(where, name)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_by_module(model, fn) -> collections.Counter:
+    """Aten ops of one ``fn()`` per module kind (str keys) and per (kind, op) (tuple keys)."""
+    stack: list[str] = []
+    hooks = []
+    for mod in model.modules():
+        kind = type(mod).__name__
+        if kind in MODULE_KINDS:
+            hooks.append(mod.register_forward_pre_hook(lambda m, a, k=kind: stack.append(k)))
+            hooks.append(mod.register_forward_hook(lambda m, a, o: stack.pop() and None))  # None: keep the output
+    try:
+        with torch.inference_mode(), _OpCounter(stack) as counter:
+            fn()
+    finally:
+        for h in hooks:
+            h.remove()
+    return counter.counts
+
+
+def print_ops_by_module(counts: collections.Counter, layers: int, top: int = 6) -> None:
+    kinds = [(k, n) for k, n in counts.most_common() if isinstance(k, str)]
+    print(f"aten ops of one forward, views and allocations left out: {sum(n for _, n in kinds)} ({layers} layers)")
+    for kind, n in kinds:
+        ops = sorted(((op, c) for (w, op), c in ((k, c) for k, c in counts.items() if isinstance(k, tuple))
+                      if w == kind), key=lambda x: -x[1])
+        print(f"  {kind:20s} {n:6d}   " + ", ".join(f"{op} {c}" for op, c in ops[:top]))
+
+
 def run_shape(model, peer, batch: int, tokens: int, device: str, reps: int) -> dict:
     cache = model.new_cache(num_blocks=batch * -(-tokens // model.config.kv_block_size) + 1)
     ids = torch.randint(1, model.tokenizer.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(0))
@@ -126,6 +182,7 @@ def main() -> None:
     ap.add_argument("--config", default="small")
     ap.add_argument("--shapes", nargs="+", default=["1x128", "1x1024", "1x4096", "8x512"], help="BxT: B sequences of T")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--by-module", action="store_true", help="also count the aten ops of one forward by module")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny config, one small shape: the script checked")
     args = ap.parse_args()
     device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
@@ -151,6 +208,9 @@ def main() -> None:
         print(f"{b:>7d} x {t:<5d} {r['minidsa_ms']:8.1f} ms {r['kernels']:8d} {r['syncs']:6d} {r['peer_ms']:8.1f} ms "
               f"  {faster}")
     write_results("bench_prefill", rows)
+    if args.by_module or args.dry_run:
+        ids = torch.randint(1, model.tokenizer.vocab_size, (1, 24 if args.dry_run else 128)).to(device)
+        print_ops_by_module(ops_by_module(model, prefill_fn(model, model.new_cache(), ids)), config.num_layers)
     if args.dry_run:
         diff = check_against_rectangle(model)
         print(f"{'PASS' if diff <= 1e-4 else 'FAIL'}: the packed prefill's last logits against the rectangle forward's, "
