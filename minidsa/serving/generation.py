@@ -80,7 +80,7 @@ class GenerationStream:
 class _Run:
     """The state of one request on its own Engine over the given cache; ``run()`` is the generator a
     GenerationStream wraps. The batch is admitted at once with its whole length reserved (all or
-    nothing), then stepped: prompts of equal length prefill together, then the rows decode together."""
+    nothing), then stepped: the prompts prefill in one packed forward, then the rows decode together."""
 
     def __init__(self, model: MiniDSA, req: Request, cache: PagedKVCache) -> None:
         self.model, self.req, self.cache = model, req, cache
