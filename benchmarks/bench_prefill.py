@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 from _bench import warm_up, write_results
-from bench_decode import active_params_per_layer
+from bench_decode import DensePeer, active_params_per_layer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import minidsa
@@ -36,18 +36,12 @@ from minidsa.cache import prepare_step
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
-class DensePrefill(torch.nn.Module):
-    """Per layer: RMSNorm, fused QKV, causal SDPA, output projection, RMSNorm, SwiGLU; no cache."""
+class DensePrefill(DensePeer):
+    """bench_decode.py's peer, its weights, run over whole prompts: per layer RMSNorm, fused QKV, causal SDPA,
+    output projection, RMSNorm, SwiGLU; no cache (its static KV buffers are left at one slot)."""
 
     def __init__(self, d: int, layers: int, ffn: int, heads: int, vocab: int, dtype, device) -> None:
-        super().__init__()
-        self.h, self.hd = heads, d // heads
-        mk = lambda *s: torch.nn.Parameter(torch.randn(*s, dtype=dtype, device=device) * 0.02)
-        self.emb, self.head = mk(vocab, d), mk(vocab, d)
-        self.wqkv = torch.nn.ParameterList(mk(3 * d, d) for _ in range(layers))
-        self.wo = torch.nn.ParameterList(mk(d, d) for _ in range(layers))
-        self.w13 = torch.nn.ParameterList(mk(2 * ffn, d) for _ in range(layers))
-        self.w2 = torch.nn.ParameterList(mk(d, ffn) for _ in range(layers))
+        super().__init__(d, layers, ffn, heads, vocab, 1, 1, dtype, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb[ids]

@@ -327,6 +327,27 @@ class PagedKVCache:
 
     # ---------------------------------------------------------------- one forward
     @_locked
+    def reserve_more(self, seq_ids: list[int], num_tokens: list[int],
+                     max_len: int | None = None) -> tuple[list[int], dict[int, int]]:
+        """Room for ``num_tokens[i]`` more tokens of each sequence ``seq_ids[i]`` (all-or-nothing, none past
+        ``max_len``) -> (each sequence's length before, its block count before: what a rollback keeps)."""
+        starts = [self.seq_len(s) for s in seq_ids]
+        for sid, start, n in zip(seq_ids, starts, num_tokens):
+            if max_len is not None and start + n > max_len:
+                raise ValueError(f"sequence {sid} would hold {start + n} tokens, more than max_seq_len = {max_len}")
+        tables_before = {sid: len(self._tables[sid]) for sid in seq_ids}
+        self.reserve({sid: s + n for sid, s, n in zip(seq_ids, starts, num_tokens)})
+        return starts, tables_before
+
+    @_locked
+    def give_back(self, tables_before: dict[int, int]) -> None:
+        """Undo ``reserve_more``: each sequence keeps its first ``tables_before[sid]`` blocks (sequences
+        freed meanwhile are skipped)."""
+        for sid, n in tables_before.items():
+            if sid in self._tables:
+                self.release_blocks(sid, keep=n)
+
+    @_locked
     def prepare(self, seq_ids: list[int], num_tokens: int, device: torch.device | str,
                 max_len: int | None = None, rows: int | None = None) -> "CacheContext":
         """Reserve room for ``num_tokens`` more tokens in each sequence (all-or-nothing; no sequence may
@@ -342,13 +363,7 @@ class PagedKVCache:
         seq_ids = list(seq_ids)
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids must be distinct, got {seq_ids!r}")
-        starts = [self.seq_len(s) for s in seq_ids]
-        for sid, start in zip(seq_ids, starts):
-            if max_len is not None and start + num_tokens > max_len:
-                raise ValueError(f"sequence {sid} would hold {start + num_tokens} tokens, more than "
-                                 f"max_seq_len = {max_len}")
-        tables_before = {sid: len(self._tables[sid]) for sid in seq_ids}
-        self.reserve({sid: s + num_tokens for sid, s in zip(seq_ids, starts)})
+        starts, tables_before = self.reserve_more(seq_ids, [num_tokens] * len(seq_ids), max_len)
         positions = torch.tensor(starts).unsqueeze(1) + torch.arange(num_tokens)  # [B, T], host
         table = self.block_table_tensor(seq_ids, device="cpu")
         slots = paged_slots(table, positions, self.block_size)
@@ -398,9 +413,7 @@ class CacheContext:
 
     def rollback(self) -> None:
         """The forward failed: give back the blocks it reserved (sequences freed meanwhile are skipped)."""
-        for sid, n in self.tables_before.items():
-            if sid in self.cache.sequences():
-                self.cache.release_blocks(sid, keep=n)
+        self.cache.give_back(self.tables_before)
 
     def publish(self) -> None:
         """The forward succeeded: write the staged KDA states and commit the new lengths."""

@@ -116,9 +116,7 @@ class StepContext:
 
     def rollback(self) -> None:
         """The forward failed: give back the blocks this step reserved (sequences freed meanwhile are skipped)."""
-        for sid, n in self.tables_before.items():
-            if sid in self.cache.sequences():
-                self.cache.release_blocks(sid, keep=n)
+        self.cache.give_back(self.tables_before)
 
     def publish(self) -> None:
         """The forward succeeded: write the staged KDA states and commit the new lengths."""
@@ -175,15 +173,9 @@ def prepare_step(cache: PagedKVCache, seq_ids: list[int], num_tokens: list[int],
     sequences; ``sample``: the pieces whose last token's logits are wanted (``logits_indices``). Nothing is
     committed until ``StepContext.publish``."""
     num_decode = _check_pieces(seq_ids, num_tokens)
-    with cache._lock:
-        starts = [cache.seq_len(s) for s in seq_ids]
-        for sid, start, n in zip(seq_ids, starts, num_tokens):
-            if max_len is not None and start + n > max_len:
-                raise ValueError(f"sequence {sid} would hold {start + n} tokens, more than max_seq_len = {max_len}")
-        tables_before = {sid: len(cache.block_table(sid)) for sid in seq_ids}
-        cache.reserve({sid: s + n for sid, s, n in zip(seq_ids, starts, num_tokens)})
-        table = cache.block_table_tensor(seq_ids, device="cpu")
-        state_slots = cache.state_slots(seq_ids)
+    starts, tables_before = cache.reserve_more(seq_ids, num_tokens, max_len)
+    table = cache.block_table_tensor(seq_ids, device="cpu")
+    state_slots = cache.state_slots(seq_ids)
     query_start = [0]
     for n in num_tokens:
         query_start.append(query_start[-1] + n)

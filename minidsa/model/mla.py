@@ -132,9 +132,7 @@ class GatedMLA(nn.Module):
         decode rows selected and attended together, then the prefill pieces together, each over its own
         sequence's keys.
         -> (int32 [1, N, topk], o [1, N, H, dv])."""
-        planes = {name: step.cache.plane(self.cache_layer, name) for name in step.cache.layout.plane_names}
-        for name, plane in planes.items():
-            ops.store_kv(plane, step.slot_mapping, proj[name].reshape(step.num_tokens, -1))
+        planes = self._store(step.cache, step.slot_mapping, proj)
         parts = []
         n = step.num_decode
         if n:
@@ -152,10 +150,15 @@ class GatedMLA(nn.Module):
     # ---------------------------------------------------------------- cached paths: projections + ops
     def _store_and_select(self, ctx: CacheContext, proj: dict) -> torch.Tensor:
         """Store the new tokens' rows, then select over every cached key (new ones included): int32 [B, T, topk]."""
-        planes = {name: ctx.cache.plane(self.cache_layer, name) for name in ctx.cache.layout.plane_names}
-        for name, plane in planes.items():
-            ops.store_kv(plane, ctx.slot_mapping, proj[name].reshape(ctx.slot_mapping.numel(), -1))
+        planes = self._store(ctx.cache, ctx.slot_mapping, proj)
         return self.indexer.select_paged(proj["q_idx"], proj["w_idx"], planes, ctx)
+
+    def _store(self, cache, slot_mapping: torch.Tensor, proj: dict) -> dict[str, torch.Tensor]:
+        """Write every new token's row of each plane at its slot (slot_mapping [n], -1 = skip); -> this layer's planes."""
+        planes = {name: cache.plane(self.cache_layer, name) for name in cache.layout.plane_names}
+        for name, plane in planes.items():
+            ops.store_kv(plane, slot_mapping, proj[name].reshape(slot_mapping.numel(), -1))
+        return planes
 
     def _attend_prefill(self, ctx: CacheContext, proj: dict, idx: torch.Tensor) -> torch.Tensor:
         """Block-aggregated gather + decompressed attention -> o [B, T, H, dv] fp32."""

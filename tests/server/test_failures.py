@@ -3,8 +3,7 @@ plain or (once tokens have gone out) as the stream's last event, and the server 
 
 The failure is injected through the decoder's forward, the seam every engine step goes through (a packed
 step or a graph): the served model is its own instance whose decoder raises or returns NaN while ``fault``
-says so. Expected
-answers come from an independent Engine on an unpatched copy of the shipped model.
+says so. Expected answers come from an independent Engine on an unpatched copy of the shipped model.
 """
 
 import http.client
