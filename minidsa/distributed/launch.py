@@ -137,8 +137,11 @@ def _worker(rank: int, par: Parallelism, store: str, task, args, results) -> Non
     except Exception as e:
         # a RankError names its rank(s) already (a failed load, a peer that died), the same on every rank
         message = str(e) if isinstance(e, RankError) else f"rank {rank} of {par.world} {_label(par)} failed: {e}"
-        with open(f"{store}.error.{rank}", "w") as f:  # when written: a peer's failure follows the first one
+        # when written: a peer's failure follows the first one. Written aside and renamed, so the parent never
+        # reads a half-written file from a rank that is stopped mid-write (it is, once another rank fails).
+        with open(f"{store}.writing-error.{rank}", "w") as f:
             f.write(f"{time.time()!r}\t{message}")
+        os.replace(f"{store}.writing-error.{rank}", f"{store}.error.{rank}")
         raise RuntimeError(message) from e
     finally:
         dist.destroy_process_group()
