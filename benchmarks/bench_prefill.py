@@ -5,13 +5,14 @@
 
 minidsa runs what the engine runs for a prefill-only step: B fresh sequences of T tokens packed on one
 token axis (``prepare_step``, one forward, ``lm_head`` on each sequence's last token, the step published),
-backend triton, eager, wall clock from the host's call to the GPU's end (a prefill is not graph-replayed,
-so the host's cost is part of it). Each repetition prefills new sequences (freed after). The peer is a
-plain dense decoder of the same width and depth whose layers hold the same active parameters per token
-(bench_decode.py's peer: fused QKV, SDPA causal, SwiGLU), eager, no cache. Printed per shape: both times,
-the ratio, minidsa's kernels and host synchronisations per forward (counted by the profiler: a
-``cudaStreamSynchronize`` or a blocking device-to-host copy), and the fixed cost (the time of the 1 x 128
-forward, nearly all of it per-forward overhead).
+backend triton, wall clock from the host's call to the GPU's end, host cost included: eagerly, and as the
+engine replays it, from the CUDA graph of the step's shape (serving/step_graphs.py; captured during the
+warm-up, as the engine captures a shape the first time it meets it). Each repetition prefills new
+sequences (freed after). The peer is a plain dense decoder of the same width and depth whose layers hold
+the same active parameters per token (bench_decode.py's peer: fused QKV, SDPA causal, SwiGLU), eager, no
+cache. Printed per shape: the eager time with its kernels and host synchronisations per forward (counted
+by the profiler: a ``cudaStreamSynchronize`` or a blocking device-to-host copy), the graph's time, the
+peer's, and the graph against the peer. The 1 x 128 times are the fixed cost of a forward.
 
 ``--by-module`` also counts, for one 1 x 128 forward, the aten ops each kind of module dispatches (on a GPU
 nearly one kernel launch each; the Triton kernels do not go through aten and are not counted): where the
@@ -32,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import minidsa
 from minidsa.cache import prepare_step
+from minidsa.serving.step_graphs import StepGraphs
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
@@ -70,6 +72,23 @@ def prefill_fn(model, cache, ids: torch.Tensor):
                 logits = model.language_model.lm_head(hidden[0, step.logits_indices])
             step.publish()
             return logits
+        finally:
+            for s in sids:
+                cache.free(s)
+    return run
+
+
+def graph_fn(graphs: StepGraphs, ids: torch.Tensor):
+    """The same step replayed from the graph of its shape (``graphs.eager``: run shaped, uncaptured)."""
+    B, T = ids.shape
+    flat = ids.reshape(-1).tolist()
+    cache = graphs.cache
+
+    def run():
+        sids = [cache.add_sequence() for _ in range(B)]
+        try:
+            shape = graphs.shape_for(sids, [T] * B)
+            return graphs.run(shape, sids, [T] * B, flat, list(range(B)))
         finally:
             for s in sids:
                 cache.free(s)
@@ -160,11 +179,12 @@ def run_shape(model, peer, batch: int, tokens: int, device: str, reps: int) -> d
     ids = torch.randint(1, model.tokenizer.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
     ours = prefill_fn(model, cache, ids)
+    graphed = graph_fn(StepGraphs(model, cache, max(8, batch), eager=device != "cuda"), ids)
     with torch.inference_mode():
-        for _ in range(2):  # compiles, autotuning, first allocations
-            ours(), peer(ids)
-        row = {"batch": batch, "tokens": tokens, "minidsa_ms": wall(ours, device, reps) * 1e3,
-               "peer_ms": wall(lambda: peer(ids), device, reps) * 1e3}
+        for _ in range(2):  # compiles, autotuning, first allocations, the graph's capture
+            ours(), graphed(), peer(ids)
+        row = {"batch": batch, "tokens": tokens, "eager_ms": wall(ours, device, reps) * 1e3,
+               "minidsa_ms": wall(graphed, device, reps) * 1e3, "peer_ms": wall(lambda: peer(ids), device, reps) * 1e3}
         row["kernels"], row["syncs"] = census(ours, device)
         row["peer_kernels"], _ = census(lambda: peer(ids), device)
     row["ratio"] = row["minidsa_ms"] / row["peer_ms"]
@@ -193,14 +213,15 @@ def main() -> None:
                         config.vocab_size, model.language_model.lm_head.weight.dtype, device)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run: timings meaningless)"
     print(f"prefill, {config.name} {config.dtype} on {name}; peer: dense, ffn {ffn // 64 * 64}, SDPA causal, eager")
-    print(f"{'batch x tokens':>15s} {'minidsa':>10s} {'kernels':>8s} {'syncs':>6s} {'dense peer':>11s} {'ratio':>8s}")
+    print(f"{'batch x tokens':>15s} {'eager':>10s} {'kernels':>8s} {'syncs':>6s} {'graph':>10s} {'dense peer':>11s} "
+          f"{'graph vs peer':>14s}")
     rows = []
     for b, t in shapes:
         r = run_shape(model, peer, b, t, device, 2 if args.dry_run else args.reps)
         rows.append(r)
         faster = f"{1 / r['ratio']:.2f}x faster" if r["ratio"] < 1 else f"{r['ratio']:.2f}x slower"
-        print(f"{b:>7d} x {t:<5d} {r['minidsa_ms']:8.1f} ms {r['kernels']:8d} {r['syncs']:6d} {r['peer_ms']:8.1f} ms "
-              f"  {faster}")
+        print(f"{b:>7d} x {t:<5d} {r['eager_ms']:8.1f} ms {r['kernels']:8d} {r['syncs']:6d} {r['minidsa_ms']:8.1f} ms "
+              f"{r['peer_ms']:8.1f} ms   {faster}")
     write_results("bench_prefill", rows)
     if args.by_module or args.dry_run:
         ids = torch.randint(1, model.tokenizer.vocab_size, (1, 24 if args.dry_run else 128)).to(device)

@@ -8,7 +8,8 @@
 
 from .layout import CacheLayout, OutOfKVBlocksError, Plane
 from .paged import CacheContext, PagedKVCache, check_cache_layout
-from .step import StepContext, prepare_step
+from .step import StepContext, StepShape, prepare_step
 
-__all__ = ["CacheContext", "CacheLayout", "OutOfKVBlocksError", "PagedKVCache", "Plane", "StepContext", "check_cache_layout",
+__all__ = ["CacheContext", "CacheLayout", "OutOfKVBlocksError", "PagedKVCache", "Plane", "StepContext", "StepShape",
+           "check_cache_layout",
            "prepare_step"]

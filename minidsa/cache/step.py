@@ -22,10 +22,16 @@ each piece's tokens in its row, the rest of the row is padding at position -1 (n
 sparse ops select nothing and attend to nothing there; slot -1 writes nothing), and ``unpad`` takes
 the real tokens back. One call of each op then serves every piece, whatever their lengths: the cost of
 a step no longer grows with its number of pieces. Pieces of one length need no padding (views only).
+
+A step may also be laid out to a ``StepShape`` fixed in advance, so that a CUDA graph captured for that
+shape can replay it (serving/step_graphs.py): then the token axis *is* the padded layout, decode rows
+padded to D' and the rectangle [P', T_max] stored row after row, so ``pad`` and ``unpad`` are views, and
+padding rows sit at position -1 and slot -1 as above. A piece's ``row`` is where it lies in that layout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,28 +41,56 @@ from ..ops import paged_slots
 from .paged import CacheContext, PagedKVCache
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """The padded layout of a step whose shapes are fixed in advance (a CUDA graph's: every tensor the forward
+    reads has one size per shape). The token axis holds ``decode_rows`` rows of one token, then ``pieces``
+    rows of ``piece_len`` tokens each, the prefill rectangle itself: a piece fills the start of its row.
+    Rows past the real pieces and tokens past a piece's end are padding (position -1, slot -1, block table
+    -1, context length 0, state slot 0 read but never written)."""
+
+    decode_rows: int  # D': >= the step's decode pieces
+    pieces: int  # P': >= its prefill pieces
+    piece_len: int  # T_max: >= its longest prefill piece
+    table_width: int  # block-table columns: >= its longest sequence's blocks (the indexer scores this many keys)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.decode_rows + self.pieces * self.piece_len
+
+    @property
+    def num_rows(self) -> int:
+        return self.decode_rows + self.pieces
+
+
 @dataclass
 class StepContext:
-    """Where the N tokens of one packed forward go and what they may read. P pieces, decode rows first."""
+    """Where the tokens of one packed forward go and what they may read: P pieces on R rows, decode rows first
+    (R = P unless the step is laid out to a StepShape, whose padding rows belong to no piece)."""
 
     cache: PagedKVCache
     seq_ids: list[int]  # cache sequence of each piece
     starts: list[int]  # tokens each sequence held before this step (its computed length, host)
-    query_start: list[int]  # [P + 1] host: piece i is tokens query_start[i] .. query_start[i + 1]
-    num_decode: int  # pieces of one token, placed first: they run the decode forms together
-    positions: torch.Tensor  # int64 [N] absolute position of each token in its sequence
-    slot_mapping: torch.Tensor  # int64 [N] physical KV slot of each token
-    block_table: torch.Tensor  # int32 [P, max_blocks], -1 past each sequence's last block
-    context_lens: torch.Tensor  # int32 [P] tokens each sequence holds once the step's are stored
-    state_slots: torch.Tensor  # int64 [P] KDA state slot of each piece's sequence
-    query_start_loc: torch.Tensor  # int32 [P + 1] query_start on the device (for varlen kernels)
-    prefill_max: int = 0  # T_max: tokens of the longest prefill piece
+    lengths: list[int]  # tokens of each piece (host)
+    rows: list[int]  # the row of each piece (host)
+    query_start: list[int]  # [R + 1] host: row r is tokens query_start[r] .. query_start[r + 1]
+    num_decode: int  # rows of one token, placed first: they run the decode forms together
+    positions: torch.Tensor  # int64 [N] absolute position of each token in its sequence, -1 on padding
+    slot_mapping: torch.Tensor  # int64 [N] physical KV slot of each token, -1 on padding
+    block_table: torch.Tensor  # int32 [R, width], -1 past each sequence's last block
+    context_lens: torch.Tensor  # int32 [R] tokens each sequence holds once the step's are stored
+    state_slots: torch.Tensor  # int64 [R] KDA state slot of each row's sequence
+    query_start_loc: torch.Tensor  # int32 [R + 1] query_start on the device (for varlen kernels)
+    prefill_max: int = 0  # T_max: tokens of the longest prefill row
+    ragged: bool = False  # some prefill row holds fewer than T_max real tokens (KDA must mask the rest)
     prefill_dest: torch.Tensor | None = None  # int64 [N - num_decode]: each prefill token's row * T_max + column
-    prefill_positions: torch.Tensor | None = None  # int64 [P', T_max]: positions, -1 where a row is padding
-    prefill_lengths: torch.Tensor | None = None  # int64 [P'] tokens of each prefill piece (device)
-    logits_indices: torch.Tensor | None = None  # int64 [S] the last token of each piece to sample (lm_head rows)
+    prefill_positions: torch.Tensor | None = None  # int64 [P', T_max]: positions, -1 on padding (when ragged)
+    prefill_lengths: torch.Tensor | None = None  # int64 [P'] real tokens of each prefill row (device)
+    logits_indices: torch.Tensor | None = None  # int64 [S] the last token of each row whose logits lm_head computes
+    sampled: list[int] = field(default_factory=list)  # of ``sample``'s pieces, their rows of lm_head's output
+    packed: torch.Tensor | None = None  # the one device tensor every tensor above is a view of
     tables_before: dict = field(default_factory=dict)  # blocks each sequence owned before this step
-    staged: list = field(default_factory=list)  # (cache layer, state name, state slots, new state)
+    staged: list = field(default_factory=list)  # (cache layer, state name, state slots, new state, decode part?)
 
     @property
     def num_tokens(self) -> int:
@@ -66,44 +100,55 @@ class StepContext:
     def num_pieces(self) -> int:
         return len(self.seq_ids)
 
+    @property
+    def prefill_rows(self) -> int:
+        return len(self.query_start) - 1 - self.num_decode
+
+    @property
+    def decode_pieces(self) -> int:
+        """Pieces of one token (the first ones)."""
+        return sum(1 for r in self.rows if r < self.num_decode)
+
     def prefill_pieces(self) -> range:
-        """Indices of the pieces of more than one token (after the decode rows)."""
-        return range(self.num_decode, self.num_pieces)
+        """Indices of the pieces of more than one token (after the decode pieces)."""
+        return range(self.decode_pieces, self.num_pieces)
 
     def span(self, i: int) -> tuple[int, int]:
         """Token range [a, b) of piece ``i``."""
-        return self.query_start[i], self.query_start[i + 1]
+        a = self.query_start[self.rows[i]]
+        return a, a + self.lengths[i]
 
     def decode_part(self) -> CacheContext:
         """The decode rows as a [num_decode, 1] context (the rectangle decode's)."""
-        n = self.num_decode
-        return _Part(self.cache, self.seq_ids[:n], self.starts[:n], self.positions[:n].view(n, 1),
+        n, d = self.num_decode, self.decode_pieces
+        return _Part(self.cache, self.seq_ids[:d], self.starts[:d], self.positions[:n].view(n, 1),
                      self.slot_mapping[:n], self.block_table[:n], self.context_lens[:n], self.state_slots[:n],
-                     parent=self)
+                     parent=self, decode=True)
 
     @property
     def padded(self) -> bool:
-        """Whether the prefill pieces differ in length (so ``pad`` copies into a padded rectangle)."""
+        """Whether ``pad`` copies the prefill tokens into a rectangle (pieces of different lengths, packed tight)."""
         return self.prefill_dest is not None
 
     def prefill_part(self) -> CacheContext:
-        """Every prefill piece as one [P', T_max] context (rows past a piece's end: position and slot -1)."""
-        n, P = self.num_decode, self.num_pieces - self.num_decode
+        """Every prefill row as one [P', T_max] context (past a piece's end: position and slot -1)."""
+        n, d = self.num_decode, self.decode_pieces
         a = self.query_start[n]
         if self.padded:
-            positions = self.prefill_positions
             slots = self.pad(self.slot_mapping[a:].unsqueeze(0), fill=-1).reshape(-1)
         else:
-            positions, slots = self.positions[a:].view(P, self.prefill_max), self.slot_mapping[a:]
-        return _Part(self.cache, self.seq_ids[n:], self.starts[n:], positions, slots, self.block_table[n:],
-                     self.context_lens[n:], self.state_slots[n:], parent=self)
+            slots = self.slot_mapping[a:]
+        positions = self.positions[a:].view(self.prefill_rows, self.prefill_max) if self.prefill_positions is None \
+            else self.prefill_positions
+        return _Part(self.cache, self.seq_ids[d:], self.starts[d:], positions, slots, self.block_table[n:],
+                     self.context_lens[n:], self.state_slots[n:], parent=self, decode=False)
 
     def pad(self, t: torch.Tensor, fill: float = 0) -> torch.Tensor:
         """The prefill tokens of ``t`` -> [P', T_max, ...], ``fill`` in the padding. ``t`` is [1, N, ...] (the
         packed axis) or [1, N - num_decode, ...] (the prefill tokens alone)."""
         first = self.query_start[self.num_decode] if t.shape[1] == self.num_tokens else 0
         flat = t[0, first:]
-        P = self.num_pieces - self.num_decode
+        P = self.prefill_rows
         if not self.padded:
             return flat.reshape(P, self.prefill_max, *t.shape[2:])
         out = flat.new_full((P * self.prefill_max, *t.shape[2:]), fill)
@@ -119,28 +164,31 @@ class StepContext:
         self.cache.give_back(self.tables_before)
 
     def publish(self) -> None:
-        """The forward succeeded: write the staged KDA states and commit the new lengths."""
-        for layer, name, slots, value in self.staged:
-            self.cache.write_state(layer, name, slots, value)
-        for i, (sid, start) in enumerate(zip(self.seq_ids, self.starts)):
-            a, b = self.span(i)
-            self.cache.commit(sid, start + b - a)
+        """The forward succeeded: write the staged KDA states of the pieces' rows and commit the new lengths
+        (a padding row's state is never written)."""
+        d = self.decode_pieces
+        for layer, name, slots, value, decode in self.staged:
+            real = d if decode else self.num_pieces - d  # a part's pieces fill its first rows
+            self.cache.write_state(layer, name, slots[:real], value[:real])
+        for sid, start, n in zip(self.seq_ids, self.starts, self.lengths):
+            self.cache.commit(sid, start + n)
 
 
 @dataclass
 class _Part(CacheContext):
-    """A view of some pieces of a StepContext: new KDA states go to the step, published with it."""
+    """A view of the decode or the prefill rows of a StepContext: new KDA states go to the step, published with it."""
 
     parent: StepContext | None = None
+    decode: bool = False
 
     def stage_state(self, layer: int, name: str, value: torch.Tensor) -> None:
-        self.parent.staged.append((layer, name, self.state_slots, value))
+        self.parent.staged.append((layer, name, self.state_slots, value, self.decode))
 
 
-def _check_pieces(seq_ids: list[int], num_tokens: list[int]) -> int:
+def _check_pieces(seq_ids: list[int], num_tokens: list[int], allow_none: bool = False) -> int:
     """ValueError unless the pieces make a step (distinct sequences, counts >= 1, decode rows first);
-    returns the number of decode rows."""
-    if len(seq_ids) != len(num_tokens) or not seq_ids:
+    returns the number of decode pieces."""
+    if len(seq_ids) != len(num_tokens) or not (seq_ids or allow_none):
         raise ValueError(f"one token count per sequence, at least one piece: {len(seq_ids)} sequences, "
                          f"{len(num_tokens)} counts")
     if len(set(seq_ids)) != len(seq_ids):
@@ -153,50 +201,108 @@ def _check_pieces(seq_ids: list[int], num_tokens: list[int]) -> int:
     return num_decode
 
 
-def _padding(starts: list[int], lengths: list[int], t_max: int, padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each prefill token's row * t_max + column [sum(lengths)], positions [P', t_max] with -1 as padding);
-    empty tensors when the pieces need no padding."""
-    if not padded:
-        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-    dest = torch.cat([torch.arange(n) + r * t_max for r, n in enumerate(lengths)])
-    positions = torch.full((len(lengths), t_max), -1, dtype=torch.long)
-    for r, (s, n) in enumerate(zip(starts, lengths)):
-        positions[r, :n] = torch.arange(s, s + n)
-    return dest, positions
-
-
-def prepare_step(cache: PagedKVCache, seq_ids: list[int], num_tokens: list[int], device,
-                 max_len: int | None = None, sample: Sequence[int] = ()) -> StepContext:
-    """Reserve room for ``num_tokens[i]`` more tokens of sequence ``seq_ids[i]`` (all-or-nothing; no
-    sequence past ``max_len``) and describe the packed step as device tensors, one upload. The pieces
-    must come decode rows first (every piece of one token before any longer one) and name distinct
-    sequences; ``sample``: the pieces whose last token's logits are wanted (``logits_indices``). Nothing is
-    committed until ``StepContext.publish``."""
-    num_decode = _check_pieces(seq_ids, num_tokens)
-    starts, tables_before = cache.reserve_more(seq_ids, num_tokens, max_len)
-    table = cache.block_table_tensor(seq_ids, device="cpu")
-    state_slots = cache.state_slots(seq_ids)
+def _tight_layout(starts: list[int], num_tokens: list[int], num_decode: int, table: torch.Tensor,
+                  sample: Sequence[int]) -> dict:
+    """The pieces back to back (R = P rows); the prefill rectangle is built by ``pad`` when lengths differ."""
     query_start = [0]
     for n in num_tokens:
         query_start.append(query_start[-1] + n)
-    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, num_tokens)])
-    piece_of = torch.repeat_interleave(torch.arange(len(seq_ids)), torch.tensor(num_tokens))
-    slots = paged_slots(table[piece_of], positions.unsqueeze(1), cache.block_size).reshape(-1)
-    lens = torch.tensor([s + n for s, n in zip(starts, num_tokens)])
     lengths = num_tokens[num_decode:]
     t_max = max(lengths, default=0)
     padded = len(set(lengths)) > 1  # pieces of one length are a rectangle already
-    dest, pad_pos = _padding(starts[num_decode:], lengths, t_max, padded)
-    # One upload for all metadata (a host-to-device copy per tensor would be one wait each).
-    packed = torch.cat([positions, slots.long(), table.reshape(-1).long(), lens, state_slots,
-                        torch.tensor(query_start), dest, pad_pos.reshape(-1),
-                        torch.tensor(lengths, dtype=torch.long),
-                        torch.tensor([query_start[i + 1] - 1 for i in sample], dtype=torch.long)]).to(device)
-    P, N = len(seq_ids), query_start[-1]
-    pos, slot_mapping, tab, context_lens, slots_dev, qsl, dest, pad_pos, lengths_dev, rows = packed.split(
-        [N, N, table.numel(), P, P, P + 1, dest.numel(), pad_pos.numel(), len(lengths), len(sample)])
-    return StepContext(cache, list(seq_ids), starts, query_start, num_decode, pos, slot_mapping,
-                       tab.view(table.shape).int(), context_lens.int(), slots_dev, qsl.int(), prefill_max=t_max,
-                       prefill_dest=dest if padded else None,
-                       prefill_positions=pad_pos.view(len(lengths), t_max) if padded else None,
-                       prefill_lengths=lengths_dev, logits_indices=rows, tables_before=tables_before)
+    dest, pad_pos = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    if padded:
+        dest = torch.cat([torch.arange(n) + r * t_max for r, n in enumerate(lengths)])
+        pad_pos = torch.full((len(lengths), t_max), -1, dtype=torch.long)
+        for r, (s, n) in enumerate(zip(starts[num_decode:], lengths)):
+            pad_pos[r, :n] = torch.arange(s, s + n)
+    return dict(query_start=query_start, rows=list(range(len(num_tokens))), num_decode=num_decode, t_max=t_max,
+                ragged=padded, table=table, dest=dest, pad_pos=pad_pos,
+                logits_rows=[query_start[i + 1] - 1 for i in sample], sampled=list(range(len(sample))))
+
+
+def _shaped_layout(starts: list[int], num_tokens: list[int], num_decode: int, table: torch.Tensor,
+                   sample: Sequence[int], shape: StepShape) -> dict:
+    """The pieces laid out to ``shape`` (R = its rows): lm_head reads the last real token of every row."""
+    lengths = num_tokens[num_decode:]
+    if num_decode > shape.decode_rows or len(lengths) > shape.pieces or max(lengths, default=0) > shape.piece_len \
+            or table.shape[1] > shape.table_width:
+        raise ValueError(f"the step (decode pieces {num_decode}, prefill lengths {lengths}, {table.shape[1]} "
+                         f"blocks) does not fit {shape}")
+    D, T = shape.decode_rows, shape.piece_len
+    rows = list(range(num_decode)) + [D + j for j in range(len(lengths))]
+    query_start = list(range(D + 1)) + [D + T * (j + 1) for j in range(shape.pieces)]
+    wide = torch.full((shape.num_rows, shape.table_width), -1, dtype=torch.int32)
+    wide[rows, : table.shape[1]] = table
+    row_len = torch.zeros(shape.num_rows, dtype=torch.long)
+    row_len[rows] = torch.tensor(num_tokens, dtype=torch.long)
+    logits_rows = torch.tensor(query_start[:-1]) + (row_len - 1).clamp_min(0)
+    return dict(query_start=query_start, rows=rows, num_decode=D, t_max=T, ragged=True, table=wide,
+                dest=torch.zeros(0, dtype=torch.long), pad_pos=torch.zeros(0, dtype=torch.long),
+                logits_rows=logits_rows.tolist(), sampled=[rows[i] for i in sample])
+
+
+def _host_tensors(cache: PagedKVCache, seq_ids: list[int], starts: list[int], num_tokens: list[int],
+                  lay: dict) -> list[torch.Tensor]:
+    """The step's metadata on the host, in upload order: positions, slots, block table, context lengths, state
+    slots, query starts, the pad destinations and positions, the prefill rows' lengths, the lm_head rows."""
+    query_start, rows, R = lay["query_start"], lay["rows"], len(lay["query_start"]) - 1
+    N = query_start[-1]
+    positions = torch.full((N,), -1, dtype=torch.long)
+    token_row = torch.zeros(N, dtype=torch.long)
+    for i, (s, n) in enumerate(zip(starts, num_tokens)):
+        a = query_start[rows[i]]
+        positions[a: a + n] = torch.arange(s, s + n)
+        token_row[a: a + n] = rows[i]
+    wide = lay["table"]
+    slots = paged_slots(wide[token_row], positions.unsqueeze(1), cache.block_size).reshape(-1) if N else positions
+    lens, state, lengths = (torch.zeros(R, dtype=torch.long) for _ in range(3))
+    if rows:
+        lens[rows] = torch.tensor([s + n for s, n in zip(starts, num_tokens)])
+        state[rows] = cache.state_slots(seq_ids)
+        lengths[rows] = torch.tensor(num_tokens)
+    return [positions, slots.long(), wide.reshape(-1).long(), lens, state, torch.tensor(query_start), lay["dest"],
+            lay["pad_pos"].reshape(-1), lengths[lay["num_decode"]:], torch.tensor(lay["logits_rows"], dtype=torch.long)]
+
+
+def prepare_step(cache: PagedKVCache, seq_ids: list[int], num_tokens: list[int], device,
+                 max_len: int | None = None, sample: Sequence[int] = (), shape: StepShape | None = None,
+                 into: StepContext | None = None) -> StepContext:
+    """Reserve room for ``num_tokens[i]`` more tokens of sequence ``seq_ids[i]`` (all-or-nothing; no
+    sequence past ``max_len``) and describe the packed step as device tensors, one upload. The pieces
+    must come decode rows first (every piece of one token before any longer one) and name distinct
+    sequences; ``sample``: the pieces whose last token's logits are wanted (``logits_indices``). With
+    ``shape``, the step is laid out to it (no pieces at all is then a valid, all-padding step), and with
+    ``into`` (a step of the same shape) its metadata is copied into that step's device tensors, which a
+    captured graph reads. Nothing is committed until ``StepContext.publish``."""
+    num_decode = _check_pieces(seq_ids, num_tokens, allow_none=shape is not None)
+    starts, tables_before = cache.reserve_more(seq_ids, num_tokens, max_len)
+    table = cache.block_table_tensor(seq_ids, device="cpu")
+    try:
+        lay = _tight_layout(starts, num_tokens, num_decode, table, sample) if shape is None else \
+            _shaped_layout(starts, num_tokens, num_decode, table, sample, shape)
+        parts = _host_tensors(cache, seq_ids, starts, num_tokens, lay)
+        if into is not None and (into.query_start != lay["query_start"] or into.block_table.shape != lay["table"].shape):
+            raise ValueError("prepare_step(into=...) needs a step laid out to the same shape")
+    except BaseException:
+        cache.give_back(tables_before)  # refused: nothing stays reserved
+        raise
+    host, sizes = torch.cat(parts), [p.numel() for p in parts]
+    new = dict(seq_ids=list(seq_ids), starts=starts, lengths=list(num_tokens), rows=lay["rows"],
+               sampled=lay["sampled"], tables_before=tables_before)
+    if into is not None:  # the graph's tensors keep their addresses; their int32 copies are refreshed too
+        _, _, tab, context_lens, _, qsl, *_ = into.packed.copy_(host, non_blocking=True).split(sizes)
+        into.block_table.copy_(tab.view(lay["table"].shape))
+        into.context_lens.copy_(context_lens)
+        into.query_start_loc.copy_(qsl)
+        return dataclasses.replace(into, staged=[], **new)
+    packed = host.to(device)  # one upload for all metadata (a copy per tensor would be one wait each)
+    pos, slot_mapping, tab, context_lens, state_slots, qsl, dest, pad_pos, lengths, logit_rows = packed.split(sizes)
+    D, T = lay["num_decode"], lay["t_max"]
+    P = len(lay["query_start"]) - 1 - D
+    prefill_positions = pad_pos.view(P, T) if pad_pos.numel() else (pos[D:].view(P, T) if shape else None)
+    return StepContext(cache, query_start=lay["query_start"], num_decode=D, positions=pos, slot_mapping=slot_mapping,
+                       block_table=tab.view(lay["table"].shape).int(), context_lens=context_lens.int(),
+                       state_slots=state_slots, query_start_loc=qsl.int(), prefill_max=T, ragged=lay["ragged"],
+                       prefill_dest=dest if dest.numel() else None, prefill_positions=prefill_positions,
+                       prefill_lengths=lengths, logits_indices=logit_rows, packed=packed, **new)

@@ -118,7 +118,7 @@ class KimiDeltaAttention(nn.Module):
         projected, f_a, b, gate = self.input_proj(x)
         parts = [self._decode_rows(step.decode_part(), projected[0, :n], f_a[0, :n], b[0, :n]).view(
             1, n, self.num_heads, self.head_dim)] if n else []
-        if step.num_pieces > n:
+        if step.prefill_rows:
             parts.append(step.unpad(self._prefill_rect(step, projected, f_a, b)))
         return self.output(torch.cat(parts, 1), x, gate)
 
@@ -137,7 +137,7 @@ class KimiDeltaAttention(nn.Module):
         z = cast(self.decay_up(f_a[:, first:])[0], acc)  # the decay's up-projection over the prefill tokens only
         q, k, v, g, beta = ops.kda_step_inputs(qkv, step.pad(z), step.pad(cast(b[:, first:], acc)), self.A_log,
                                                self.dt_bias, self.lower_bound)
-        if step.padded:
+        if step.ragged:
             real = (step.prefill_positions >= 0).to(acc)  # [P', T_max]
             q, k, v, g = (t * real[..., None, None] for t in (q, k, v, g))
             beta = beta * real[..., None]

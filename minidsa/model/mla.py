@@ -140,7 +140,7 @@ class GatedMLA(nn.Module):
             rows = {k: v[0, :n].unsqueeze(1) for k, v in proj.items()}  # [n, 1, ...]: one row per sequence
             idx = self.indexer.select_paged(rows["q_idx"], rows["w_idx"], planes, ctx)
             parts.append((idx.view(1, n, -1), self._attend_decode(ctx, rows, idx).flatten(0, 1).unsqueeze(0)))
-        if step.num_pieces > n:  # every prefill piece in one [P', T_max] rectangle, padded where lengths differ
+        if step.prefill_rows:  # every prefill piece in one [P', T_max] rectangle, padded where lengths differ
             ctx = step.prefill_part()
             rect = {k: step.pad(proj[k]) for k in ("q", "q_idx", "w_idx")}
             idx = self.indexer.select_paged(rect["q_idx"], rect["w_idx"], planes, ctx)  # -1 on padding rows

@@ -350,6 +350,8 @@ class Engine:
             "kda_checkpoints": len(pc.checkpoints) if pc else 0,
             "cuda_graph_replays": self.graphs.replays if self.graphs else 0,
             "packed_steps": self.runner.packed_steps,
+            "step_graph_replays": self.runner.step_graphs.replays if self.runner.step_graphs else 0,
+            "step_graph_captures": self.runner.step_graphs.captures if self.runner.step_graphs else 0,
             "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens,
             "decode_seconds": self.decode_seconds,
             "memory": dict(self.budget),

@@ -21,6 +21,7 @@ from ..model.minidsa import MiniDSA
 from ..model.trace import ForwardTrace
 from .cuda_graphs import DecodeGraphs
 from .sampling import sample_next_token
+from .step_graphs import StepGraphs
 
 
 class ModelRunner:
@@ -28,10 +29,11 @@ class ModelRunner:
 
     def __init__(self, model: MiniDSA, cache, max_num_seqs: int, graphs: bool, compile_decode: bool) -> None:
         self.model, self.cache = model, cache
-        self.graphs = None
+        self.graphs = self.step_graphs = None
         if graphs:
             self.graphs = DecodeGraphs(model, cache, max_num_seqs, compile=compile_decode)
             self.graphs.capture()
+            self.step_graphs = StepGraphs(model, cache, max_num_seqs, pool=self.graphs.pool)
         self.packed_steps = self.graph_steps = 0
         self.last_step = None  # the StepContext of the last packed forward (for pictures and checks)
 
@@ -44,6 +46,12 @@ class ModelRunner:
             self.graph_steps += 1
             return logits[sample, -1].float().cpu()  # one device-to-host copy per step
         self.packed_steps += 1
+        if self.step_graphs is not None and trace is None and not any(r.has_media_from(a) for r, a, _ in pieces):
+            sids, counts = [r.sid for r, _, _ in pieces], [b - a for _, a, b in pieces]
+            shape = self.step_graphs.shape_for(sids, counts)
+            if shape is not None:
+                ids = [t for r, a, b in pieces for t in r.tokens(a, b)]
+                return self.step_graphs.run(shape, sids, counts, ids, sample).float().cpu()
         return self.forward_packed(pieces, sample, trace).float().cpu()
 
     def forward_packed(self, pieces: list, sample: list[int], trace: ForwardTrace | None) -> torch.Tensor:

@@ -18,9 +18,10 @@ def step_table(step: StepContext) -> list[dict]:
     slots = step.state_slots.cpu().tolist()
     for i, sid in enumerate(step.seq_ids):
         a, b = step.span(i)
-        rows.append({"piece": i, "seq": sid, "kind": "decode" if i < step.num_decode else "prefill",
+        r = step.rows[i]
+        rows.append({"piece": i, "seq": sid, "kind": "decode" if r < step.num_decode else "prefill",
                      "tokens": (a, b), "positions": (step.starts[i], step.starts[i] + b - a),
-                     "blocks": [x for x in tables[i] if x >= 0], "state_slot": slots[i]})
+                     "blocks": [x for x in tables[r] if x >= 0], "state_slot": slots[r]})
     return rows
 
 
@@ -50,6 +51,6 @@ def plot_packed_step(step: StepContext, *, ax=None):
     ax.set_xticks(step.query_start)
     ax.set_xlabel("token axis of the step's one forward (ticks: query_start); left of the black line: decode rows")
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(0, -0.3), ncol=1)
-    k = step.num_pieces - step.num_decode
+    k = step.num_pieces - step.decode_pieces
     ax.set_title(f"One packed step: {step.num_decode} decode rows, {k} prefill piece{'s' * (k != 1)}, {n} tokens")
     return fig

@@ -42,7 +42,7 @@ def faulty():
 
     def patched(emb, ctx, trace):
         mode = fault["mode"]
-        decode = emb.shape[1] == 1 or (isinstance(ctx, StepContext) and ctx.num_decode == ctx.num_pieces)
+        decode = emb.shape[1] == 1 or (isinstance(ctx, StepContext) and ctx.prefill_rows == 0)
         if mode == "decode" and decode:
             fault["gate"].wait(TIMEOUT)
             raise RuntimeError(CAUSE)

@@ -1,0 +1,171 @@
+"""Prefill and mixed steps replayed from CUDA graphs, one per step shape (docs/design.md §16).
+
+A packed step launches a few thousand kernels, and eagerly the host's cost of launching them, not the GPU's
+work, sets the time of every step shorter than a few thousand tokens. The forward asks the host nothing (no
+synchronisation; every shape-dependent choice is made from the step's metadata before it starts), so a
+step laid out to a fixed ``StepShape`` (cache/step.py) can be captured once and replayed: each later step
+of that shape copies its metadata and token ids into the graph's input tensors (one upload each) and
+replays. Shapes are rounded up so that few cover a workload:
+
+    decode rows      the decode graphs' batch buckets (1, 2, 4, 8, 16, 24, ...), or 0
+    prefill rows     a power of two, at most max_num_seqs
+    their length     16, 24, 32, 48, 64, 96, ... (a power of two or 1.5 times one)
+    block table      a power of two of blocks, at most max_seq_len's
+
+A step whose shape would hold more than twice its tokens (pieces of very different lengths) runs eagerly;
+so does one with media or a trace. A shape is captured when first met (two eager warm-up runs, then the
+capture) and kept; past ``max_graphs`` the least recently used is dropped.
+
+Graphs share one memory pool. A graph's outputs would pin their memory in it, so every graph instead writes
+its logits and its new KDA states into buffers that all graphs share, and holds no output of its own; the
+runner reads them right after the replay, before any other graph runs. ``eager=True`` captures nothing and
+runs each shaped step as it is (the CPU tests check the padded layouts that way).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from .. import ops
+from ..cache import PagedKVCache, StepShape, prepare_step
+from ..model.minidsa import MiniDSA
+from .cuda_graphs import buckets
+
+MAX_PADDING = 2.0  # a shape may hold at most this many times the step's tokens (plus one row's worth)
+
+
+def _round_len(n: int) -> int:
+    """The smallest of 16, 24, 32, 48, 64, 96, ... that is >= n."""
+    size = 16
+    while size < n:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return size
+
+
+def _pow2(n: int, cap: int) -> int:
+    return min(1 << max(0, n - 1).bit_length(), cap)
+
+
+class StepGraphs:
+    """Captured steps with prefill rows, one per shape; ``run`` lays a step out to its shape and replays it."""
+
+    def __init__(self, model: MiniDSA, cache: PagedKVCache, max_num_seqs: int, max_graphs: int = 24,
+                 eager: bool = False, pool=None) -> None:
+        self.model, self.cache, self.eager = model, cache, eager
+        self.max_num_seqs, self.max_graphs = max_num_seqs, max_graphs
+        self.decode_buckets = [0] + buckets(max_num_seqs)
+        self.max_blocks = -(-model.config.max_seq_len // cache.block_size)
+        self.graphs: OrderedDict[StepShape, tuple] = OrderedDict()
+        self.pool = pool
+        self.shared: dict = {}  # (name, ...) -> the output buffers every graph writes
+        self.replays = self.captures = 0
+
+    def shape_for(self, seq_ids: list[int], num_tokens: list[int]) -> StepShape | None:
+        """The shape a step of these pieces replays in, or None when it should run eagerly."""
+        d = next((i for i, n in enumerate(num_tokens) if n > 1), len(num_tokens))
+        lengths = num_tokens[d:]
+        if not lengths or d > self.decode_buckets[-1]:
+            return None
+        bs = self.cache.block_size  # the tables once the step's tokens are reserved (a table may already hold more)
+        width = max(max(len(self.cache.block_table(s)), -(-(self.cache.seq_len(s) + n) // bs))
+                    for s, n in zip(seq_ids, num_tokens))
+        shape = StepShape(next(b for b in self.decode_buckets if b >= d), _pow2(len(lengths), self.max_num_seqs),
+                          _round_len(max(lengths)), _pow2(width, self.max_blocks))
+        if shape.num_tokens > MAX_PADDING * sum(num_tokens) + shape.piece_len:
+            return None
+        return shape
+
+    def run(self, shape: StepShape, seq_ids: list[int], num_tokens: list[int], ids: list[int],
+            sample: list[int]) -> torch.Tensor:
+        """One step of pieces ``seq_ids``/``num_tokens`` (decode pieces first) whose tokens are ``ids`` (packed, in
+        piece order) -> the logits [len(sample), V] of the last token of each piece listed in ``sample``."""
+        m = self.model
+        if self.eager:
+            step = prepare_step(self.cache, seq_ids, num_tokens, m.device, m.config.max_seq_len, sample, shape)
+            try:
+                logits = self._forward(step, self._ids(step, ids).to(m.device))
+            except BaseException:
+                step.rollback()
+                raise
+            step.publish()
+            self.replays += 1
+            return logits[step.sampled]
+        if shape not in self.graphs:
+            self._capture(shape)
+        self.graphs.move_to_end(shape)
+        graph, template, static_ids, staged, logits = self.graphs[shape]
+        step = prepare_step(self.cache, seq_ids, num_tokens, m.device, m.config.max_seq_len, sample, into=template)
+        try:
+            static_ids.copy_(self._ids(step, ids), non_blocking=True)
+            graph.replay()
+        except BaseException:
+            step.rollback()
+            raise
+        self.replays += 1
+        step.staged = staged
+        step.publish()
+        return logits[step.sampled]
+
+    @staticmethod
+    def _ids(step, ids: list[int]) -> torch.Tensor:
+        """The token ids laid out on the step's axis (0 on padding), host."""
+        out = torch.zeros(step.num_tokens, dtype=torch.long)
+        at = 0
+        for i, n in enumerate(step.lengths):
+            a, b = step.span(i)
+            out[a:b] = torch.tensor(ids[at: at + n], dtype=torch.long)
+            at += n
+        return out
+
+    def _forward(self, step, ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings -> decoder -> lm_head of every row's last token (what a graph captures)."""
+        lm, ws = self.model.language_model, self.model._workspace
+        if ws is not None:
+            ws.routed[1].zero_()  # this forward's conversion count
+        with ops.use_backend(self.model.backend):
+            hidden = lm.model(lm.model.embed_tokens(ids).unsqueeze(0), step, None)
+            return lm.lm_head(hidden[0, step.logits_indices])
+
+    def _buffer(self, key, like: torch.Tensor, rows: int) -> torch.Tensor:
+        """The shared output buffer ``key`` with room for the most rows any shape may have."""
+        buf = self.shared.get(key)
+        if buf is None:
+            buf = self.shared[key] = like.new_empty((rows, *like.shape[1:]))
+        return buf[: like.shape[0]]
+
+    def _capture(self, shape: StepShape) -> None:
+        dev = self.model.device
+        if len(self.graphs) >= self.max_graphs:
+            self.graphs.popitem(last=False)
+        template = prepare_step(self.cache, [], [], dev, shape=shape)  # every row padding
+        static_ids = torch.zeros(shape.num_tokens, dtype=torch.long, device=dev)
+        most = self.decode_buckets[-1] + self.max_num_seqs
+
+        def fwd():
+            template.staged.clear()
+            out = self._forward(template, static_ids)
+            logits = self._buffer("logits", out, most)
+            logits.copy_(out)
+            staged = []
+            for layer, name, slots, value, decode in template.staged:
+                buf = self._buffer((layer, name, decode), value, most)
+                buf.copy_(value)
+                staged.append((layer, name, slots, buf, decode))
+            return logits, staged
+
+        with torch.inference_mode():
+            stream = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: autotuning, workspaces, lazy inits, the shared buffers
+                    fwd()
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            self.pool = self.pool or torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits, staged = fwd()
+        template.staged.clear()  # the graph's own outputs: not kept
+        self.graphs[shape] = (graph, template, static_ids, staged, logits)
+        self.captures += 1

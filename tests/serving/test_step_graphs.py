@@ -1,0 +1,109 @@
+"""A step laid out to a fixed StepShape (what a captured graph replays: decode rows and the prefill rectangle
+padded, every padding row at position -1, slot -1, state slot 0) equals the same step packed tight, and
+the engine's steps through StepGraphs (eager here: no GPU) give the engine's own outputs.
+
+Compared in float64 on the CPU to 1e-12 relative, for the reason test_packed_step.py gives (the BLAS rounds a
+product's rows differently with its row count, and a shaped step multiplies more rows); a wrong slot, state,
+row or mask costs O(1). Selections are integers and must be equal.
+"""
+
+import pytest
+import torch
+from conftest import tiny_config
+from test_packed_step import MIXES, close, two_caches
+
+import minidsa
+from minidsa.cache import StepShape, prepare_step
+from minidsa.serving.engine import Engine
+from minidsa.serving.step_graphs import StepGraphs, _round_len
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return minidsa.MiniDSA(tiny_config(dtype="float64"))
+
+
+def run_step(model, cache, sids, embeds, shape=None):
+    """Every piece's token logits [N, V] (piece order) and the selections of each piece, from one forward."""
+    step = prepare_step(cache, sids, [e.shape[0] for e in embeds], model.device, model.config.max_seq_len,
+                        shape=shape)
+    x = torch.zeros(1, step.num_tokens, model.config.hidden_size, dtype=torch.float64)
+    spans = [step.span(i) for i in range(len(sids))]
+    for (a, b), e in zip(spans, embeds):
+        x[0, a:b] = e
+    trace = minidsa.ForwardTrace()
+    with torch.inference_mode():
+        hidden = model.language_model.model(x, step, trace)
+        logits = model.language_model.lm_head(hidden[0])
+    step.publish()
+    rows = torch.cat([torch.arange(a, b) for a, b in spans])
+    return logits[rows], {k: v[0, rows] for k, v in trace.selected.items()}
+
+
+def shape_of(lengths, extra_rows=1, extra_len=5, width=16):
+    d = sum(1 for n in lengths if n == 1)
+    p = [n for n in lengths if n > 1]
+    return StepShape(d + extra_rows, len(p) + extra_rows, max(p, default=1) + extra_len, width)
+
+
+@pytest.mark.parametrize("mix", [m for m in MIXES if m != "decode only"])
+def test_a_shaped_step_equals_the_tight_one(model, mix):
+    history, lengths = zip(*MIXES[mix])
+    (cache_s, sids_s), (cache_t, sids_t) = two_caches(model, list(history))
+    torch.manual_seed(2)
+    embeds = [torch.randn(n, model.config.hidden_size, dtype=torch.float64) for n in lengths]
+    shaped, sel_s = run_step(model, cache_s, sids_s, embeds, shape_of(lengths))
+    tight, sel_t = run_step(model, cache_t, sids_t, embeds)
+    assert close(shaped, tight)
+    for layer in sel_t:
+        assert torch.equal(sel_s[layer], sel_t[layer]), layer
+    for ss, st in zip(sids_s, sids_t):
+        assert cache_s.seq_len(ss) == cache_t.seq_len(st)
+    for planes_s, planes_t in zip(cache_s.storage, cache_t.storage):  # same tables: the same slots
+        for name in planes_s:
+            assert close(planes_s[name].double(), planes_t[name].double()), name
+    for states_s, states_t in zip(cache_s.state, cache_t.state):  # state slot 0 included: padding wrote nothing
+        for name in states_s:
+            assert close(states_s[name], states_t[name]), name
+
+
+def test_a_step_must_fit_its_shape_and_a_refusal_reserves_nothing(model):
+    cache = model.new_cache()
+    sids = [cache.add_sequence() for _ in range(2)]
+    with pytest.raises(ValueError, match="does not fit"):
+        prepare_step(cache, sids, [1, 40], model.device, shape=StepShape(1, 1, 32, 16))
+    assert cache.num_free_blocks == cache.layout.num_blocks
+    template = prepare_step(cache, [], [], model.device, shape=StepShape(1, 1, 32, 16))
+    with pytest.raises(ValueError, match="same shape"):
+        prepare_step(cache, sids, [1, 20], model.device, shape=StepShape(2, 1, 32, 16), into=template)
+    assert cache.num_free_blocks == cache.layout.num_blocks
+
+
+def test_shapes_round_up_to_few_sizes(model):
+    assert [_round_len(n) for n in (1, 16, 17, 25, 33, 49, 65, 97, 129, 1000, 1025)] == \
+        [16, 16, 24, 32, 48, 64, 96, 128, 192, 1024, 1536]
+    cache = model.new_cache()
+    graphs = StepGraphs(model, cache, 8, eager=True)
+    sids = [cache.add_sequence() for _ in range(4)]
+    assert graphs.shape_for(sids[:2], [1, 1]) is None  # decode only: the decode graphs' work
+    width = 1
+    while width * cache.block_size < 100:  # the table of a 100-token sequence, a power of two of blocks
+        width *= 2
+    assert graphs.shape_for(sids, [1, 1, 1, 100]) == StepShape(4, 1, 128, min(width, graphs.max_blocks))
+    assert graphs.shape_for(sids[:3], [200, 5, 5]) is None  # 4 x 256 rows would hold 5x the 210 tokens
+
+
+def test_the_engine_through_step_graphs_gives_its_own_outputs(model):
+    """Greedy outputs of a workload with mixed steps, chunked prompts, a prefix hit and pieces of different
+    lengths: the engine's eager steps against the same engine whose prefill steps run shaped (StepGraphs,
+    eager), which must have run some of them."""
+    prompts = ["the first prompt", "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 3, "x",
+               "the first prompt and then some more"]
+    params = minidsa.SamplingParams(temperature=0, max_tokens=6)
+    want = [o.text for o in Engine(model, max_num_batched_tokens=64).generate(prompts, params, progress=False)]
+    engine = Engine(model, max_num_batched_tokens=64)
+    engine.runner.step_graphs = StepGraphs(model, engine.cache, engine.scheduler.max_num_seqs, eager=True)
+    got = [o.text for o in engine.generate(prompts, params, progress=False)]
+    assert got == want
+    assert engine.runner.step_graphs.replays > 0
