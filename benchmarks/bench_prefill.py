@@ -88,6 +88,8 @@ def graph_fn(graphs: StepGraphs, ids: torch.Tensor):
         sids = [cache.add_sequence() for _ in range(B)]
         try:
             shape = graphs.shape_for(sids, [T] * B)
+            if not graphs.ready(shape):
+                raise SystemExit(f"no graph for {shape}: {graphs.failed[shape]}")
             return graphs.run(shape, sids, [T] * B, flat, list(range(B)))
         finally:
             for s in sids:

@@ -49,7 +49,7 @@ class ModelRunner:
         if self.step_graphs is not None and trace is None and not any(r.has_media_from(a) for r, a, _ in pieces):
             sids, counts = [r.sid for r, _, _ in pieces], [b - a for _, a, b in pieces]
             shape = self.step_graphs.shape_for(sids, counts)
-            if shape is not None:
+            if shape is not None and self.step_graphs.ready(shape):
                 ids = [t for r, a, b in pieces for t in r.tokens(a, b)]
                 return self.step_graphs.run(shape, sids, counts, ids, sample).float().cpu()
         return self.forward_packed(pieces, sample, trace).float().cpu()

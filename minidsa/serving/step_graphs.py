@@ -1,9 +1,9 @@
 """Prefill and mixed steps replayed from CUDA graphs, one per step shape (docs/design.md §16).
 
 A packed step launches a few thousand kernels, and eagerly the host's cost of launching them, not the GPU's
-work, sets the time of every step shorter than a few thousand tokens. The forward asks the host nothing (no
-synchronisation; every shape-dependent choice is made from the step's metadata before it starts), so a
-step laid out to a fixed ``StepShape`` (cache/step.py) can be captured once and replayed: each later step
+work, sets the time of every step shorter than a few thousand tokens. The forward asks the host nothing
+(every shape-dependent choice is made from the step's metadata before it starts; the one exception is
+below), so a step laid out to a fixed ``StepShape`` (cache/step.py) can be captured once and replayed: each later step
 of that shape copies its metadata and token ids into the graph's input tensors (one upload each) and
 replays. Shapes are rounded up so that few cover a workload:
 
@@ -14,7 +14,9 @@ replays. Shapes are rounded up so that few cover a workload:
 
 A step whose shape would hold more than twice its tokens (pieces of very different lengths) runs eagerly;
 so does one with media or a trace. A shape is captured when first met (two eager warm-up runs, then the
-capture) and kept; past ``max_graphs`` the least recently used is dropped.
+capture) and kept; past ``max_graphs`` the least recently used is dropped. In a graph the sparse MLA prefill
+runs its absorbed form: the union form's choice waits for counts from the GPU, which a capture cannot hold
+(ops/mla/prefill_form.py).
 
 Graphs share one memory pool. A graph's outputs would pin their memory in it, so every graph instead writes
 its logits and its new KDA states into buffers that all graphs share, and holds no output of its own; the
@@ -24,6 +26,7 @@ runs each shaped step as it is (the CPU tests check the padded layouts that way)
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -31,6 +34,7 @@ import torch
 from .. import ops
 from ..cache import PagedKVCache, StepShape, prepare_step
 from ..model.minidsa import MiniDSA
+from ..ops.mla.prefill_form import sync_free
 from .cuda_graphs import buckets
 
 MAX_PADDING = 2.0  # a shape may hold at most this many times the step's tokens (plus one row's worth)
@@ -61,6 +65,7 @@ class StepGraphs:
         self.pool = pool
         self.shared: dict = {}  # (name, ...) -> the output buffers every graph writes
         self.replays = self.captures = 0
+        self.failed: dict[StepShape, str] = {}  # shapes whose capture failed -> why
 
     def shape_for(self, seq_ids: list[int], num_tokens: list[int]) -> StepShape | None:
         """The shape a step of these pieces replays in, or None when it should run eagerly."""
@@ -77,10 +82,26 @@ class StepGraphs:
             return None
         return shape
 
+    def ready(self, shape: StepShape) -> bool:
+        """Whether a step of ``shape`` can replay (captured now if need be). A capture that fails (an op that
+        waits for the GPU, say) is reported once and its shape runs eagerly from then on."""
+        if self.eager or shape in self.graphs:
+            return True
+        if shape in self.failed:
+            return False
+        try:
+            self._capture(shape)
+        except Exception as e:  # noqa: BLE001 -- the step still runs, eagerly
+            self.failed[shape] = f"{type(e).__name__}: {e}"
+            warnings.warn(f"no CUDA graph for {shape}; such steps run eagerly ({self.failed[shape]})", stacklevel=2)
+            return False
+        return True
+
     def run(self, shape: StepShape, seq_ids: list[int], num_tokens: list[int], ids: list[int],
             sample: list[int]) -> torch.Tensor:
         """One step of pieces ``seq_ids``/``num_tokens`` (decode pieces first) whose tokens are ``ids`` (packed, in
-        piece order) -> the logits [len(sample), V] of the last token of each piece listed in ``sample``."""
+        piece order) -> the logits [len(sample), V] of the last token of each piece listed in ``sample``.
+        ``shape``: ``shape_for``'s, ``ready``."""
         m = self.model
         if self.eager:
             step = prepare_step(self.cache, seq_ids, num_tokens, m.device, m.config.max_seq_len, sample, shape)
@@ -92,8 +113,6 @@ class StepGraphs:
             step.publish()
             self.replays += 1
             return logits[step.sampled]
-        if shape not in self.graphs:
-            self._capture(shape)
         self.graphs.move_to_end(shape)
         graph, template, static_ids, staged, logits = self.graphs[shape]
         step = prepare_step(self.cache, seq_ids, num_tokens, m.device, m.config.max_seq_len, sample, into=template)
@@ -155,7 +174,7 @@ class StepGraphs:
                 staged.append((layer, name, slots, buf, decode))
             return logits, staged
 
-        with torch.inference_mode():
+        with torch.inference_mode(), sync_free():  # the sparse prefill's form chosen without a host wait
             stream = torch.cuda.Stream(dev)
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):

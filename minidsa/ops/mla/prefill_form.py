@@ -14,11 +14,19 @@ unions and the decompression (about 5 % of that form's time at T = 32k).
 
 ``FORM`` (environment MINIDSA_PREFILL_FORM, default "auto"): "union" / "absorbed" force one form (tests,
 benchmarks); any other value raises at the first decision. Pure Python: nothing here launches a kernel.
+
+The union form's choice waits for the unions' counts (a host synchronisation), which a CUDA graph cannot
+capture. Inside ``sync_free()`` (the step graphs' warm-ups and captures, serving/step_graphs.py) the absorbed
+form runs, chosen from nothing but the call itself; it needs no count.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+
+import torch
 
 # Which form runs: "auto" picks per call (use_union_form); "union" / "absorbed" force one (tests, benchmarks).
 FORM = os.environ.get("MINIDSA_PREFILL_FORM", "auto")
@@ -34,6 +42,24 @@ UNION_PER_HEAD_PAIR = 1.6e-12
 # 16 heads; a program's work does not depend on the head count), not refitted.
 UNION_PER_HEAD_PAIR_GLUON = 1.36e-12
 ABSORBED_UP_TO_16_HEADS, ABSORBED_PER_64_HEADS = 2.65e-10, 3.45e-10
+
+
+_SYNC_FREE = contextvars.ContextVar("minidsa_prefill_sync_free", default=False)
+
+
+@contextlib.contextmanager
+def sync_free():
+    """Within: every sparse MLA prefill runs the absorbed form (no host synchronisation)."""
+    token = _SYNC_FREE.set(True)
+    try:
+        yield
+    finally:
+        _SYNC_FREE.reset(token)
+
+
+def must_not_sync() -> bool:
+    """Whether the prefill must take a form chosen without the GPU's counts (``sync_free``, or a capture)."""
+    return _SYNC_FREE.get() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def union_break_even(heads: int, gluon: bool = False) -> float:

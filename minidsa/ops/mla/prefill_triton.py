@@ -83,7 +83,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     args = (q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
     if torch.float64 in (q.dtype, kv_latent_plane.dtype, k_pe_plane.dtype, kv_b_weight.dtype):
         return sparse_mla_prefill_ref(*args)
-    if B * T == 0 or indices.shape[-1] == 0 or prefill_form.FORM == "absorbed":
+    if B * T == 0 or indices.shape[-1] == 0 or prefill_form.FORM == "absorbed" or prefill_form.must_not_sync():
         return sparse_mla_prefill_absorbed(*args)
     bs, on_gpu = kv_latent_plane.shape[1], q.device.type == "cuda"
     BLOCK_M, BLOCK_N, num_warps, num_stages = prefill_attn_triton.tile_config(on_gpu, kv_b_weight.element_size())
