@@ -104,6 +104,10 @@ def run_engine(model: MiniDSA, requests: list[dict], warmup: dict | None = None,
             1e-9, s["decode_seconds"] - before["decode_seconds"]),
         "mean_decode_batch": (s["decode_tokens"] - before["decode_tokens"]) / max(
             1, s["decode_steps"] - before["decode_steps"]),
+        "prefill_steps": s["prefill_steps"] - before["prefill_steps"],
+        "prefill_seconds": s["prefill_seconds"] - before["prefill_seconds"],
+        "prefill_replays": s["step_graph_replays"] - before["step_graph_replays"],
+        "shapes_captured": s["step_graph_captures"] - before["step_graph_captures"],
     }
 
 
@@ -194,7 +198,10 @@ def format_report(result: dict, title: str = "Serving Benchmark Result") -> str:
               f"{'Preemptions:':<40}{r['num_preemptions']:>10}",
               f"{'Prefix cache hit rate, KV blocks:':<40}{r['prefix_hit_rate_kv']:>10.1%}",
               f"{'Prefix cache hit rate, used (KDA):':<40}{r['prefix_hit_rate']:>10.1%}",
-              f"{'KV blocks (bound):':<40}{str(r['num_blocks']) + ' (' + r['cache_bound'] + ')':>10}"]
+              f"{'KV blocks (bound):':<40}{str(r['num_blocks']) + ' (' + r['cache_bound'] + ')':>10}",
+              f"{'Steps with prefill rows (s):':<40}{r['prefill_seconds']:>10.2f}",
+              f"{'  of them, steps / graph replays:':<40}{str(r['prefill_steps']) + ' / ' + str(r['prefill_replays']):>10}",
+              f"{'  shapes captured meanwhile:':<40}{r['shapes_captured']:>10}"]
     if "sequential" in r:
         seq = r["sequential"]
         lines += [f"{'Sequential generate() duration (s):':<40}{seq['duration_s']:>10.2f}",

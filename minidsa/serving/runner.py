@@ -91,6 +91,8 @@ class ModelRunner:
     def sample(self, req, logits: torch.Tensor) -> int:
         """The next token of ``req`` from its logits [V] (host), padding ids of the embedding table excluded."""
         p = req.params
+        if p.temperature == 0:  # the argmax of the real ids (no copy: the padding ids are simply not looked at)
+            return int(torch.argmax(logits[: self.model.tokenizer.vocab_size]))
         logits = logits.clone()
         logits[self.model.tokenizer.vocab_size:] = float("-inf")
         return sample_next_token(logits, p.temperature, p.top_p, req.generator, p.top_k)

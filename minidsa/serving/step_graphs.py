@@ -115,7 +115,8 @@ class StepGraphs:
             return logits[step.sampled]
         self.graphs.move_to_end(shape)
         graph, template, static_ids, staged, logits = self.graphs[shape]
-        step = prepare_step(self.cache, seq_ids, num_tokens, m.device, m.config.max_seq_len, sample, into=template)
+        step = prepare_step(self.cache, seq_ids, num_tokens, m.device, m.config.max_seq_len, sample, shape,
+                            into=template)
         try:
             static_ids.copy_(self._ids(step, ids), non_blocking=True)
             graph.replay()

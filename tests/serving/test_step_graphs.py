@@ -107,3 +107,38 @@ def test_the_engine_through_step_graphs_gives_its_own_outputs(model):
     got = [o.text for o in engine.generate(prompts, params, progress=False)]
     assert got == want
     assert engine.runner.step_graphs.replays > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (the GPU acceptance script runs this)")
+def test_a_replayed_step_equals_the_eager_shaped_step_bit_for_bit():
+    """Two different steps of one shape through one captured graph, against the same steps run eagerly with the
+    same kernels (the absorbed sparse prefill, as in the graph): logits and KDA states identical, so the
+    metadata of the second step really replaced the first's."""
+    from minidsa.ops.mla.prefill_form import sync_free
+    torch.manual_seed(0)
+    model = minidsa.MiniDSA(tiny_config(dtype="float32"), device="cuda").set_backend("triton")
+    steps = [([6, 0, 0], [1, 20, 9]), ([30, 3, 0], [1, 17, 2])]  # (history, piece lengths): one shape
+    results = []
+    for graphed in (True, False):
+        cache = model.new_cache()
+        graphs = StepGraphs(model, cache, 4, eager=not graphed)
+        sids = [cache.add_sequence() for _ in range(3)]
+        out = []
+        for history, lengths in steps:
+            for s in sids:
+                cache.free(s)
+            sids = [cache.add_sequence() for _ in range(3)]
+            torch.manual_seed(1)
+            with torch.inference_mode(), sync_free():
+                for sid, n in zip(sids, history):
+                    if n:
+                        model(torch.randint(1, 200, (1, n), device="cuda"), cache=cache, seq_ids=[sid])
+                shape = graphs.shape_for(sids, lengths)
+                assert graphs.ready(shape)
+                ids = torch.randint(1, 200, (sum(lengths),)).tolist()
+                out.append(graphs.run(shape, sids, lengths, ids, [0, 1, 2]).clone())
+            out += [cache.state[0][name][cache.state_slots(sids)].clone() for name in cache.state[0]]
+        results.append(out)
+        assert graphs.replays == 2 and (graphs.captures == 1) == graphed
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
