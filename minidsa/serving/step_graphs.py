@@ -55,7 +55,7 @@ def _pow2(n: int, cap: int) -> int:
 class StepGraphs:
     """Captured steps with prefill rows, one per shape; ``run`` lays a step out to its shape and replays it."""
 
-    def __init__(self, model: MiniDSA, cache: PagedKVCache, max_num_seqs: int, max_graphs: int = 24,
+    def __init__(self, model: MiniDSA, cache: PagedKVCache, max_num_seqs: int, max_graphs: int = 64,
                  eager: bool = False, pool=None) -> None:
         self.model, self.cache, self.eager = model, cache, eager
         self.max_num_seqs, self.max_graphs = max_num_seqs, max_graphs
