@@ -28,7 +28,7 @@ def run_step(model, cache, sids, embeds, shape=None):
     """Every piece's token logits [N, V] (piece order) and the selections of each piece, from one forward."""
     step = prepare_step(cache, sids, [e.shape[0] for e in embeds], model.device, model.config.max_seq_len,
                         shape=shape)
-    x = torch.zeros(1, step.num_tokens, model.config.hidden_size, dtype=torch.float64)
+    x = embeds[0].new_zeros(1, step.num_tokens, model.config.hidden_size)
     spans = [step.span(i) for i in range(len(sids))]
     for (a, b), e in zip(spans, embeds):
         x[0, a:b] = e
@@ -37,7 +37,7 @@ def run_step(model, cache, sids, embeds, shape=None):
         hidden = model.language_model.model(x, step, trace)
         logits = model.language_model.lm_head(hidden[0])
     step.publish()
-    rows = torch.cat([torch.arange(a, b) for a, b in spans])
+    rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(x.device)
     return logits[rows], {k: v[0, rows] for k, v in trace.selected.items()}
 
 
@@ -142,3 +142,32 @@ def test_a_replayed_step_equals_the_eager_shaped_step_bit_for_bit():
         assert graphs.replays == 2 and (graphs.captures == 1) == graphed
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels on a shaped step (a GPU; the CPU tests run "
+                                                          "the fp64 references)")
+@pytest.mark.parametrize("mix", [m for m in MIXES if m != "decode only"])
+def test_the_kernels_give_a_shaped_step_what_they_give_the_tight_one(mix):
+    """fp32 on the GPU, backend triton, the same sparse prefill form in both (sync_free): a shaped step's logits
+    within 1e-4 of the tight step's (fp32 kernels, different row counts: rounding only; a padding row that
+    leaked into a real one, or a mask that missed, costs O(1)) and the same selections."""
+    from minidsa.ops.mla.prefill_form import sync_free
+    torch.manual_seed(0)
+    model = minidsa.MiniDSA(tiny_config(dtype="float32"), device="cuda").set_backend("triton")
+    history, lengths = zip(*MIXES[mix])
+    out = []
+    for shaped in (True, False):
+        cache = model.new_cache()
+        sids = [cache.add_sequence() for _ in history]
+        torch.manual_seed(1)
+        with torch.inference_mode(), sync_free(), minidsa.ops.use_backend("triton"):
+            for sid, n in zip(sids, history):
+                if n:
+                    model(inputs_embeds=torch.randn(1, n, model.config.hidden_size, device="cuda"), cache=cache,
+                          seq_ids=[sid])
+            embeds = [torch.randn(n, model.config.hidden_size, device="cuda") for n in lengths]
+            out.append(run_step(model, cache, sids, embeds, shape_of(lengths) if shaped else None))
+    (a, sel_a), (b, sel_b) = out
+    assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    for layer in sel_b:
+        assert torch.equal(sel_a[layer], sel_b[layer]), layer
