@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import acc_dtype, cast
+from ._denormals import flush_denormals
 from ._dispatch import BACKENDS, TRITON_KERNELS, current_backend, pick, register_custom_ops, set_backend, use_backend
 from .activation.reference import situ_glu_backward_ref, situ_glu_ref
 from .attention.reference import gather_rows, indices_to_mask, masked_dense_attention, sparse_attention_ref
@@ -114,7 +115,8 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     """Kimi Delta Attention, one step at a time. q, k [B,T,H,K]; v [B,T,HV,V]; g [B,T,HV,K] log-decay;
     beta [B,T,HV]; initial_state [B,HV,K,V] -> (o [B,T,HV,V] in v.dtype, final_state [B,HV,K,V] fp32)."""
     fn = pick("kda_recurrent", backend, kda_recurrent_ref, q, k, v, g, beta, initial_state)
-    return fn(q, k, v, g, beta, scale, initial_state)
+    with flush_denormals(q):  # exp of long decays: subnormal products, slow on a CPU
+        return fn(q, k, v, g, beta, scale, initial_state)
 
 
 def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -123,7 +125,8 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     """Chunked (WY/UT) form of ``kda_recurrent`` with the same inputs and outputs; T need not be a
     multiple of ``chunk_size``."""
     fn = pick("kda_chunk", backend, kda_chunk_ref, q, k, v, g, beta, initial_state)
-    return fn(q, k, v, g, beta, scale, initial_state, chunk_size)
+    with flush_denormals(q):  # exp of a chunk's cumulative decay: subnormal products, slow on a CPU
+        return fn(q, k, v, g, beta, scale, initial_state, chunk_size)
 
 
 def kda_decode(projected: torch.Tensor, f_a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
