@@ -48,6 +48,7 @@ from ..serving.params import SamplingParams
 from ..serving.requests import encode_prompts
 from ..tokenizer import IMAGE_MARKER, VIDEO_MARKER
 from .held import HeldChoices
+from .layers import logits_tolerance
 
 MAX_TOKENS = 8  # greedy tokens per request: enough to cross several decode steps, cheap on a CPU
 MEDIA_TOKENS = 16  # an image answer is longer: "green triangle" and its eos
@@ -242,7 +243,6 @@ def check_service(model: MiniDSA, source, backend: str, device: str) -> tuple[bo
     """(ok, lines): a fresh ``serve`` process answers one plain and one streamed completion with the text of an
     engine of the same settings here, whose tokens equal the eager engine's (graphs off) or part from them at
     a near-tie; its /metrics counts them."""
-    from .layers import logits_tolerance
     text = prompts(model, 2)[1]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     want = Engine(model, max_num_seqs=2, cuda_graphs="off").generate([text], params, progress=False)[0]

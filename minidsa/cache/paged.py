@@ -172,9 +172,12 @@ class PagedKVCache:
         if length > len(self._tables[sid]) * self.block_size:
             raise ValueError(f"sequence {sid}: cannot commit {length} tokens, only "
                              f"{len(self._tables[sid]) * self.block_size} reserved")
+        old, bs, table = self._lengths[sid], self.block_size, self._tables[sid]
         self._lengths[sid] = length
-        for j, b in enumerate(self._tables[sid]):
-            self.block_tokens[b] = min(self.block_size, max(0, length - j * self.block_size))
+        # Only the blocks between the old end and the new one change: those before are full, those after empty
+        # (an engine commits every sequence of a step, every step: a loop over whole tables cost milliseconds).
+        for j in range(min(old, length) // bs, min(len(table), -(-max(old, length) // bs))):
+            self.block_tokens[table[j]] = min(bs, max(0, length - j * bs))
 
     @_locked
     def free(self, sid: int) -> None:
@@ -301,10 +304,10 @@ class PagedKVCache:
     def block_table_tensor(self, sids: list[int], device: torch.device | str | None = None) -> torch.Tensor:
         """int32 [B, max_blocks], -1 past each sequence's last block (the form a kernel reads); on the
         cache's device unless ``device`` is given."""
-        n = max((len(self._tables[s]) for s in sids), default=0)
-        out = torch.full((len(sids), n), -1, dtype=torch.int32)
-        for i, s in enumerate(sids):
-            out[i, : len(self._tables[s])] = torch.tensor(self._tables[s], dtype=torch.int32)
+        tables = [self._tables[s] for s in sids]
+        n = max(map(len, tables), default=0)
+        # One tensor from padded lists (a tensor per row cost more than the step's other metadata together).
+        out = torch.tensor([t + [-1] * (n - len(t)) for t in tables], dtype=torch.int32).view(len(sids), n)
         return out.to(self.device if device is None else device)
 
     # ---------------------------------------------------------------- data

@@ -250,12 +250,16 @@ def _host_tensors(cache: PagedKVCache, seq_ids: list[int], starts: list[int], nu
     N = query_start[-1]
     positions = torch.full((N,), -1, dtype=torch.long)
     token_row = torch.zeros(N, dtype=torch.long)
-    for i, (s, n) in enumerate(zip(starts, num_tokens)):
-        a = query_start[rows[i]]
-        positions[a: a + n] = torch.arange(s, s + n)
-        token_row[a: a + n] = rows[i]
+    if rows:  # every real token at once (a loop over pieces cost a few tensors per decode row)
+        counts, row_t = torch.tensor(num_tokens), torch.tensor(rows)
+        piece = torch.repeat_interleave(torch.arange(len(rows)), counts)
+        offset = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[piece]
+        at = torch.tensor(query_start)[row_t][piece] + offset
+        positions[at] = torch.tensor(starts)[piece] + offset
+        token_row[at] = row_t[piece]
     wide = lay["table"]
-    slots = paged_slots(wide[token_row], positions.unsqueeze(1), cache.block_size).reshape(-1) if N else positions
+    slots = paged_slots(wide, positions, cache.block_size, rows=token_row) if N and wide.shape[1] else \
+        torch.full_like(positions, -1)
     lens, state, lengths = (torch.zeros(R, dtype=torch.long) for _ in range(3))
     if rows:
         lens[rows] = torch.tensor([s + n for s, n in zip(starts, num_tokens)])

@@ -13,13 +13,18 @@ from __future__ import annotations
 import torch
 
 
-def paged_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+def paged_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
     """block_table int [B, max_blocks] (-1 = no block), positions int [B, N] (-1 = padding)
-    -> physical slots int64 [B, N], -1 wherever the position is padding or has no block."""
+    -> physical slots int64 [B, N], -1 wherever the position is padding or has no block. With ``rows``
+    (int [N]: the table row of each position), positions is flat [N] and so is the result: the tokens of
+    several rows of different lengths, as a packed step lays them out."""
     pos = positions.long()
     block = pos.clamp_min(0) // block_size
     in_table = block < block_table.shape[1]
-    physical = block_table.long().gather(1, block.clamp_max(block_table.shape[1] - 1))
+    clamped = block.clamp_max(block_table.shape[1] - 1)
+    table = block_table.long()
+    physical = table.gather(1, clamped) if rows is None else table[rows, clamped]
     valid = (pos >= 0) & in_table & (physical >= 0)
     return torch.where(valid, physical * block_size + pos.clamp_min(0) % block_size, torch.full_like(pos, -1))
 
