@@ -7,14 +7,15 @@ below), so a step laid out to a fixed ``StepShape`` (cache/step.py) can be captu
 of that shape copies its metadata and token ids into the graph's input tensors (one upload each) and
 replays. Shapes are rounded up so that few cover a workload:
 
-    decode rows      the decode graphs' batch buckets (1, 2, 4, 8, 16, 24, ...), or 0
+    decode rows      0 or a power of two (up to the largest decode graph)
     prefill rows     a power of two, at most max_num_seqs
     their length     16, 24, 32, 48, 64, 96, ... (a power of two or 1.5 times one)
     block table      a power of two of blocks, at most max_seq_len's
 
 A step whose shape would hold more than twice its tokens (pieces of very different lengths) runs eagerly;
-so does one with media or a trace. A shape is captured when first met (two eager warm-up runs, then the
-capture) and kept; past ``max_graphs`` the least recently used is dropped. In a graph the sparse MLA prefill
+so does one with media or a trace. A shape is captured the second time it is met (``capture_after``: two
+eager warm-up runs, then the capture, cost about three forwards, which a shape met once would not repay)
+and kept; past ``max_graphs`` the least recently used is dropped. In a graph the sparse MLA prefill
 runs its absorbed form: the union form's choice waits for counts from the GPU, which a capture cannot hold
 (ops/mla/prefill_form.py).
 
@@ -56,16 +57,20 @@ class StepGraphs:
     """Captured steps with prefill rows, one per shape; ``run`` lays a step out to its shape and replays it."""
 
     def __init__(self, model: MiniDSA, cache: PagedKVCache, max_num_seqs: int, max_graphs: int = 64,
-                 eager: bool = False, pool=None) -> None:
+                 eager: bool = False, pool=None, capture_after: int = 2) -> None:
         self.model, self.cache, self.eager = model, cache, eager
-        self.max_num_seqs, self.max_graphs = max_num_seqs, max_graphs
-        self.decode_buckets = [0] + buckets(max_num_seqs)
+        self.max_num_seqs, self.max_graphs, self.capture_after = max_num_seqs, max_graphs, capture_after
+        # Decode rows beside prefill rows: powers of two (a padding decode row costs one token), so that fewer
+        # shapes cover the steps of a running batch whose size drifts by one or two.
+        most = buckets(max_num_seqs)[-1]
+        self.decode_buckets = [0] + sorted({min(1 << i, most) for i in range(most.bit_length() + 1)})
         self.max_blocks = -(-model.config.max_seq_len // cache.block_size)
         self.graphs: OrderedDict[StepShape, tuple] = OrderedDict()
         self.pool = pool
         self.shared: dict = {}  # (name, ...) -> the output buffers every graph writes
         self.replays = self.captures = 0
         self.failed: dict[StepShape, str] = {}  # shapes whose capture failed -> why
+        self.sightings: dict[StepShape, int] = {}  # steps of each shape not yet captured
 
     def shape_for(self, seq_ids: list[int], num_tokens: list[int]) -> StepShape | None:
         """The shape a step of these pieces replays in, or None when it should run eagerly."""
@@ -85,10 +90,13 @@ class StepGraphs:
     def ready(self, shape: StepShape) -> bool:
         """Whether a step of ``shape`` can replay (captured now if need be). A capture that fails (an op that
         waits for the GPU, say) is reported once and its shape runs eagerly from then on."""
-        if self.eager or shape in self.graphs:
+        if shape in self.graphs:
             return True
-        if shape in self.failed:
-            return False
+        self.sightings[shape] = self.sightings.get(shape, 0) + 1
+        if shape in self.failed or self.sightings[shape] < self.capture_after:
+            return False  # a shape met once costs one eager forward; a capture costs about three
+        if self.eager:
+            return True
         try:
             self._capture(shape)
         except Exception as e:  # noqa: BLE001 -- the step still runs, eagerly

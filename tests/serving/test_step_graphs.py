@@ -92,6 +92,13 @@ def test_shapes_round_up_to_few_sizes(model):
         width *= 2
     assert graphs.shape_for(sids, [1, 1, 1, 100]) == StepShape(4, 1, 128, min(width, graphs.max_blocks))
     assert graphs.shape_for(sids[:3], [200, 5, 5]) is None  # 4 x 256 rows would hold 5x the 210 tokens
+    assert graphs.decode_buckets == [0, 1, 2, 4, 8]
+
+
+def test_a_shape_is_captured_the_second_time_it_is_met(model):
+    graphs = StepGraphs(model, model.new_cache(), 8, eager=True)  # eager: "captured" means run shaped
+    shape = StepShape(1, 1, 16, 2)
+    assert [graphs.ready(shape) for _ in range(3)] == [False, True, True]
 
 
 def test_the_engine_through_step_graphs_gives_its_own_outputs(model):
@@ -103,7 +110,8 @@ def test_the_engine_through_step_graphs_gives_its_own_outputs(model):
     params = minidsa.SamplingParams(temperature=0, max_tokens=6)
     want = [o.text for o in Engine(model, max_num_batched_tokens=64).generate(prompts, params, progress=False)]
     engine = Engine(model, max_num_batched_tokens=64)
-    engine.runner.step_graphs = StepGraphs(model, engine.cache, engine.scheduler.max_num_seqs, eager=True)
+    engine.runner.step_graphs = StepGraphs(model, engine.cache, engine.scheduler.max_num_seqs, eager=True,
+                                           capture_after=1)
     got = [o.text for o in engine.generate(prompts, params, progress=False)]
     assert got == want
     assert engine.runner.step_graphs.replays > 0
@@ -121,7 +129,7 @@ def test_a_replayed_step_equals_the_eager_shaped_step_bit_for_bit():
     results = []
     for graphed in (True, False):
         cache = model.new_cache()
-        graphs = StepGraphs(model, cache, 4, eager=not graphed)
+        graphs = StepGraphs(model, cache, 4, eager=not graphed, capture_after=1)
         sids = [cache.add_sequence() for _ in range(3)]
         out = []
         for history, lengths in steps:
