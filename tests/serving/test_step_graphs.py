@@ -179,3 +179,27 @@ def test_the_kernels_give_a_shaped_step_what_they_give_the_tight_one(mix):
     assert (a - b).abs().max() <= 1e-4 * b.abs().max()
     for layer in sel_b:
         assert torch.equal(sel_a[layer], sel_b[layer]), layer
+
+
+def test_a_failed_shaped_step_leaves_the_cache_as_it_was(model, monkeypatch):
+    """A forward that raises inside a shaped step gives its blocks back and writes no state; the next step of
+    the same shape then runs as if nothing had happened."""
+    cache = model.new_cache()
+    graphs = StepGraphs(model, cache, 4, eager=True, capture_after=1)
+    sids = [cache.add_sequence() for _ in range(2)]
+    shape = graphs.shape_for(sids, [1, 20])
+    before = [cache.block_table(s) for s in sids], [cache.seq_len(s) for s in sids], cache.num_free_blocks
+    states = [t.clone() for layer in cache.state for t in layer.values()]
+
+    def broken(step, ids):
+        raise RuntimeError("a kernel failed")
+    with monkeypatch.context() as m:
+        m.setattr(graphs, "_forward", broken)
+        with pytest.raises(RuntimeError, match="kernel failed"), torch.inference_mode():
+            graphs.run(shape, sids, [1, 20], list(range(1, 22)), [0, 1])
+    assert ([cache.block_table(s) for s in sids], [cache.seq_len(s) for s in sids], cache.num_free_blocks) == before
+    assert all(torch.equal(a, b) for a, b in zip(states, [t for layer in cache.state for t in layer.values()]))
+    with torch.inference_mode():
+        logits = graphs.run(shape, sids, [1, 20], list(range(1, 22)), [0, 1])
+    assert logits.shape[0] == 2 and torch.isfinite(logits).all()
+    assert [cache.seq_len(s) for s in sids] == [1, 20]
