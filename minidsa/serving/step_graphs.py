@@ -12,12 +12,14 @@ replays. Shapes are rounded up so that few cover a workload:
     their length     16, 24, 32, 48, 64, 96, ... (a power of two or 1.5 times one)
     block table      a power of two of blocks, at most max_seq_len's
 
-A step whose shape would hold more than twice its tokens (pieces of very different lengths) runs eagerly;
-so does one with media or a trace. A shape is captured the second time it is met (``capture_after``: two
-eager warm-up runs, then the capture, cost about three forwards, which a shape met once would not repay)
-and kept; past ``max_graphs`` the least recently used is dropped. In a graph the sparse MLA prefill
-runs its absorbed form: the union form's choice waits for counts from the GPU, which a capture cannot hold
-(ops/mla/prefill_form.py).
+A step whose shape would hold more than twice its tokens (pieces of very different lengths) runs eagerly; so
+does one with media or a trace. A shape is captured when first met (two eager warm-up runs, then the capture:
+about three forwards) and kept; past ``max_graphs`` the least recently used is dropped. Capturing only at a
+shape's ``capture_after``-th step would spare the shapes met once, but a step's numerics would then depend on
+what ran before it (a graph pads rows and takes another sparse prefill form than the eager step, so the same
+request sent twice could part at a near-tie): the default keeps them a function of the step. In a graph the
+sparse MLA prefill runs its absorbed form: the union form's choice waits for counts from the GPU, which a
+capture cannot hold (ops/mla/prefill_form.py).
 
 Graphs share one memory pool. A graph's outputs would pin their memory in it, so every graph instead writes
 its logits and its new KDA states into buffers that all graphs share, and holds no output of its own; the
@@ -57,7 +59,7 @@ class StepGraphs:
     """Captured steps with prefill rows, one per shape; ``run`` lays a step out to its shape and replays it."""
 
     def __init__(self, model: MiniDSA, cache: PagedKVCache, max_num_seqs: int, max_graphs: int = 64,
-                 eager: bool = False, pool=None, capture_after: int = 2) -> None:
+                 eager: bool = False, pool=None, capture_after: int = 1) -> None:
         self.model, self.cache, self.eager = model, cache, eager
         self.max_num_seqs, self.max_graphs, self.capture_after = max_num_seqs, max_graphs, capture_after
         # Decode rows beside prefill rows: powers of two (a padding decode row costs one token), so that fewer

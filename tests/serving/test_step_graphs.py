@@ -95,10 +95,11 @@ def test_shapes_round_up_to_few_sizes(model):
     assert graphs.decode_buckets == [0, 1, 2, 4, 8]
 
 
-def test_a_shape_is_captured_the_second_time_it_is_met(model):
-    graphs = StepGraphs(model, model.new_cache(), 8, eager=True)  # eager: "captured" means run shaped
+def test_a_shape_is_captured_when_met_or_at_its_capture_after_th_step(model):
     shape = StepShape(1, 1, 16, 2)
-    assert [graphs.ready(shape) for _ in range(3)] == [False, True, True]
+    for after, want in ((1, [True, True, True]), (2, [False, True, True])):
+        graphs = StepGraphs(model, model.new_cache(), 8, eager=True, capture_after=after)  # eager: run shaped
+        assert [graphs.ready(shape) for _ in range(3)] == want
 
 
 def test_the_engine_through_step_graphs_gives_its_own_outputs(model):
