@@ -2,8 +2,9 @@
 
 The engine (engine.py) keeps the requests, the schedule and the outputs; the runner owns what touches the
 model: it builds the step's metadata (``cache.prepare_step``), runs the step as one forward over packed
-tokens, or replays a captured CUDA graph when the step is a uniform decode, computes ``lm_head`` only on
-the rows that end their piece, and chooses the next tokens.
+tokens, or on a GPU replays a captured CUDA graph (cuda_graphs.py for a uniform decode, step_graphs.py for
+a step with prefill rows, laid out to its shape), computes ``lm_head`` only on the rows that end their
+piece, and chooses the next tokens.
 
     pieces (request, start, end), decode rows first -> one StepContext -> [1, N, d] -> lm_head(rows) -> tokens
 
@@ -25,7 +26,8 @@ from .step_graphs import StepGraphs
 
 
 class ModelRunner:
-    """Runs the steps of one engine on its model and cache; ``graphs``: the captured decode steps, or None."""
+    """Runs the steps of one engine on its model and cache; ``graphs``: the captured decode steps, and
+    ``step_graphs`` the steps with prefill rows, or None."""
 
     def __init__(self, model: MiniDSA, cache, max_num_seqs: int, graphs: bool, compile_decode: bool) -> None:
         self.model, self.cache = model, cache
