@@ -175,7 +175,7 @@ class PagedKVCache:
         old, bs, table = self._lengths[sid], self.block_size, self._tables[sid]
         self._lengths[sid] = length
         # Only the blocks between the old end and the new one change: those before are full, those after empty
-        # (an engine commits every sequence of a step, every step: a loop over whole tables cost milliseconds).
+        # (an engine commits every sequence of every step, so this runs once per token generated).
         for j in range(min(old, length) // bs, min(len(table), -(-max(old, length) // bs))):
             self.block_tokens[table[j]] = min(bs, max(0, length - j * bs))
 
@@ -306,7 +306,7 @@ class PagedKVCache:
         cache's device unless ``device`` is given."""
         tables = [self._tables[s] for s in sids]
         n = max(map(len, tables), default=0)
-        # One tensor from padded lists (a tensor per row cost more than the step's other metadata together).
+        # One tensor from padded lists: one tensor per row would be one allocation per sequence of a step.
         out = torch.tensor([t + [-1] * (n - len(t)) for t in tables], dtype=torch.int32).view(len(sids), n)
         return out.to(self.device if device is None else device)
 

@@ -109,10 +109,6 @@ class StepContext:
         """Pieces of one token (the first ones)."""
         return sum(1 for r in self.rows if r < self.num_decode)
 
-    def prefill_pieces(self) -> range:
-        """Indices of the pieces of more than one token (after the decode pieces)."""
-        return range(self.decode_pieces, self.num_pieces)
-
     def span(self, i: int) -> tuple[int, int]:
         """Token range [a, b) of piece ``i``."""
         a = self.query_start[self.rows[i]]
@@ -250,7 +246,7 @@ def _host_tensors(cache: PagedKVCache, seq_ids: list[int], starts: list[int], nu
     N = query_start[-1]
     positions = torch.full((N,), -1, dtype=torch.long)
     token_row = torch.zeros(N, dtype=torch.long)
-    if rows:  # every real token at once (a loop over pieces cost a few tensors per decode row)
+    if rows:  # every real token at once: a step may hold one piece per running sequence
         counts, row_t = torch.tensor(num_tokens), torch.tensor(rows)
         piece = torch.repeat_interleave(torch.arange(len(rows)), counts)
         offset = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[piece]

@@ -3,10 +3,8 @@
 KDA's chunk form multiplies by exp(G), G the cumulative log-decay inside a chunk: with decays of -2.7 a step
 (seen in the laptop model; the floor is -5) G reaches about -170 over 64 steps, so exp(G) and the products
 built from it fall below fp32's normal range (1.2e-38) into subnormal numbers. x86 CPUs handle a subnormal
-operand or result in microcode, many times slower than a normal one: on the laptop config a 2,048-token chunk
-call took 126 ms with them and 54 ms flushed to zero, the same results to the last bit (2026-12-06, one
-thread). Flushing changes only values below 1.2e-38 (fp32) or 2.2e-308 (fp64), which no output of these ops
-can show.
+operand or result in microcode, many times slower than a normal one (docs/log.md has the measurement).
+Flushing changes only values below 1.2e-38 (fp32) or 2.2e-308 (fp64), which no output of these ops can show.
 
 ``torch.set_flush_denormal`` sets the calling thread's floating-point mode (x86: FTZ and DAZ) and has no
 getter, so the mode in force is probed (a subnormal constant read as zero) and restored after.

@@ -99,7 +99,7 @@ class Engine:
         self._ids = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0
         self.decode_steps, self.decode_tokens, self.decode_seconds = 0, 0, 0.0  # steps whose rows were all decodes
-        self.other_steps, self.other_seconds = 0, 0.0  # steps with prefill rows
+        self.prefill_steps, self.prefill_seconds = 0, 0.0  # steps with prefill rows
 
     @property
     def graphs(self):
@@ -202,8 +202,8 @@ class Engine:
             self.decode_tokens += len(work)
             self.decode_seconds += time.perf_counter() - now
         elif work:
-            self.other_steps += 1
-            self.other_seconds += time.perf_counter() - now
+            self.prefill_steps += 1
+            self.prefill_seconds += time.perf_counter() - now
         return outs
 
     def _boundaries(self, req: EngineRequest, start: int, end: int) -> list[int]:
@@ -358,7 +358,7 @@ class Engine:
             "step_graph_captures": self.runner.step_graphs.captures if self.runner.step_graphs else 0,
             "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens,
             "decode_seconds": self.decode_seconds,
-            "prefill_steps": self.other_steps, "prefill_seconds": self.other_seconds,
+            "prefill_steps": self.prefill_steps, "prefill_seconds": self.prefill_seconds,
             "memory": dict(self.budget),
         }
 

@@ -38,7 +38,6 @@ from .. import ops
 from ..cache import PagedKVCache, StepShape, prepare_step
 from ..model.minidsa import MiniDSA
 from ..ops.mla.prefill_form import sync_free
-from .cuda_graphs import buckets
 
 MAX_PADDING = 2.0  # a shape may hold at most this many times the step's tokens (plus one row's worth)
 
@@ -64,8 +63,7 @@ class StepGraphs:
         self.max_num_seqs, self.max_graphs, self.capture_after = max_num_seqs, max_graphs, capture_after
         # Decode rows beside prefill rows: powers of two (a padding decode row costs one token), so that fewer
         # shapes cover the steps of a running batch whose size drifts by one or two.
-        most = buckets(max_num_seqs)[-1]
-        self.decode_buckets = [0] + sorted({min(1 << i, most) for i in range(most.bit_length() + 1)})
+        self.decode_buckets = [0] + sorted({min(1 << i, max_num_seqs) for i in range(max_num_seqs.bit_length() + 1)})
         self.max_blocks = -(-model.config.max_seq_len // cache.block_size)
         self.graphs: OrderedDict[StepShape, tuple] = OrderedDict()
         self.pool = pool
@@ -141,13 +139,12 @@ class StepGraphs:
     @staticmethod
     def _ids(step, ids: list[int]) -> torch.Tensor:
         """The token ids laid out on the step's axis (0 on padding), host."""
-        out = torch.zeros(step.num_tokens, dtype=torch.long)
-        at = 0
+        out, at = [0] * step.num_tokens, 0
         for i, n in enumerate(step.lengths):
             a, b = step.span(i)
-            out[a:b] = torch.tensor(ids[at: at + n], dtype=torch.long)
+            out[a:b] = ids[at: at + n]
             at += n
-        return out
+        return torch.tensor(out, dtype=torch.long)
 
     def _forward(self, step, ids: torch.Tensor) -> torch.Tensor:
         """Embeddings -> decoder -> lm_head of every row's last token (what a graph captures)."""
