@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import acc_dtype, check_tensor, on_host
+from .._denormals import floored_exp
 
 
 def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -36,7 +37,8 @@ def masked_softmax(s: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     s = s.masked_fill(~valid, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all-masked rows: avoid -inf - -inf
-    p = torch.exp(s - m)
+    # Masked entries zeroed by a product, not by exp(-inf), the CPU's slow path (ops/_denormals.py).
+    p = floored_exp(s - m).mul_(valid.to(s.dtype))
     denom = p.sum(dim=-1, keepdim=True)
     return p / torch.where(denom > 0, denom, torch.ones_like(denom))
 

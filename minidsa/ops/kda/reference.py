@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import acc_dtype, cast, check_tensor, on_host
+from .._denormals import EXP_FLOOR, floored_exp
 
 
 def _check(q, k, v, g, beta, initial_state):
@@ -86,7 +87,7 @@ def _intra_chunk_products(q, k, G, c: int) -> tuple[torch.Tensor, torch.Tensor]:
     S = C // c
     Gs, qs, ks = (x.view(*pre, S, c, K) for x in (G, q, k))
     Gr = Gs[..., :1, :]  # [..., S, 1, K]: G at the first step of each sub-chunk
-    left = (Gs - Gr).exp()  # [..., S, c, K], each <= 1
+    left = floored_exp(Gs - Gr)  # [..., S, c, K], each <= 1
     tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     span = FACTOR_SPAN.get(q.dtype, 0.0)
     if on_host(G) and G.numel() and float((Gr - Gs[..., -1:, :]).detach().amax()) <= span:
@@ -94,11 +95,13 @@ def _intra_chunk_products(q, k, G, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Entries above the diagonal (j > i) may be huge or inf: selected away, never multiplied by zero.
         diag_qk, diag_kk = (((left * x) @ k_up.mT).masked_fill_(~tri, 0.0) for x in (qs, ks))  # [..., S, c, c]
     else:
-        decay = (Gs.unsqueeze(-2) - Gs.unsqueeze(-3)).masked_fill_(~tri.unsqueeze(-1), float("-inf")).exp_()
-        kd = decay * ks.unsqueeze(-3)  # [..., S, c(i), c(j), K]
+        # Pairs j > i have exponents >= 0: held at 0 (no overflow) and zeroed by the mask.
+        decay = (Gs.unsqueeze(-2) - Gs.unsqueeze(-3)).clamp_(EXP_FLOOR, 0.0).exp_()
+        kd = decay.mul_(tri.unsqueeze(-1).to(ks.dtype)).mul_(ks.unsqueeze(-3))  # [..., S, c(i), c(j), K]
         diag_qk, diag_kk = ((kd @ x.unsqueeze(-1)).squeeze(-1) for x in (qs, ks))  # [..., S, c, c]
     before = torch.arange(C, device=q.device).view(1, C) < torch.arange(0, C, c, device=q.device).view(S, 1)
-    right = (Gr - G.unsqueeze(-3)).masked_fill_(~before.unsqueeze(-1), float("-inf")).exp_() * k.unsqueeze(-3)
+    # As above: the pairs j >= r (exponents >= 0) held at 0 and zeroed by the mask.
+    right = (Gr - G.unsqueeze(-3)).clamp_(EXP_FLOOR, 0.0).exp_().mul_(before.unsqueeze(-1).to(k.dtype)).mul_(k.unsqueeze(-3))
     A_qk, A_kk = (((left * x) @ right.mT).reshape(*pre, C, C) for x in (qs, ks))  # across sub-chunks
     for A, diag in ((A_qk, diag_qk), (A_kk, diag_kk)):
         A.view(*pre, S, c, S, c).diagonal(dim1=-4, dim2=-2).add_(diag.movedim(-3, -1))
@@ -141,14 +144,14 @@ def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=6
     A_qk, A_kk = _intra_chunk_products(q, k, G, SUB_CHUNK if C % SUB_CHUNK == 0 else C)
     A_kk = beta.unsqueeze(-1) * A_kk
     M = torch.linalg.solve_triangular(eye + A_kk, eye.expand_as(A_kk), upper=False, unitriangular=True)
-    W = M @ (beta.unsqueeze(-1) * G.exp() * k)
+    W = M @ (beta.unsqueeze(-1) * floored_exp(G) * k)
     U = M @ (beta.unsqueeze(-1) * v)
     o = torch.empty(B, H, n, C, V, dtype=q.dtype, device=q.device)
     for c in range(n):
         v_new = U[:, :, c] - W[:, :, c] @ S
-        o[:, :, c] = (G[:, :, c].exp() * q[:, :, c]) @ S + A_qk[:, :, c] @ v_new
+        o[:, :, c] = (floored_exp(G[:, :, c]) * q[:, :, c]) @ S + A_qk[:, :, c] @ v_new
         G_last = G[:, :, c, -1]  # [B, H, K]
-        S = G_last.exp().unsqueeze(-1) * S + ((G_last.unsqueeze(2) - G[:, :, c]).exp() * k[:, :, c]).transpose(-1, -2) @ v_new
+        S = floored_exp(G_last).unsqueeze(-1) * S + (floored_exp(G_last.unsqueeze(2) - G[:, :, c]) * k[:, :, c]).mT @ v_new
     o = o.permute(0, 2, 3, 1, 4).reshape(B, n * C, H, V)[:, :T]
     return o.to(out_dtype), S
 
@@ -177,10 +180,12 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> t
     x [B, T, C], weight [C, 1, W], state [B, W-1, C] (the previous W-1 inputs, zeros at the start)
     -> (y [B, T, C], new_state [B, W-1, C]); y[t] = sum_i weight[:, 0, i] * [state; x][t + i].
     """
-    W = weight.shape[-1]
+    T, W = x.shape[1], weight.shape[-1]
     full = torch.cat([cast(state, x.dtype), x], dim=1)  # [B, W-1+T, C]
-    windows = full.unfold(1, W, 1)  # [B, T, C, W]
-    y = (windows * cast(weight[:, 0, :], x.dtype)).sum(-1)
+    w = cast(weight[:, 0, :], x.dtype)  # [C, W]
+    y = full[:, :T] * w[:, 0]
+    for i in range(1, W):  # W shifted rows, each read contiguously (an unfolded window's are strided)
+        y.addcmul_(full[:, i:i + T], w[:, i])
     return y, full[:, full.shape[1] - (W - 1):]
 
 
