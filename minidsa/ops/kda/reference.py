@@ -87,7 +87,7 @@ def _intra_chunk_products(q, k, G, c: int) -> tuple[torch.Tensor, torch.Tensor]:
     S = C // c
     Gs, qs, ks = (x.view(*pre, S, c, K) for x in (G, q, k))
     Gr = Gs[..., :1, :]  # [..., S, 1, K]: G at the first step of each sub-chunk
-    left = floored_exp(Gs - Gr)  # [..., S, c, K], each <= 1
+    left = (Gs - Gr).exp()  # [..., S, c, K], each <= 1 (not floored: it meets k_up's large factors below)
     tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     span = FACTOR_SPAN.get(q.dtype, 0.0)
     if on_host(G) and G.numel() and float((Gr - Gs[..., -1:, :]).detach().amax()) <= span:
