@@ -38,7 +38,7 @@ def masked_softmax(s: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all-masked rows: avoid -inf - -inf
     # Masked entries zeroed by a product, not by exp(-inf), the CPU's slow path (ops/_denormals.py).
-    p = floored_exp(s - m).mul_(valid.to(s.dtype))
+    p = floored_exp(s - m) * valid.to(s.dtype)
     denom = p.sum(dim=-1, keepdim=True)
     return p / torch.where(denom > 0, denom, torch.ones_like(denom))
 

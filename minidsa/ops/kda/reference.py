@@ -96,12 +96,12 @@ def _intra_chunk_products(q, k, G, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         diag_qk, diag_kk = (((left * x) @ k_up.mT).masked_fill_(~tri, 0.0) for x in (qs, ks))  # [..., S, c, c]
     else:
         # Pairs j > i have exponents >= 0: held at 0 (no overflow) and zeroed by the mask.
-        decay = (Gs.unsqueeze(-2) - Gs.unsqueeze(-3)).clamp_(EXP_FLOOR, 0.0).exp_()
-        kd = decay.mul_(tri.unsqueeze(-1).to(ks.dtype)).mul_(ks.unsqueeze(-3))  # [..., S, c(i), c(j), K]
+        decay = (Gs.unsqueeze(-2) - Gs.unsqueeze(-3)).clamp(EXP_FLOOR, 0.0).exp_()
+        kd = decay * (tri.unsqueeze(-1).to(ks.dtype) * ks.unsqueeze(-3))  # [..., S, c(i), c(j), K]
         diag_qk, diag_kk = ((kd @ x.unsqueeze(-1)).squeeze(-1) for x in (qs, ks))  # [..., S, c, c]
     before = torch.arange(C, device=q.device).view(1, C) < torch.arange(0, C, c, device=q.device).view(S, 1)
     # As above: the pairs j >= r (exponents >= 0) held at 0 and zeroed by the mask.
-    right = (Gr - G.unsqueeze(-3)).clamp_(EXP_FLOOR, 0.0).exp_().mul_(before.unsqueeze(-1).to(k.dtype)).mul_(k.unsqueeze(-3))
+    right = (Gr - G.unsqueeze(-3)).clamp(EXP_FLOOR, 0.0).exp_() * (before.unsqueeze(-1).to(k.dtype) * k.unsqueeze(-3))
     A_qk, A_kk = (((left * x) @ right.mT).reshape(*pre, C, C) for x in (qs, ks))  # across sub-chunks
     for A, diag in ((A_qk, diag_qk), (A_kk, diag_kk)):
         A.view(*pre, S, c, S, c).diagonal(dim1=-4, dim2=-2).add_(diag.movedim(-3, -1))
