@@ -99,5 +99,5 @@ class LightningIndexer(nn.Module):
         """The same selection over the paged key planes of one layer ([num_blocks, block_size, D_I] and,
         with fp8 numerics, the [.., 1] scales): q [B,T,H_I,D_I], w [B,T,H_I] -> int32 [B,T,topk]."""
         scores = ops.paged_index_scores(q, w, planes["index_key"], planes.get("index_key_scale"), ctx.block_table,
-                                        ctx.context_lens, self.softmax_scale)
+                                        ctx.context_lens, self.softmax_scale, ctx.positions)
         return ops.topk_indices(scores, self.topk, ctx.positions)

@@ -58,12 +58,13 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float
 
 def paged_index_scores(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Tensor,
                        key_scale_plane: torch.Tensor | None, block_table: torch.Tensor,
-                       context_lens: torch.Tensor, scale: float, *, backend: str | None = None) -> torch.Tensor:
+                       context_lens: torch.Tensor, scale: float, q_pos: torch.Tensor | None = None, *,
+                       backend: str | None = None) -> torch.Tensor:
     """``index_scores`` over each sequence's cached keys. q [B,T,H,D], w [B,T,H], key_plane [NB,bs,D]
-    (+ key_scale_plane [NB,bs,1] or None), block_table int32 [B,MB], context_lens int32 [B]
-    -> [B,T,MB*bs] fp32, -inf at positions >= context_lens[b]."""
+    (+ key_scale_plane [NB,bs,1] or None), block_table int32 [B,MB], context_lens int32 [B], optional q_pos
+    int [B,T] -> [B,T,MB*bs] fp32, -inf at positions >= context_lens[b] and after q_pos[b,t]."""
     return pick("paged_index_scores", backend, paged_index_scores_ref, q, key_plane)(
-        q, w, key_plane, key_scale_plane, block_table, context_lens, scale)
+        q, w, key_plane, key_scale_plane, block_table, context_lens, scale, q_pos)
 
 
 def topk_indices(scores: torch.Tensor, topk: int, q_pos: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:

@@ -25,7 +25,7 @@ SCHEMAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "store_kv": ("(Tensor(a!) plane, Tensor slot_mapping, Tensor values) -> ()", ("plane",)),
     "index_scores": ("(Tensor q, Tensor k, Tensor w, float scale) -> Tensor", ()),
     "paged_index_scores": ("(Tensor q, Tensor w, Tensor key_plane, Tensor? key_scale_plane, Tensor block_table, "
-                           "Tensor context_lens, float scale) -> Tensor", ()),
+                           "Tensor context_lens, float scale, Tensor? q_pos=None) -> Tensor", ()),
     "topk_indices": ("(Tensor scores, int topk, Tensor q_pos) -> Tensor", ()),
     "sparse_mla_decode": ("(Tensor q_latent, Tensor q_pe, Tensor kv_latent_plane, Tensor k_pe_plane, "
                           "Tensor block_table, Tensor indices, float scale) -> Tensor", ()),
@@ -68,7 +68,7 @@ def _kda(q, k, v, g, beta, scale, initial_state):
 FAKES: dict[str, Callable] = {
     "store_kv": lambda plane, slot_mapping, values: None,
     "index_scores": lambda q, k, w, scale: _new(q, (*q.shape[:2], k.shape[1])),
-    "paged_index_scores": lambda q, w, key_plane, key_scale_plane, block_table, context_lens, scale:
+    "paged_index_scores": lambda q, w, key_plane, key_scale_plane, block_table, context_lens, scale, q_pos=None:
         _new(q, (*q.shape[:2], block_table.shape[1] * key_plane.shape[1])),
     "topk_indices": lambda scores, topk, q_pos: _new(scores, (*scores.shape[:2], topk), torch.int32),
     "sparse_mla_decode": lambda q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices, scale:

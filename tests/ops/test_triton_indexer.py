@@ -95,6 +95,25 @@ def test_paged_scores_several_query_tiles_and_key_chunks():
     check_scores(got, args, torch.float32)
 
 
+def test_paged_scores_causal_bound_skips_later_keys():
+    # Prefill queries with their positions: row 0 the last 19 of its 4*MB-3 keys, row 1 a 3-token piece
+    # ending at its context's end and then padding (-1, a whole row of -inf). Key chunks of one tile each,
+    # so whole tiles after every query of a query tile are skipped, and the tile on the diagonal is cut
+    # per query. The unbounded scores are the reference's wherever the bound keeps them.
+    block_n = kern._tile_config(19, 5, DEV == "cuda")[2]
+    MB = -(-5 * block_n // 8)
+    args = paged_case(B=2, T=19, H=5, D=32, bs=4, MB=MB, lens=[4 * MB - 3, 6], dtype=torch.float32, fp8=False)
+    n0 = 4 * MB - 3
+    q_pos = torch.stack([torch.arange(n0 - 19, n0), torch.tensor([3, 4, 5] + [-1] * 16)]).to(DEV)
+    got = kern._launch_scores(*args, 32 ** -0.5, q_pos, keys_per_program=block_n)
+    want = ref_ops.paged_index_scores_ref(*args, 32 ** -0.5, q_pos)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    later = torch.arange(got.shape[-1], device=DEV).view(1, 1, -1) > q_pos.unsqueeze(-1)
+    assert (got[later] == -INF).all() and torch.isfinite(got[~later & (got > -INF)]).all()
+    unbounded = ref_ops.paged_index_scores_ref(*args, 32 ** -0.5)
+    assert torch.equal(want[~later], unbounded[~later]) and (want[1, 3:] == -INF).all()
+
+
 def test_paged_scores_position_without_block_inside_context_is_minus_inf():
     # A -1 entry inside the context is never loaded and, like a position past the context, scores
     # -inf (in the reference too), so top-k can never select a position that has no memory behind it.

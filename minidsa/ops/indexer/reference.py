@@ -77,7 +77,8 @@ def topk_indices_ref(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> to
     return idx
 
 
-def check_paged_scores_args(q, w, key_plane, key_scale_plane, block_table, context_lens) -> tuple[int, int, int]:
+def check_paged_scores_args(q, w, key_plane, key_scale_plane, block_table, context_lens,
+                            q_pos=None) -> tuple[int, int, int]:
     """Argument checks of ``paged_index_scores`` (reference and kernel alike) -> (B, block_size, max_blocks)."""
     B, T, H, D = check_tensor("q", q, ndim=4, floating=True)
     check_tensor("w", w, shape=(B, T, H), floating=True)
@@ -86,13 +87,15 @@ def check_paged_scores_args(q, w, key_plane, key_scale_plane, block_table, conte
     check_tensor("context_lens", context_lens, shape=(B,), integer=True)
     if key_scale_plane is not None:
         check_tensor("key_scale_plane", key_scale_plane, shape=(key_plane.shape[0], bs, 1))
+    if q_pos is not None:
+        check_tensor("q_pos", q_pos, shape=(B, T), integer=True)
     return B, bs, MB
 
 
 def paged_index_scores_ref(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Tensor,
                            key_scale_plane: torch.Tensor | None, block_table: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Index scores of each query against every cached key of its own sequence.
+                           context_lens: torch.Tensor, scale: float, q_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """Index scores of each query against every cached key of its own sequence (up to its own position).
 
     Args:
         q: [B, T, H, D] indexer queries; w: [B, T, H] signed head weights.
@@ -101,17 +104,22 @@ def paged_index_scores_ref(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Te
         block_table: int32 [B, max_blocks] physical block of each logical block (-1 = none).
         context_lens: int32 [B] keys each sequence holds (the new tokens included).
         scale: the D^-0.5 factor inside the ReLU.
+        q_pos: int [B, T] each query's own position, or None. Given, a key after it scores -inf: top-k could
+            never select it (``topk_indices``' causal bound), and a prefill kernel need not score it, about half
+            of a long prompt's pairs. -1 (padding) masks the whole row.
     Returns:
         [B, T, S] float32 with S = max_blocks * block_size (a shape fixed by the table, not by the data):
-        ``index_scores`` over positions < context_lens[b], -inf at every later position and at any
-        position whose block is -1 (nothing there to select).
+        ``index_scores`` over positions < context_lens[b] (and <= q_pos[b, t]), -inf at every other position
+        and at any position whose block is -1 (nothing there to select).
     """
-    B, bs, MB = check_paged_scores_args(q, w, key_plane, key_scale_plane, block_table, context_lens)
+    B, bs, MB = check_paged_scores_args(q, w, key_plane, key_scale_plane, block_table, context_lens, q_pos)
     positions = torch.arange(MB * bs, device=q.device).expand(B, MB * bs)
     slots = paged_slots(block_table, positions, bs)
     keys = gather_slots(key_plane, slots).to(acc_dtype(q, w))
     if key_scale_plane is not None:
         keys = keys * gather_slots(key_scale_plane, slots).to(keys.dtype)
     scores = index_scores_ref(q, keys, w, scale)
-    cached = (positions < context_lens.long().unsqueeze(1)) & (slots >= 0)  # [B, S]
-    return torch.where(cached.unsqueeze(1), scores, torch.full_like(scores, float("-inf")))
+    keep = ((positions < context_lens.long().unsqueeze(1)) & (slots >= 0)).unsqueeze(1)  # [B, 1, S]
+    if q_pos is not None:
+        keep = keep & (positions.unsqueeze(1) <= q_pos.long().unsqueeze(-1))  # [B, T, S]
+    return torch.where(keep, scores, torch.full_like(scores, float("-inf")))

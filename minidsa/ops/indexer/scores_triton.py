@@ -29,8 +29,10 @@ per-head logits, the ReLU and the head-weighted sum all happen on a tile in regi
   is ``>= 0``: the block-table load itself is masked by the context length, and a -1 entry masks the
   key load, so no memory outside the sequence's own blocks is ever touched; a position without a
   block scores -inf like one past the context, so top-k can never select it (as in the reference).
-- *Context length.* Positions ``s >= context_lens[b]`` get -inf. Key tiles wholly past the context are
-  not computed at all: a second loop only stores -inf for them.
+- *Context length and causal bound.* Positions ``s >= context_lens[b]`` get -inf, and so, when ``q_pos``
+  is given, do positions after the query's own. Key tiles wholly past the context or after every query
+  of the program's tile are not computed at all: a second loop only stores -inf for them. In a prefill
+  that skips about half the pairs (the upper triangle, tile by tile).
 - *FP8 keys.* e4m3 keys are converted to the dot's input type in registers (exact for bf16 and fp32).
   The per-key scale factors out of the dot, ``q . (s_k k8) = s_k (q . k8)``, so it multiplies each key's
   row of the [BLOCK_N, columns] logits and costs one 4-byte load per key.
@@ -73,12 +75,12 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # specialised: the FP8 decode scores are slower without them.
 @triton.jit(do_not_specialize=["st_b"], do_not_specialize_on_alignment=["T"])
 def _paged_scores_kernel(
-    q_ptr, w_ptr, k_ptr, ks_ptr, table_ptr, ctx_ptr, out_ptr,
+    q_ptr, w_ptr, k_ptr, ks_ptr, table_ptr, ctx_ptr, pos_ptr, out_ptr,
     T, H, D, S, block_size: tl.constexpr, keys_per_program, scale,  # constexpr: // and % by it become shifts
     sq_b, sq_t, sq_h, sq_d, sw_b, sw_t, sw_h,
-    sk_blk, sk_row, sk_d, ss_blk, ss_row, st_b, st_m, so_b, so_t, so_s,
+    sk_blk, sk_row, sk_d, ss_blk, ss_row, st_b, st_m, sp_b, sp_t, so_b, so_t, so_s,
     BLOCK_T: tl.constexpr, H_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_SCALE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_POS: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a plane or the output may pass 2^31 elements
     t0 = tl.program_id(1) * BLOCK_T
@@ -99,6 +101,9 @@ def _paged_scores_kernel(
     out_cols = out_ptr + b * so_b + t_out[None, :] * so_t
 
     ctx = tl.load(ctx_ptr + b)
+    if HAS_POS:  # keys after every query of the tile are never scored
+        q_pos = tl.load(pos_ptr + b * sp_b + t_out * sp_t, mask=t_out < T, other=-1)
+        ctx = tl.minimum(ctx, tl.max(q_pos) + 1)
     # Tiles from `start` up to the context end hold keys; the rest of the chunk is only -inf.
     live_end = tl.minimum(end, tl.maximum(ctx, start))
     for n0 in range(start, live_end, BLOCK_N):
@@ -116,7 +121,10 @@ def _paged_scores_kernel(
             logits = logits * kscale[:, None]
         weighted = tl.where(col_ok[None, :], tl.maximum(logits, 0.0) * w[None, :], 0.0)
         scores = tl.sum(tl.reshape(weighted, (BLOCK_N, BLOCK_T, H_PAD)), axis=2)  # [BLOCK_N, BLOCK_T]
-        scores = tl.where(present[:, None], scores, float("-inf"))  # past the context or no block: never selected
+        keep = present[:, None]  # past the context or no block: never selected
+        if HAS_POS:
+            keep = keep & (pos[:, None] <= q_pos[None, :])
+        scores = tl.where(keep, scores, float("-inf"))
         tl.store(out_cols + pos[:, None] * so_s, scores, mask=(pos < end)[:, None] & (t_out < T)[None, :])
 
     # From the first tile start at or after live_end (on the chunk's BLOCK_N grid), only -inf.
@@ -161,7 +169,7 @@ def _tile_config(T: int, H: int, cuda: bool) -> tuple[int, int, int, int, int, i
     return block_t, max(h_pad, 16 // block_t), 128, 8, 2, 8
 
 
-def _launch_scores(q, w, key_plane, key_scale_plane, block_table, context_lens, scale,
+def _launch_scores(q, w, key_plane, key_scale_plane, block_table, context_lens, scale, q_pos=None,
                    keys_per_program=None) -> torch.Tensor:
     """Run the score kernel on checked inputs. ``keys_per_program`` (a multiple of the key tile) is
     for tests that need several key chunks at tiny sizes; None picks it from the machine."""
@@ -186,13 +194,17 @@ def _launch_scores(q, w, key_plane, key_scale_plane, block_table, context_lens, 
         raise ValueError(f"keys_per_program={keys_per_program} must be a multiple of {block_n}")
     ks = key_scale_plane if key_scale_plane is not None else key_plane  # a placeholder, never read
     ks_strides = (ks.stride(0), ks.stride(1)) if key_scale_plane is not None else (0, 0)
+    pos = q_pos if q_pos is not None else context_lens  # a placeholder, never read
+    pos_strides = q_pos.stride() if q_pos is not None else (0, 0)
     grid = (B, tiles_t, triton.cdiv(S, keys_per_program))
     _paged_scores_kernel[grid](
-        q, w, key_plane, ks, block_table, context_lens, out,
+        q, w, key_plane, ks, block_table, context_lens, pos, out,
         T, H, D, S, bs, keys_per_program, float(scale),
-        *q.stride(), *w.stride(), *key_plane.stride(), *ks_strides, *block_table.stride(), *out.stride(),
+        *q.stride(), *w.stride(), *key_plane.stride(), *ks_strides, *block_table.stride(), *pos_strides,
+        *out.stride(),
         BLOCK_T=block_t, H_PAD=h_pad, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        HAS_SCALE=key_scale_plane is not None, DOT_DTYPE=_dot_dtype(q, key_plane), num_warps=warps,
+        HAS_SCALE=key_scale_plane is not None, HAS_POS=q_pos is not None, DOT_DTYPE=_dot_dtype(q, key_plane),
+        num_warps=warps,
         num_stages=stages,
     )
     return out
@@ -200,13 +212,13 @@ def _launch_scores(q, w, key_plane, key_scale_plane, block_table, context_lens, 
 
 def paged_index_scores(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Tensor,
                        key_scale_plane: torch.Tensor | None, block_table: torch.Tensor,
-                       context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                       context_lens: torch.Tensor, scale: float, q_pos: torch.Tensor | None = None) -> torch.Tensor:
     """Index scores over each sequence's paged keys: the contract, shapes and dtypes of
     ``paged_index_scores_ref``, in one fused kernel (see the module docstring)."""
-    check_paged_scores_args(q, w, key_plane, key_scale_plane, block_table, context_lens)
+    check_paged_scores_args(q, w, key_plane, key_scale_plane, block_table, context_lens, q_pos)
     if torch.float64 in (q.dtype, w.dtype, key_plane.dtype):
-        return paged_index_scores_ref(q, w, key_plane, key_scale_plane, block_table, context_lens, scale)
-    return _launch_scores(q, w, key_plane, key_scale_plane, block_table, context_lens, scale)
+        return paged_index_scores_ref(q, w, key_plane, key_scale_plane, block_table, context_lens, scale, q_pos)
+    return _launch_scores(q, w, key_plane, key_scale_plane, block_table, context_lens, scale, q_pos)
 
 
 def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
