@@ -87,16 +87,10 @@ def _paged_scores_kernel(
     start = tl.program_id(2) * keys_per_program
     end = tl.minimum(start + keys_per_program, S)
 
-    # Query tile, transposed: query x head pairs are the dot's columns, loaded once, kept in registers.
-    cols = tl.arange(0, BLOCK_T * H_PAD)
-    t = t0 + cols // H_PAD
-    h = cols % H_PAD
-    col_ok = (t < T) & (h < H)
+    q_t, w, col_ok = _query_tile(q_ptr + b * sq_b, w_ptr + b * sw_b, t0, T, H, D, sq_t, sq_h, sq_d, sw_t, sw_h,
+                                 BLOCK_T, H_PAD, BLOCK_D, DOT_DTYPE)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    q_t = tl.load(q_ptr + b * sq_b + t[None, :] * sq_t + h[None, :] * sq_h + d[:, None] * sq_d,
-                  mask=d_ok[:, None] & col_ok[None, :], other=0.0).to(DOT_DTYPE)
-    w = tl.load(w_ptr + b * sw_b + t * sw_t + h * sw_h, mask=col_ok, other=0.0).to(tl.float32)
     t_out = t0 + tl.arange(0, BLOCK_T)
     out_cols = out_ptr + b * so_b + t_out[None, :] * so_t
 
@@ -130,6 +124,22 @@ def _paged_scores_kernel(
     # From the first tile start at or after live_end (on the chunk's BLOCK_N grid), only -inf.
     tail = start + tl.cdiv(live_end - start, BLOCK_N) * BLOCK_N
     _store_minus_inf(out_cols, tail, end, so_s, t_out < T, BLOCK_N, BLOCK_T)
+
+
+@triton.jit
+def _query_tile(q_row, w_row, t0, T, H, D, sq_t, sq_h, sq_d, sw_t, sw_h, BLOCK_T: tl.constexpr, H_PAD: tl.constexpr,
+                BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """The program's queries, transposed: query x head pairs are the dot's columns (c = t_local * H_PAD + h),
+    loaded once and kept in registers -> (q_t [BLOCK_D, cols], w [cols] fp32, the real columns)."""
+    cols = tl.arange(0, BLOCK_T * H_PAD)
+    t = t0 + cols // H_PAD
+    h = cols % H_PAD
+    col_ok = (t < T) & (h < H)
+    d = tl.arange(0, BLOCK_D)
+    q_t = tl.load(q_row + t[None, :] * sq_t + h[None, :] * sq_h + d[:, None] * sq_d,
+                  mask=(d < D)[:, None] & col_ok[None, :], other=0.0).to(DOT_DTYPE)
+    w = tl.load(w_row + t * sw_t + h * sw_h, mask=col_ok, other=0.0).to(tl.float32)
+    return q_t, w, col_ok
 
 
 @triton.jit
