@@ -158,8 +158,8 @@ def _service(model: MiniDSA, hold: bool, source, backend: str, device: str) -> G
     ok, lines = end_to_end.check_service(model, source, backend, device)
     gate = Gate(7, "the service", "PASS" if ok else "FAIL",
                 "`serve` as a fresh process on a free 127.0.0.1 port: a plain and a streamed completion over HTTP "
-                "equal an engine's text here, whose tokens equal the eager engine's or part at a near-tie; /metrics "
-                "counts them", details=lines)
+                "equal an engine's text here, whose graphs give the eager steps' tokens (fp32 twin) or part at a "
+                "near-tie; /metrics counts them", details=lines)
     if not ok:
         gate.look_at = ("what a fresh process does first (the engine captures its graphs before any forward: "
                         "serving/cuda_graphs.py), then minidsa/server/ (request parsing, the engine thread, "

@@ -195,6 +195,21 @@ def test_the_service_rung_serves_from_a_fresh_process():
     assert not ok and "did not start serving" in lines[0]
 
 
+def test_the_fp32_twin_holds_the_model_weights_widened():
+    """The service rung checks graphs against eager steps on an fp32 twin: every tensor of the bf16 model's
+    state is in the twin, widened exactly (bf16 -> fp32 loses nothing; MXFP4 codes and scales copied); an
+    fp32 model is its own twin."""
+    from minidsa.acceptance.end_to_end import fp32_twin
+    model = minidsa.MiniDSA(minidsa.load_config("tiny").replace(dtype="bfloat16"))
+    twin = fp32_twin(model)
+    assert twin.config.torch_dtype == torch.float32 and twin is not model
+    mine, theirs = model.state_dict(), twin.state_dict()
+    assert mine.keys() == theirs.keys()
+    for name, t in mine.items():
+        assert torch.equal(t.to(theirs[name].dtype), theirs[name]), name
+    assert fp32_twin(twin) is twin
+
+
 def test_the_engine_rung_fails_a_replay_that_differs_from_the_eager_step(monkeypatch):
     from minidsa.acceptance import end_to_end
     from minidsa.serving.cuda_graphs import DecodeGraphs
