@@ -108,6 +108,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--backend", default=None)
+    ap.add_argument("--compile-decode", action="store_true", help="torch.compile each decode graph's step (start-up "
+                    "printed: Engine start-up)")
     ap.add_argument("--graph-check", action="store_true")
     ap.add_argument("--memory-steps", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the figures to this file")
@@ -124,7 +126,8 @@ def main() -> None:
     requests = bench.workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), 0,
                               args.shared_prefix)
     warmup = bench.warmup_request(requests, args.shared_prefix)
-    kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              compile_decode=args.compile_decode)
     result = bench.add_ceiling(model, bench.run_engine(model, requests, warmup, **kw), tuple(args.input_len))
     print(bench.format_report(result), flush=True)
     failed = bench.failure(result)

@@ -72,11 +72,13 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 def run_engine(model: MiniDSA, requests: list[dict], warmup: dict | None = None, **engine_kw) -> dict:
     """Every request through one Engine; the vllm-bench-serve fields plus preemptions and hit rates."""
+    up = time.perf_counter()  # what a user waits before the first request: graphs captured (and compiled)
     engine = Engine(model, **engine_kw)
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in requests]
     if warmup is not None:
         engine.generate([warmup["prompt"]], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
                         images=[warmup["images"]], progress=False)
+    startup = time.perf_counter() - up
     before = engine.stats()
     start = time.perf_counter()
     outs = engine.generate([r["prompt"] for r in requests], params, images=[r["images"] for r in requests],
@@ -89,7 +91,7 @@ def run_engine(model: MiniDSA, requests: list[dict], warmup: dict | None = None,
     ms = [o.metrics for o in outs if o.finish_reason == "length"]  # latencies of the requests that finished
     return {
         "successful_requests": sum(o.finish_reason == "length" for o in outs),
-        "num_requests": len(outs), "failures": _failures(outs),
+        "num_requests": len(outs), "failures": _failures(outs), "startup_s": startup,
         "duration_s": duration, "total_input_tokens": n_in, "total_generated_tokens": n_out,
         "request_throughput": len(outs) / duration, "output_throughput": n_out / duration,
         "total_token_throughput": (n_in + n_out) / duration,
@@ -199,6 +201,7 @@ def format_report(result: dict, title: str = "Serving Benchmark Result") -> str:
               f"{'Prefix cache hit rate, KV blocks:':<40}{r['prefix_hit_rate_kv']:>10.1%}",
               f"{'Prefix cache hit rate, used (KDA):':<40}{r['prefix_hit_rate']:>10.1%}",
               f"{'KV blocks (bound):':<40}{str(r['num_blocks']) + ' (' + r['cache_bound'] + ')':>10}",
+              f"{'Engine start-up, warm-up included (s):':<40}{r['startup_s']:>10.2f}",
               f"{'Steps with prefill rows (s):':<40}{r['prefill_seconds']:>10.2f}",
               f"{'  of them, steps / graph replays:':<40}{str(r['prefill_steps']) + ' / ' + str(r['prefill_replays']):>10}",
               f"{'  shapes captured meanwhile:':<40}{r['shapes_captured']:>10}"]

@@ -52,3 +52,5 @@ def test_the_cli_exits_0_when_every_request_reaches_its_length(capsys):
     out, err = capsys.readouterr()
     assert "Successful requests:                             3" in out and "Failed requests:" in out
     assert "FAILED" not in err
+    startup = next(line for line in out.splitlines() if line.startswith("Engine start-up, warm-up included (s):"))
+    assert float(startup.split()[-1]) >= 0  # a number of seconds (a tiny model starts in under 5 ms)
