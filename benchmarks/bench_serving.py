@@ -108,6 +108,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--backend", default=None)
+    ap.add_argument("--no-prefix-caching", action="store_true", help="no KV/KDA prefix cache (and no KDA "
+                    "checkpoints cutting a step's prefill pieces)")
     ap.add_argument("--compile-decode", action="store_true", help="torch.compile each decode graph's step (start-up "
                     "printed: Engine start-up)")
     ap.add_argument("--graph-check", action="store_true")
@@ -127,7 +129,7 @@ def main() -> None:
                               args.shared_prefix)
     warmup = bench.warmup_request(requests, args.shared_prefix)
     kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              compile_decode=args.compile_decode)
+              compile_decode=args.compile_decode, enable_prefix_caching=not args.no_prefix_caching)
     result = bench.add_ceiling(model, bench.run_engine(model, requests, warmup, **kw), tuple(args.input_len))
     print(bench.format_report(result), flush=True)
     failed = bench.failure(result)
