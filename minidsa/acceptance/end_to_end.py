@@ -253,13 +253,18 @@ def fp32_twin(model: MiniDSA) -> MiniDSA:
 
 
 def graphs_against_eager(model: MiniDSA, prompts_: list, params: SamplingParams, images=None) -> list[str | None]:
-    """Per prompt: None when the engine with CUDA graphs (as ``serve`` runs) gives the eager engine's greedy
-    tokens on the fp32 twin of ``model``, else where they part (``parting``: "near-tie ..." passes)."""
+    """Per prompt (``images``: a list per prompt, as ``Engine.generate`` takes them): None when the engine with
+    CUDA graphs (as ``serve`` runs) gives the eager engine's greedy tokens on the fp32 twin of ``model``, else
+    where they part (``parting``, judged on the prompt's own embeddings: "near-tie ..." passes)."""
     twin = fp32_twin(model)
     runs = [Engine(twin, max_num_seqs=2, cuda_graphs=g).generate(prompts_, params, images=images, progress=False)
             for g in ("off", "auto")]
-    return [parting(twin, _text_embeds(twin), list(w.prompt_token_ids), list(g.token_ids), list(w.token_ids),
-                    logits_tolerance(torch.float32).value) for w, g in zip(*runs)]
+    feats = encode_prompts(twin, prompts_, images, True)[1]
+
+    def embeds(f):
+        return lambda seq: twin.embed(torch.tensor([seq], device=twin.device), f)
+    return [parting(twin, embeds(f), list(w.prompt_token_ids), list(g.token_ids), list(w.token_ids),
+                    logits_tolerance(torch.float32).value) for w, g, f in zip(*runs, feats)]
 
 
 def check_service(model: MiniDSA, source, backend: str, device: str) -> tuple[bool, list[str]]:

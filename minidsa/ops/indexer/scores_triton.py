@@ -214,8 +214,7 @@ def _launch_scores(q, w, key_plane, key_scale_plane, block_table, context_lens, 
         *out.stride(),
         BLOCK_T=block_t, H_PAD=h_pad, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
         HAS_SCALE=key_scale_plane is not None, HAS_POS=q_pos is not None, DOT_DTYPE=_dot_dtype(q, key_plane),
-        num_warps=warps,
-        num_stages=stages,
+        num_warps=warps, num_stages=stages,
     )
     return out
 
