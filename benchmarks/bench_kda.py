@@ -105,16 +105,16 @@ def bench_chunk(T: int, dev: str, dry: bool, fla, results: dict) -> bool:
     q, k, v, g, beta, s0 = kda_inputs(B, T, H, K, V, dev, dt)
     bench = timer(dev, warmup=10)
     print(f"chunk (prefill): B={B} T={T} H={H} K={K} V={V} {str(dt)[6:]} chunk 64")
-    o, s = kt.kda_chunk(q, k, v, g, beta, None, s0, 64)
+    o, s, _ = kt.kda_chunk(q, k, v, g, beta, None, s0, 64)
     t_kernel = bench(lambda: kt.kda_chunk(q, k, v, g, beta, None, s0, 64), rep_ms=300)
     # Reference: the first T_ref tokens (all of them up to REF_MAX_T), time scaled linearly in T.
     T_ref = min(T, REF_MAX_T if not dry else 64)  # the dry run takes the scaled path too
     pre = [x[:, :T_ref] for x in (q, k, v, g, beta)]
-    o_ref, s_ref = kda_chunk_ref(*pre, None, s0, 64)
+    o_ref, s_ref, _ = kda_chunk_ref(*pre, None, s0, 64)
     t_ref = bench(lambda: kda_chunk_ref(*pre, None, s0, 64), rep_ms=100) * T / T_ref
     if T_ref < T:
         print(f"  (reference timed on the first {T_ref} tokens and scaled x{T / T_ref:g})")
-        o_pre, s_pre = kt.kda_chunk(*pre, None, s0, 64)
+        o_pre, s_pre, _ = kt.kda_chunk(*pre, None, s0, 64)
     else:
         o_pre, s_pre = o, s
     ok = check("o: kernel vs reference", o_pre, o_ref) & check("state: kernel vs reference", s_pre, s_ref)

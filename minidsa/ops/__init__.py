@@ -121,13 +121,16 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 
 def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              scale: float | None = None, initial_state: torch.Tensor | None = None, chunk_size: int = 64, *,
-              backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              scale: float | None = None, initial_state: torch.Tensor | None = None, chunk_size: int = 64,
+              state_at: torch.Tensor | None = None, *, backend: str | None = None) -> tuple[torch.Tensor, ...]:
     """Chunked (WY/UT) form of ``kda_recurrent`` with the same inputs and outputs; T need not be a
-    multiple of ``chunk_size``."""
+    multiple of ``chunk_size``. With ``state_at`` int [M, 2] of (row, position) pairs (positions multiples
+    of ``chunk_size``, or T; row -1 skips a pair) a third result holds those rows' states after that many
+    tokens, [M, HV, K, V] fp32: a prefix cache keeps them without cutting the prefill there."""
     fn = pick("kda_chunk", backend, kda_chunk_ref, q, k, v, g, beta, initial_state)
     with flush_denormals(q):  # exp of a chunk's cumulative decay: subnormal products, slow on a CPU
-        return fn(q, k, v, g, beta, scale, initial_state, chunk_size)
+        o, state, kept = fn(q, k, v, g, beta, scale, initial_state, chunk_size, state_at)
+    return (o, state) if state_at is None else (o, state, kept)
 
 
 def kda_decode(projected: torch.Tensor, f_a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,

@@ -111,6 +111,35 @@ def test_grouped_value_heads():
     torch.testing.assert_close(s, s_ref, atol=1e-12, rtol=0)
 
 
+def test_kept_states_are_the_states_of_the_prefixes():
+    """``state_at``: the state after a row's first t tokens equals the final state of that prefix run alone (fp64,
+    T = 70 with chunk 16: a partial last chunk; pairs out of order, t = 0, t = T and a padding pair)."""
+    B, T, H, K, V = 3, 70, 2, 8, 6
+    q, k, v, g, beta = inputs(B, T, H, K, V)
+    s0 = torch.randn(B, H, K, V, dtype=torch.float64)
+    pairs = [(2, 32), (0, 16), (-1, 48), (1, 70), (0, 64), (1, 0)]
+    o, s, kept = ops.kda_chunk(q, k, v, g, beta, None, s0, 16, torch.tensor(pairs))
+    assert kept.shape == (len(pairs), H, K, V) and kept.dtype == torch.float64
+    o_plain, s_plain = ops.kda_chunk(q, k, v, g, beta, None, s0, 16)
+    assert torch.equal(o, o_plain) and torch.equal(s, s_plain)  # asking for states changes nothing else
+    for m, (row, t) in enumerate(pairs):
+        if row < 0:
+            assert not kept[m].any()
+            continue
+        _, want = kda_recurrent_ref(*(x[row:row + 1, :t] for x in (q, k, v, g, beta)), None, s0[row:row + 1])
+        torch.testing.assert_close(kept[m], want[0], atol=1e-10, rtol=0)  # as test_chunk_equals_recurrent_fp64
+
+
+def test_kept_state_positions_are_checked():
+    q, k, v, g, beta = inputs(2, 40, 1, 4, 3)
+    for pairs, match in (([(0, 8)], "multiple of chunk_size"), ([(2, 16)], "row < 2"), ([(0, 48)], "in \\[0, 40\\]"),
+                         ([(0, 16), (0, 16)], "twice")):
+        with pytest.raises(ValueError, match=match):
+            ops.kda_chunk(q, k, v, g, beta, None, None, 16, torch.tensor(pairs))
+    with pytest.raises(ValueError, match="\\[M, 2\\]"):
+        ops.kda_chunk(q, k, v, g, beta, None, None, 16, torch.tensor([[0, 16, 1]]))
+
+
 def test_bad_inputs_name_the_tensor():
     q, k, v, g, beta = inputs(1, 4, 2, 4, 3)
     with pytest.raises(ValueError, match="k has shape"):
@@ -204,5 +233,5 @@ def test_empty_sequence_returns_a_copy_of_the_state(fn):
     """T = 0: no output rows, and the state passes through as a new tensor (never the caller's own)."""
     s0 = torch.randn(1, 2, 4, 3)
     z = torch.zeros(1, 0, 2, 4)
-    o, s = fn(z, z, torch.zeros(1, 0, 2, 3), z, torch.zeros(1, 0, 2), None, s0)
+    o, s = fn(z, z, torch.zeros(1, 0, 2, 3), z, torch.zeros(1, 0, 2), None, s0)[:2]
     assert o.shape == (1, 0, 2, 3) and torch.equal(s, s0) and s.data_ptr() != s0.data_ptr()

@@ -42,7 +42,7 @@ def test_kda_chunk_with_long_decays_equals_the_unflushed_reference():
     beta, state = torch.rand(B, T, H), torch.randn(B, H, K, K)
     o, s = minidsa.ops.kda_chunk(q, k, v, g, beta, None, state, 64, backend="torch")
     assert not _flushing()
-    o_ref, s_ref = kda_chunk_ref(q, k, v, g, beta, None, state, 64)
+    o_ref, s_ref, _ = kda_chunk_ref(q, k, v, g, beta, None, state, 64)
     assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
 
 

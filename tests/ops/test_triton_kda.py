@@ -50,7 +50,7 @@ def state(B, HV, K, V, seed=1):
 
 
 def check(got, want, tol=TOL):
-    (o, s), (o_ref, s_ref) = got, want
+    (o, s), (o_ref, s_ref) = got[:2], want[:2]  # the kernels' third result: kept states (tested below)
     assert o.dtype == o_ref.dtype and s.dtype == torch.float32 and o.shape == o_ref.shape
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
     torch.testing.assert_close(o, o_ref, **tol)
@@ -117,8 +117,23 @@ def test_chunk_shorter_than_one_chunk_and_empty():
     s0 = state(1, 2, 20, 12)
     empty = [t[:1, :0] for t in (q, k, v, g, beta)]
     for op in (chunk.kda_chunk, rec.kda_recurrent):
-        o, s = op(*empty, None, s0)
+        o, s = op(*empty, None, s0)[:2]
         assert o.shape == (1, 0, 2, 12) and torch.equal(s, s0) and s.data_ptr() != s0.data_ptr()
+
+
+def test_kept_states_equal_the_reference():
+    # Kept states come from the state walk (the chunk starts and the end): pairs out of order, t = 0, t = T
+    # (a partial last chunk), a padding pair, two rows; the output and final state are unchanged by asking.
+    q, k, v, g, beta = kda_inputs(B=2, T=37, H=1, HV=2, K=20, V=12)
+    s0 = state(2, 2, 20, 12)
+    pairs = torch.tensor([(1, 16), (0, 37), (-1, 0), (0, 0), (1, 32)], device=DEV)
+    got = chunk.kda_chunk(q, k, v, g, beta, None, s0, 16, pairs)
+    want = ref_ops.kda_chunk_ref(q, k, v, g, beta, None, s0, 16, pairs)
+    check(got, want)
+    assert got[2].shape == (5, 2, 20, 12) and not got[2][2].any()
+    torch.testing.assert_close(got[2], want[2], **TOL)
+    plain = chunk.kda_chunk(q, k, v, g, beta, None, s0, 16)
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]) and plain[2].shape[0] == 0
 
 
 # ------------------------------------------------------------------------------- contracts
@@ -127,7 +142,7 @@ def test_initial_state_is_not_modified_and_runs_are_bitwise_equal():
     s0 = state(1, 2, 20, 12)
     before = s0.clone()
     for op, extra in ((chunk.kda_chunk, (16,)), (rec.kda_recurrent, ())):
-        (o1, s1), (o2, s2) = op(q, k, v, g, beta, None, s0, *extra), op(q, k, v, g, beta, None, s0, *extra)
+        (o1, s1), (o2, s2) = (op(q, k, v, g, beta, None, s0, *extra)[:2] for _ in range(2))
         assert torch.equal(s0, before)
         assert torch.equal(o1.view(torch.int32), o2.view(torch.int32))
         assert torch.equal(s1.view(torch.int32), s2.view(torch.int32))
@@ -136,8 +151,8 @@ def test_initial_state_is_not_modified_and_runs_are_bitwise_equal():
 def test_fp64_inputs_keep_the_reference_contract():
     q, k, v, g, beta = kda_inputs(B=1, T=4, H=1, HV=1, K=8, V=6, dtype=torch.float64)
     for op, ref in ((chunk.kda_chunk, ref_ops.kda_chunk_ref), (rec.kda_recurrent, ref_ops.kda_recurrent_ref)):
-        o, s = op(q, k, v, g, beta)
-        o_ref, s_ref = ref(q, k, v, g, beta)
+        o, s = op(q, k, v, g, beta)[:2]
+        o_ref, s_ref = ref(q, k, v, g, beta)[:2]
         assert o.dtype == s.dtype == torch.float64 and torch.equal(o, o_ref) and torch.equal(s, s_ref)
 
 
@@ -177,7 +192,7 @@ def test_bf16_inputs_on_gpu(T):
     s0 = state(2, 4, 128, 128)
     o_ref, s_ref = ref_ops.kda_recurrent_ref(q, k, v, g, beta, None, s0)
     for op in (rec.kda_recurrent, chunk.kda_chunk):
-        o, s = op(q, k, v, g, beta, None, s0)
+        o, s = op(q, k, v, g, beta, None, s0)[:2]
         assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
         assert rms_ratio(o, o_ref) < 5e-3 and rms_ratio(s, s_ref) < 5e-3
         torch.testing.assert_close(o.float(), o_ref.float(), atol=0.1, rtol=0.05)

@@ -71,7 +71,7 @@ import triton
 import triton.language as tl
 
 from .io_triton import copy_state, load_state, new_outputs, token_row, wants_reference
-from .reference import _check, kda_chunk_ref
+from .reference import _check, check_state_at, kda_chunk_ref, kept_states
 
 MAX_CHUNK = 64  # registers: the chunk kernels hold [BC, BC] and [BC, K] tiles
 _GPU_F32_DOT = "tf32x3"  # precision of fp32 dots on a GPU ("ieee": exact products, FMA units, slow)
@@ -271,12 +271,24 @@ def _chunk_solve_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, akk_ptr, w_ptr, u_ptr,
 
 
 # ---------------------------------------------------------------------------- chunked: state walk
+@triton.jit
+def _keep_state(keep_ptr, kept_ptr, bh, HV, c, NT, K, V, d, e, S):
+    """Store S (the state at the start of chunk c, or the final one at c = NT) as kept state m = keep[b, c]
+    of the table [B, NT + 1] (-1: not asked for), fp32, at kept[m, hv]."""
+    b, hv = bh // HV, bh % HV
+    m = tl.load(keep_ptr + b * (NT + 1) + c).to(tl.int64)
+    if m >= 0:
+        offs = ((m * HV + hv) * K + d[:, None]) * V + e[None, :]
+        tl.store(kept_ptr + offs, S, mask=(d < K)[:, None] & (e < V)[None, :])
+
+
 @triton.jit(do_not_specialize=["NT"])
-def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gl_ptr, s0_ptr, hs_ptr, vn_ptr, s_ptr, K, V, NT,
-                        BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
-                        HAS_S0: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr):
+def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gl_ptr, s0_ptr, hs_ptr, vn_ptr, s_ptr, keep_ptr, kept_ptr, HV, K, V,
+                        NT, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
+                        HAS_S0: tl.constexpr, KEEP: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr):
     """One (head, V tile), chunks in order: store S0 of each chunk and V_new = U - W S0, then
-    S <- exp(G_C) S + Kd^T V_new. The state [BK, BV] never leaves registers in between."""
+    S <- exp(G_C) S + Kd^T V_new. The state [BK, BV] never leaves registers in between; with KEEP, the
+    chunk starts and the end that the table asks for are also stored in fp32."""
     bh = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BK)
     e = tl.program_id(1) * BV + tl.arange(0, BV)  # < BVF: the grid covers the padded width exactly
@@ -285,6 +297,8 @@ def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gl_ptr, s0_ptr, hs_ptr, vn_ptr, s_
     for c in range(NT):
         rows = (bh * NT + c) * BC + r
         tl.store(hs_ptr + (bh * NT + c) * BK * BVF + d[:, None] * BVF + e[None, :], S)
+        if KEEP:
+            _keep_state(keep_ptr, kept_ptr, bh, HV, c, NT, K, V, d, e, S)
         u = _scratch_tile(u_ptr, rows, BVF, e)
         v_new = u - _mm(_scratch_tile(w_ptr, rows, BK, d), S, DOT, F32)
         tl.store(vn_ptr + rows[:, None] * BVF + e[None, :], v_new)
@@ -292,6 +306,8 @@ def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gl_ptr, s0_ptr, hs_ptr, vn_ptr, s_
         decay = tl.load(gl_ptr + (bh * NT + c) * BK + d)  # exp(G_C) per key channel
         S = S * decay[:, None] + _mm(tl.trans(kd), v_new, DOT, F32)
     tl.store(s_ptr + state_offs, S, mask=state_mask)
+    if KEEP:
+        _keep_state(keep_ptr, kept_ptr, bh, HV, NT, NT, K, V, d, e, S)
 
 
 @triton.jit(do_not_specialize=["T", "C", "NT"])
@@ -344,14 +360,29 @@ def _chunk_config(BK: int, BVF: int, device: torch.device) -> dict:
                 solve_warps=4, state_warps=4)
 
 
-def _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, config=None):
+def _keep_table(state_at, B: int, T: int, C: int, NT: int) -> torch.Tensor:
+    """int32 [B, NT + 1]: at (row, chunk), the index in ``state_at`` of the pair asking for the state at that
+    chunk's start (chunk NT: the end), else -1. Built on the device: no host sync, so a graph can hold it."""
+    row, t = state_at.long().unbind(1)
+    chunk = torch.where(t >= T, NT, t.clamp_min(0) // C)
+    sink = B * (NT + 1)  # padding pairs land past the table
+    flat = torch.where(row >= 0, row * (NT + 1) + chunk, sink)
+    table = torch.full((sink + 1,), -1, dtype=torch.int32, device=state_at.device)
+    table.scatter_(0, flat, torch.arange(state_at.shape[0], dtype=torch.int32, device=state_at.device))
+    return table
+
+
+def _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, state_at=None, config=None):
     """Run the five chunk kernels on checked, non-fp64 inputs. ``config`` overrides entries of
     ``_chunk_config`` (tests use it to run the GPU's slicing in the interpreter)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     o, state = new_outputs(q, v)
+    M = 0 if state_at is None else state_at.shape[0]
+    kept = torch.zeros(M, HV, K, V, dtype=torch.float32, device=v.device)
     if state.numel() == 0 or T == 0:  # nothing to run (K = 0 leaves o = S^T q = 0)
-        return o.zero_(), copy_state(initial_state, state)
+        state = copy_state(initial_state, state)
+        return o.zero_(), state, kept_states([state], state_at, T, 1) if M else kept
     C = max(1, min(chunk_size, T, MAX_CHUNK))  # the result does not depend on C, only its rounding does
     BC, BK = max(SUB_ROWS, triton.next_power_of_2(C)), max(16, triton.next_power_of_2(K))
     BVF, NT, BH = max(16, triton.next_power_of_2(V)), triton.cdiv(T, C), B * HV
@@ -380,24 +411,30 @@ def _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, config=Non
                                   BVF=BVF, WC=cfg["WC"], **kw, num_warps=cfg["solve_warps"])
     s0 = initial_state.contiguous() if initial_state is not None else state  # placeholder when absent
     kw.update(BV=bv, BVF=BVF)
-    _chunk_state_kernel[(BH, BVF // bv)](w, u, kd, decay, s0, s0_chunks, v_new, state, K, V, NT,
-                                         HAS_S0=initial_state is not None, num_stages=2, **kw,
+    keep = _keep_table(state_at, B, T, C, NT) if M else state  # placeholder when absent
+    _chunk_state_kernel[(BH, BVF // bv)](w, u, kd, decay, s0, s0_chunks, v_new, state, keep, kept, HV, K, V, NT,
+                                         HAS_S0=initial_state is not None, KEEP=M > 0, num_stages=2, **kw,
                                          num_warps=cfg["state_warps"])
     kw.update(BV=cfg["out_BV"])
     _chunk_output_kernel[(NT, BH, BVF // cfg["out_BV"])](qg, aqk, s0_chunks, v_new, o, T, HV, V, C, NT, **kw,
                                                          num_warps=cfg["warps"])
-    return o, state
+    return o, state, kept
 
 
 # ------------------------------------------------------------------------------------ public op
-def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64):
+def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64, state_at=None):
     """Chunked KDA (WY form), equal to ``kda_recurrent`` up to rounding; T need not be a multiple of
-    the chunk. Shapes and results as ``kda_recurrent``; chunks hold min(chunk_size, 64) tokens.
+    the chunk. Shapes and results as ``kda_chunk_ref`` (o, final state, kept states); chunks hold
+    min(chunk_size, 64) tokens, so kept states need a chunk_size of at most 64 or a multiple of it.
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    _check(q, k, v, g, beta, initial_state)
+    B, T = _check(q, k, v, g, beta, initial_state)[:2]
+    if state_at is not None:
+        check_state_at(state_at, B, T, chunk_size)
+        if chunk_size > MAX_CHUNK and chunk_size % MAX_CHUNK:
+            raise ValueError(f"kept states need chunk_size <= {MAX_CHUNK} or a multiple of it, got {chunk_size}")
     if wants_reference(q, k, v, g, beta, initial_state):
-        return kda_chunk_ref(q, k, v, g, beta, scale, initial_state, chunk_size)
+        return kda_chunk_ref(q, k, v, g, beta, scale, initial_state, chunk_size, state_at)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size)
+    return _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, state_at)

@@ -31,6 +31,40 @@ def _check(q, k, v, g, beta, initial_state):
     return B, T, H, K, HV, V
 
 
+def check_state_at(state_at, B: int, T: int, chunk_size: int) -> None:
+    """``state_at`` int [M, 2]: (row b, position t) pairs whose state ``kda_chunk`` also returns. A row of -1 is
+    padding (its state comes back as zeros); t must be a multiple of ``chunk_size`` in [0, T], or T itself, and
+    no pair may repeat.
+    Values are checked where that costs no device sync (``on_host``)."""
+    check_tensor("state_at", state_at, ndim=2, integer=True)
+    if state_at.shape[1] != 2:
+        raise ValueError(f"state_at must be [M, 2] (row, position) pairs, got shape {tuple(state_at.shape)}")
+    if on_host(state_at) and state_at.numel():
+        row, t = state_at.unbind(1)
+        real = row >= 0
+        bad = real & ((row >= B) | (t < 0) | (t > T) | ((t % chunk_size != 0) & (t != T)))
+        if bool(bad.any()):
+            r, p = state_at[bad.nonzero()[0, 0]].tolist()
+            raise ValueError(f"state_at pair (row {r}, position {p}) is not a row < {B} and a position in [0, {T}] "
+                             f"that is a multiple of chunk_size = {chunk_size} or {T}; pass -1 as the row to skip it")
+        pairs = state_at[real]
+        if pairs.unique(dim=0).shape[0] != pairs.shape[0]:
+            raise ValueError("state_at names a (row, position) pair twice; each kept state is asked for once")
+
+
+def kept_states(states: list[torch.Tensor], state_at: torch.Tensor | None, T: int, C: int) -> torch.Tensor:
+    """The states asked for by ``state_at`` [M, 2] from ``states``, the state at the start of each chunk of C
+    tokens and, last, the final one ([B, HV, K, V] each) -> [M, HV, K, V], zeros for padding pairs."""
+    if state_at is None:
+        return states[0].new_zeros((0, *states[0].shape[1:]))
+    row, t = state_at.long().unbind(1)
+    n = len(states) - 1
+    chunk = torch.where(t >= T, n, t.clamp_min(0) // C)
+    real = row >= 0
+    out = torch.stack(states, 1)[row.clamp_min(0), chunk]  # [M, HV, K, V]
+    return out * real.view(-1, 1, 1, 1).to(out.dtype)
+
+
 def _prepare(q, k, v, g, beta, scale, initial_state):
     B, T, H, K, HV, V = _check(q, k, v, g, beta, initial_state)
     acc = acc_dtype(q, k, v, g, beta, *([initial_state] if initial_state is not None else []))
@@ -109,8 +143,11 @@ def _intra_chunk_products(q, k, G, c: int) -> tuple[torch.Tensor, torch.Tensor]:
     return A_qk, A_kk
 
 
-def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64):
-    """Chunked KDA, equal to ``kda_recurrent_ref`` (same signature plus ``chunk_size``).
+def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64, state_at=None):
+    """Chunked KDA, equal to ``kda_recurrent_ref`` (same inputs plus ``chunk_size``) -> (o, final state, kept):
+    ``kept`` [M, HV, K, V] holds, for each (row, position t) pair of ``state_at`` int [M, 2], the row's state
+    after its first t tokens (what a prefix cache keeps; t a multiple of ``chunk_size`` or T, see
+    ``check_state_at``); without ``state_at`` it is empty (M = 0).
 
     Within a chunk of C steps, with G = inclusive cumulative log-decay [C, K] and S0 the state at its start:
       A_kk[i,j] = beta_i sum_d k_id k_jd exp(G_id - G_jd), j < i
@@ -127,8 +164,10 @@ def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=6
     out_dtype = v.dtype
     q, k, v, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state)
     B, T, H, K = q.shape
+    if state_at is not None:
+        check_state_at(state_at, B, T, chunk_size)
     if T == 0:  # no step: the state passes through (a copy, see _prepare)
-        return v.to(out_dtype), S
+        return v.to(out_dtype), S, kept_states([S], state_at, T, 1)
     C = min(chunk_size, T)
     pad = (-T) % C
     if pad:
@@ -147,13 +186,16 @@ def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=6
     W = M @ (beta.unsqueeze(-1) * floored_exp(G) * k)
     U = M @ (beta.unsqueeze(-1) * v)
     o = torch.empty(B, H, n, C, V, dtype=q.dtype, device=q.device)
+    starts = []  # the state at the start of each chunk, kept only when asked for
     for c in range(n):
+        if state_at is not None and state_at.numel():
+            starts.append(S)
         v_new = U[:, :, c] - W[:, :, c] @ S
         o[:, :, c] = (floored_exp(G[:, :, c]) * q[:, :, c]) @ S + A_qk[:, :, c] @ v_new
         G_last = G[:, :, c, -1]  # [B, H, K]
         S = floored_exp(G_last).unsqueeze(-1) * S + (floored_exp(G_last.unsqueeze(2) - G[:, :, c]) * k[:, :, c]).mT @ v_new
-    o = o.permute(0, 2, 3, 1, 4).reshape(B, n * C, H, V)[:, :T]
-    return o.to(out_dtype), S
+    o = o.permute(0, 2, 3, 1, 4).reshape(B, n * C, H, V)[:, :T].to(out_dtype)
+    return o, S, kept_states(starts + [S], state_at, T, C)
 
 
 # ---------------------------------------------------------------- one decode step from the projections
