@@ -53,6 +53,7 @@ class StepShape:
     pieces: int  # P': >= its prefill pieces
     piece_len: int  # T_max: >= its longest prefill piece
     table_width: int  # block-table columns: >= its longest sequence's blocks (the indexer scores this many keys)
+    kept: int = 0  # KDA states kept inside prefill pieces (prefix-cache checkpoints): >= the step's; padding skipped
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +92,8 @@ class StepContext:
     packed: torch.Tensor | None = None  # the one device tensor every tensor above is a view of
     tables_before: dict = field(default_factory=dict)  # blocks each sequence owned before this step
     staged: list = field(default_factory=list)  # (cache layer, state name, state slots, new state, decode part?)
+    keep: torch.Tensor | None = None  # int64 [M, 2] (prefill row, tokens into it): KDA states to keep; row -1: padding
+    kept: list = field(default_factory=list)  # (cache layer, state name, the kept states [M, ...])
 
     @property
     def num_tokens(self) -> int:
@@ -197,6 +200,20 @@ def _check_pieces(seq_ids: list[int], num_tokens: list[int], allow_none: bool = 
     return num_decode
 
 
+def _keep_pairs(keep: Sequence[tuple[int, int]], num_tokens: list[int], num_decode: int, lay: dict,
+                slots: int) -> torch.Tensor:
+    """int64 [slots, 2]: ``keep``'s (piece, tokens into it) pairs as (prefill row, tokens), then padding pairs."""
+    if len(keep) > slots:
+        raise ValueError(f"{len(keep)} kept states do not fit the step's {slots}")
+    out = torch.tensor([-1, 0], dtype=torch.long).repeat(slots, 1)
+    for m, (i, t) in enumerate(keep):
+        if not num_decode <= i < len(num_tokens) or not 0 < t < num_tokens[i]:
+            raise ValueError(f"keep pair (piece {i}, {t} tokens) is not inside a prefill piece; pieces "
+                             f"{num_decode}.. hold {num_tokens[num_decode:]} tokens")
+        out[m, 0], out[m, 1] = lay["rows"][i] - lay["num_decode"], t
+    return out
+
+
 def _tight_layout(starts: list[int], num_tokens: list[int], num_decode: int, table: torch.Tensor,
                   sample: Sequence[int]) -> dict:
     """The pieces back to back (R = P rows); the prefill rectangle is built by ``pad`` when lengths differ."""
@@ -267,21 +284,24 @@ def _host_tensors(cache: PagedKVCache, seq_ids: list[int], starts: list[int], nu
 
 def prepare_step(cache: PagedKVCache, seq_ids: list[int], num_tokens: list[int], device,
                  max_len: int | None = None, sample: Sequence[int] = (), shape: StepShape | None = None,
-                 into: StepContext | None = None) -> StepContext:
+                 into: StepContext | None = None, keep: Sequence[tuple[int, int]] = ()) -> StepContext:
     """Reserve room for ``num_tokens[i]`` more tokens of sequence ``seq_ids[i]`` (all-or-nothing; no
     sequence past ``max_len``) and describe the packed step as device tensors, one upload. The pieces
     must come decode rows first (every piece of one token before any longer one) and name distinct
     sequences; ``sample``: the pieces whose last token's logits are wanted (``logits_indices``). With
     ``shape``, the step is laid out to it (no pieces at all is then a valid, all-padding step), and with
     ``into`` (a step of the same shape) its metadata is copied into that step's device tensors, which a
-    captured graph reads. Nothing is committed until ``StepContext.publish``."""
+    captured graph reads. ``keep``: (piece, t) pairs asking for the KDA states after the first t tokens of a
+    prefill piece (``StepContext.kept`` receives them). Nothing is committed until ``StepContext.publish``."""
     num_decode = _check_pieces(seq_ids, num_tokens, allow_none=shape is not None)
     starts, tables_before = cache.reserve_more(seq_ids, num_tokens, max_len)
     table = cache.block_table_tensor(seq_ids, device="cpu")
     try:
         lay = _tight_layout(starts, num_tokens, num_decode, table, sample) if shape is None else \
             _shaped_layout(starts, num_tokens, num_decode, table, sample, shape)
+        slots = len(keep) if shape is None else shape.kept
         parts = _host_tensors(cache, seq_ids, starts, num_tokens, lay)
+        parts.append(_keep_pairs(keep, num_tokens, num_decode, lay, slots).reshape(-1))
         if into is not None and (into.query_start != lay["query_start"] or into.block_table.shape != lay["table"].shape):
             raise ValueError("prepare_step(into=...) needs a step laid out to the same shape")
     except BaseException:
@@ -295,9 +315,9 @@ def prepare_step(cache: PagedKVCache, seq_ids: list[int], num_tokens: list[int],
         into.block_table.copy_(tab.view(lay["table"].shape))
         into.context_lens.copy_(context_lens)
         into.query_start_loc.copy_(qsl)
-        return dataclasses.replace(into, staged=[], **new)
+        return dataclasses.replace(into, staged=[], kept=[], **new)
     packed = host.to(device)  # one upload for all metadata (a copy per tensor would be one wait each)
-    pos, slot_mapping, tab, context_lens, state_slots, qsl, dest, pad_pos, lengths, logit_rows = packed.split(sizes)
+    pos, slot_mapping, tab, context_lens, state_slots, qsl, dest, pad_pos, lengths, logit_rows, kp = packed.split(sizes)
     D, T = lay["num_decode"], lay["t_max"]
     P = len(lay["query_start"]) - 1 - D
     prefill_positions = pad_pos.view(P, T) if pad_pos.numel() else (pos[D:].view(P, T) if shape else None)
@@ -305,4 +325,5 @@ def prepare_step(cache: PagedKVCache, seq_ids: list[int], num_tokens: list[int],
                        block_table=tab.view(lay["table"].shape).int(), context_lens=context_lens.int(),
                        state_slots=state_slots, query_start_loc=qsl.int(), prefill_max=T, ragged=lay["ragged"],
                        prefill_dest=dest if dest.numel() else None, prefill_positions=prefill_positions,
-                       prefill_lengths=lengths, logits_indices=logit_rows, packed=packed, **new)
+                       prefill_lengths=lengths, logits_indices=logit_rows, packed=packed,
+                       keep=kp.view(-1, 2) if kp.numel() else None, **new)

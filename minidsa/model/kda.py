@@ -141,10 +141,13 @@ class KimiDeltaAttention(nn.Module):
             real = (step.prefill_positions >= 0).to(acc)  # [P', T_max]
             q, k, v, g = (t * real[..., None, None] for t in (q, k, v, g))
             beta = beta * real[..., None]
-            conv = _conv_state_at_ends(state["conv"], inputs, step.prefill_lengths)
-        o, recurrent = ops.kda_chunk(q, k, v, g, beta, None, state["recurrent"], self.chunk_size)
+            conv = _conv_states(state["conv"], inputs, torch.arange(P, device=inputs.device), step.prefill_lengths)
+        o, recurrent, *kept = ops.kda_chunk(q, k, v, g, beta, None, state["recurrent"], self.chunk_size, step.keep)
         ctx.stage_state(self.cache_layer, "recurrent", recurrent)
         ctx.stage_state(self.cache_layer, "conv", conv)
+        if kept:  # states inside the pieces that the prefix cache keeps: the step stays one forward
+            step.kept.append((self.cache_layer, "recurrent", kept[0]))
+            step.kept.append((self.cache_layer, "conv", _conv_states(state["conv"], inputs, *step.keep.unbind(1))))
         return o
 
     def recurrence_inputs(self, x: torch.Tensor, state: dict[str, torch.Tensor]):
@@ -179,9 +182,10 @@ class KimiDeltaAttention(nn.Module):
         return out if self.parallel is None else self.parallel.tp_all_reduce(out)  # this rank's heads: partial
 
 
-def _conv_state_at_ends(state: torch.Tensor, inputs: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """The last W-1 inputs of each row of a padded rectangle: state [P, W-1, C] (before), inputs [P, T_max, C]
-    (row r real up to lengths[r], int64 [P] on the device) -> [P, W-1, C] (``causal_conv``'s for an unpadded row)."""
-    full = torch.cat([cast(state, inputs.dtype), inputs], 1)  # row r's last W-1 real inputs end at W-1+len_r
-    index = lengths.view(-1, 1) + torch.arange(state.shape[1], device=inputs.device)  # [P, W-1]
-    return full.gather(1, index.unsqueeze(-1).expand(-1, -1, full.shape[-1]))
+def _conv_states(state: torch.Tensor, inputs: torch.Tensor, rows: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The conv states after the first t[m] inputs of row rows[m] of a padded rectangle: state [P, W-1, C] (before
+    the rows), inputs [P, T_max, C], rows and t int64 [M] on the device (row -1: padding, any value) -> [M, W-1, C],
+    ``causal_conv``'s state for those t inputs alone."""
+    full = torch.cat([cast(state, inputs.dtype), inputs], 1)  # the last W-1 inputs before t end at W-1+t
+    index = t.view(-1, 1) + torch.arange(state.shape[1], device=inputs.device)  # [M, W-1]
+    return full[rows.clamp_min(0).view(-1, 1), index]

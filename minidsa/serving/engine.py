@@ -40,11 +40,11 @@ from .requests import check_context, check_positive_int, encode_prompts
 from .runner import ModelRunner
 from .scheduler import EngineRequest, Scheduler
 
-# Default tokens between KDA checkpoints, at most. Each checkpoint cuts a prefill forward, and pieces shorter
-# than this run slower per token (on the laptop config's CPU prefill, 64-token pieces cost 1.8x one 512-token
-# forward, 256-token pieces the same); a shared prefix shorter than the interval gets no state hit. A model
-# whose context is short gets a quarter of it instead (CHECKPOINTS_PER_CONTEXT): at 256 tokens the shipped
-# model (max_seq_len 256) could never reach a checkpoint, so prefix caching gave it no state hit at all.
+# Default tokens between KDA checkpoints, at most. A checkpoint costs no forward (the step keeps the state as it
+# runs) but one pool entry of every KDA layer's state, so a shorter interval spends the pool faster; a shared
+# prefix shorter than the interval gets no state hit. A model whose context is short gets a quarter of it
+# instead (CHECKPOINTS_PER_CONTEXT): at 256 tokens the shipped model (max_seq_len 256) could never reach a
+# checkpoint, so prefix caching gave it no state hit at all.
 CHECKPOINT_TOKENS = 256
 CHECKPOINTS_PER_CONTEXT = 4
 
@@ -188,11 +188,9 @@ class Engine:
         for req, _ in work:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-        moved = {}
-        for group in _forward_rounds(work, self._boundaries):
-            group = [g for g in group if not g[0].finished]  # failed in an earlier forward of this step
-            for req in self._run(group) if group else ():
-                moved[req.request_id] = req
+        pieces = sorted(((req, req.num_computed, req.num_computed + n) for req, n in work),
+                        key=lambda p: p[2] - p[1] > 1)  # stable: decode rows first, then schedule order
+        moved = {req.request_id: req for req in (self._run(pieces) if pieces else ())}
         outs = [self._output(r) for r in moved.values()]
         for r in moved.values():
             if r.finished:
@@ -206,22 +204,26 @@ class Engine:
             self.prefill_seconds += time.perf_counter() - now
         return outs
 
-    def _boundaries(self, req: EngineRequest, start: int, end: int) -> list[int]:
-        """Where a piece of ``req``'s range [start, end) must end: KDA checkpoints inside the prompt."""
+    def _checkpoints(self, pieces: list[tuple[EngineRequest, int, int]]) -> list[tuple[int, int]]:
+        """(piece, tokens into it) of every KDA checkpoint strictly inside a piece, within its prompt: the step
+        keeps those states as it runs (a checkpoint at a piece's end is the state it leaves in its slot)."""
         if self.prefix is None or not self.prefix.has_state:
-            return [end]
-        k = self.checkpoint_interval
-        cuts = range((start // k + 1) * k, min(end, len(req.prompt_ids)) + 1, k)
-        return sorted({*(c for c in cuts if c < end), end})
+            return []
+        k, chunk = self.checkpoint_interval, self.model.config.kda.chunk_size
+        # A piece starts on a multiple of ``align`` (the scheduler cuts there, hits end on checkpoints), so each
+        # offset is a multiple of the KDA chunk, where the chunk form has the state; the test only guards that.
+        return [(i, c - a) for i, (req, a, b) in enumerate(pieces)
+                for c in range((a // k + 1) * k, min(b - 1, len(req.prompt_ids)) + 1, k) if (c - a) % chunk == 0]
 
     def _run(self, group: list[tuple[EngineRequest, int, int]]) -> list[EngineRequest]:
         """One packed forward of tokens [start, end) of each request; sample where a piece reached its end."""
         reqs = [g[0] for g in group]
         tr = ForwardTrace() if any(r.trace is not None for r in reqs) else None
         ends = [row for row, (req, _, end) in enumerate(group) if end == req.num_tokens and not req.pending_finish]
+        keep = self._checkpoints(group)
         try:
             with torch.inference_mode():
-                last = self.runner.execute(group, ends, tr)  # [len(ends), V] on the host
+                last, kept = self.runner.execute(group, ends, tr, keep)  # logits [len(ends), V] on the host
         except Exception as e:  # noqa: BLE001 -- the request fails, the engine and the others go on
             for req in reqs:
                 req.error = f"{type(e).__name__}: {e}"
@@ -234,6 +236,10 @@ class Engine:
             req.num_computed = end
             self.prompt_tokens += max(0, min(end, len(req.prompt_ids)) - start)
             self._remember(req, end)
+        if keep:  # named by the blocks they end, which _remember has just named
+            bs = self.cache.block_size
+            self.prefix.insert_kept([group[i][0].hashes[(group[i][1] + t) // bs - 1] for i, t in keep], kept)
+        for req, start, end in group:
             if req.trace is not None:
                 req.trace.append_span(tr, at, at + end - start)
             at += end - start
@@ -378,18 +384,3 @@ def _media_keys(ids: list[int], features: list[torch.Tensor], pad: int) -> list[
         out.append(digests[item] + k.to_bytes(4, "little"))
         k += 1
     return out
-
-
-def _forward_rounds(work, boundaries) -> list[list[tuple[EngineRequest, int, int]]]:
-    """A step's (request, n) pairs as packed forwards: each request's range cut at ``boundaries``, the
-    k-th pieces of all requests in forward k (one forward unless a range crosses a KDA checkpoint),
-    pieces of one token first (the decode rows), then the rest in schedule order."""
-    pieces = []
-    for req, n in work:
-        start, cuts = req.num_computed, boundaries(req, req.num_computed, req.num_computed + n)
-        pieces.append([(req, a, b) for a, b in zip([start] + cuts[:-1], cuts)])
-    rounds = []
-    for rnd in range(max((len(p) for p in pieces), default=0)):
-        group = [p[rnd] for p in pieces if rnd < len(p)]
-        rounds.append(sorted(group, key=lambda g: g[2] - g[1] > 1))  # stable: decode rows first
-    return rounds

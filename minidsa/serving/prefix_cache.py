@@ -56,6 +56,7 @@ class PrefixCache:
         with torch.inference_mode(False):
             pool = [{name: torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device) for name, t in layer.items()}
                     for layer in cache.state] if n else []
+        self._pool = pool
         self._entries = [[{name: t[i] for name, t in layer.items()} for layer in pool] for i in range(n)]
         self._free = list(range(n))
         self.queries = self.hits = self.kv_hits = self.kda_hits = 0  # tokens
@@ -104,18 +105,35 @@ class PrefixCache:
         for h in reversed(chain):
             self.blocks.move_to_end(h)
 
-    def insert_checkpoint(self, name: bytes, sid: int) -> None:
-        """Copy the KDA state of ``sid`` (which has just stored the block named ``name``) as a checkpoint."""
+    def _entry_for(self, name: bytes) -> int | None:
+        """A pool entry for a new checkpoint named ``name`` (the least recently used one makes room if need be),
+        or None where none is kept or ``name`` has one already (then marked used)."""
         if not self.has_state or self.max_checkpoints == 0:
-            return
+            return None
         if name in self.checkpoints:
             self.checkpoints.move_to_end(name)
-            return
-        if not self._free:  # the least recently used checkpoint makes room
+            return None
+        if not self._free:
             self._free.append(self.checkpoints.popitem(last=False)[1])
-        entry = self._free.pop()
-        self.cache.snapshot_state(sid, out=self._entries[entry])
-        self.checkpoints[name] = entry
+        entry = self.checkpoints[name] = self._free.pop()
+        return entry
+
+    def insert_checkpoint(self, name: bytes, sid: int) -> None:
+        """Copy the KDA state of ``sid`` (which has just stored the block named ``name``) as a checkpoint."""
+        entry = self._entry_for(name)
+        if entry is not None:
+            self.cache.snapshot_state(sid, out=self._entries[entry])
+
+    def insert_kept(self, names: list[bytes], kept: list) -> None:
+        """Checkpoints from states a step kept inside its pieces (``StepContext.kept``: (cache layer, state name,
+        states [M, ...])): ``names[m]`` names the block that state m ends. One copy per layer and state name."""
+        pairs = [(m, e) for m, e in ((m, self._entry_for(n)) for m, n in enumerate(names)) if e is not None]
+        if not pairs:
+            return
+        rows, entries = (torch.tensor(x, device=kept[0][2].device) for x in zip(*pairs))
+        for layer, state_name, states in kept:
+            pool = self._pool[layer][state_name]
+            pool.index_copy_(0, entries.to(pool.device), states.index_select(0, rows).to(pool.dtype))
 
     def forget(self, sid: int) -> None:
         """Drop the names of the blocks sequence ``sid`` wrote itself, and the checkpoints ending there: its

@@ -39,28 +39,34 @@ class ModelRunner:
         self.packed_steps = self.graph_steps = 0
         self.last_step = None  # the StepContext of the last packed forward (for pictures and checks)
 
-    def execute(self, pieces: list, sample: list[int], trace: ForwardTrace | None) -> torch.Tensor:
-        """Run ``pieces`` [(request, start, end)] (one per request, decode rows first) as one step and return the
-        fp32 logits [len(sample), V] of the last token of each piece listed in ``sample``, on the host."""
-        if self.graphs is not None and trace is None and self.graphs.fits(len(pieces)) and all(
+    def execute(self, pieces: list, sample: list[int], trace: ForwardTrace | None,
+                keep: list[tuple[int, int]] = ()) -> tuple[torch.Tensor, list]:
+        """Run ``pieces`` [(request, start, end)] (one per request, decode rows first) as one step. Returns the
+        fp32 logits [len(sample), V] of the last token of each piece listed in ``sample``, on the host, and
+        the KDA states that ``keep``'s (piece, tokens into it) pairs ask for, [(cache layer, state name,
+        states [>= len(keep), ...])] on the device (``StepContext.kept``)."""
+        if self.graphs is not None and trace is None and not keep and self.graphs.fits(len(pieces)) and all(
                 b - a == 1 and not r.has_media_from(a) for r, a, b in pieces):
             logits = self.graphs.run([r.sid for r, _, _ in pieces], [r.tokens(a, b)[0] for r, a, b in pieces])
             self.graph_steps += 1
-            return logits[sample, -1].float().cpu()  # one device-to-host copy per step
+            return logits[sample, -1].float().cpu(), []  # one device-to-host copy per step
         self.packed_steps += 1
         if self.step_graphs is not None and trace is None and not any(r.has_media_from(a) for r, a, _ in pieces):
             sids, counts = [r.sid for r, _, _ in pieces], [b - a for _, a, b in pieces]
-            shape = self.step_graphs.shape_for(sids, counts)
+            shape = self.step_graphs.shape_for(sids, counts, len(keep))
             if shape is not None and self.step_graphs.ready(shape):
                 ids = [t for r, a, b in pieces for t in r.tokens(a, b)]
-                return self.step_graphs.run(shape, sids, counts, ids, sample).float().cpu()
-        return self.forward_packed(pieces, sample, trace).float().cpu()
+                logits, kept = self.step_graphs.run(shape, sids, counts, ids, sample, keep)
+                return logits.float().cpu(), kept
+        logits = self.forward_packed(pieces, sample, trace, keep)
+        return logits.float().cpu(), self.last_step.kept
 
-    def forward_packed(self, pieces: list, sample: list[int], trace: ForwardTrace | None) -> torch.Tensor:
+    def forward_packed(self, pieces: list, sample: list[int], trace: ForwardTrace | None,
+                       keep: list[tuple[int, int]] = ()) -> torch.Tensor:
         """The step as one forward over its packed tokens -> logits [len(sample), V] (device)."""
         m = self.model
         step = prepare_step(self.cache, [r.sid for r, _, _ in pieces], [b - a for _, a, b in pieces], m.device,
-                            max_len=m.config.max_seq_len, sample=sample)
+                            max_len=m.config.max_seq_len, sample=sample, keep=keep)
         self.last_step = step
         try:
             h = self.embeddings(pieces)

@@ -11,6 +11,7 @@ replays. Shapes are rounded up so that few cover a workload:
     prefill rows     a power of two, at most max_num_seqs
     their length     16, 24, 32, 48, 64, 96, ... (a power of two or 1.5 times one)
     block table      a power of two of blocks, at most max_seq_len's
+    kept KDA states  0 or a power of two (the prefix cache's checkpoints inside the step's pieces)
 
 A step whose shape would hold more than twice its tokens (pieces of very different lengths) runs eagerly; so
 does one with media or a trace. A shape is captured when first met (two eager warm-up runs, then the capture:
@@ -72,8 +73,9 @@ class StepGraphs:
         self.failed: dict[StepShape, str] = {}  # shapes whose capture failed -> why
         self.sightings: dict[StepShape, int] = {}  # steps of each shape not yet captured
 
-    def shape_for(self, seq_ids: list[int], num_tokens: list[int]) -> StepShape | None:
-        """The shape a step of these pieces replays in, or None when it should run eagerly."""
+    def shape_for(self, seq_ids: list[int], num_tokens: list[int], num_kept: int = 0) -> StepShape | None:
+        """The shape a step of these pieces (keeping ``num_kept`` KDA states inside them) replays in, or None
+        when it should run eagerly."""
         d = next((i for i, n in enumerate(num_tokens) if n > 1), len(num_tokens))
         lengths = num_tokens[d:]
         if not lengths or d > self.decode_buckets[-1]:
@@ -82,7 +84,8 @@ class StepGraphs:
         width = max(max(len(self.cache.block_table(s)), -(-(self.cache.seq_len(s) + n) // bs))
                     for s, n in zip(seq_ids, num_tokens))
         shape = StepShape(next(b for b in self.decode_buckets if b >= d), _pow2(len(lengths), self.max_num_seqs),
-                          _round_len(max(lengths)), _pow2(width, self.max_blocks))
+                          _round_len(max(lengths)), _pow2(width, self.max_blocks),
+                          1 << (num_kept - 1).bit_length() if num_kept else 0)
         if shape.num_tokens > MAX_PADDING * sum(num_tokens) + shape.piece_len:
             return None
         return shape
@@ -106,13 +109,15 @@ class StepGraphs:
         return True
 
     def run(self, shape: StepShape, seq_ids: list[int], num_tokens: list[int], ids: list[int],
-            sample: list[int]) -> torch.Tensor:
+            sample: list[int], keep: list[tuple[int, int]] = ()) -> tuple[torch.Tensor, list]:
         """One step of pieces ``seq_ids``/``num_tokens`` (decode pieces first) whose tokens are ``ids`` (packed, in
-        piece order) -> the logits [len(sample), V] of the last token of each piece listed in ``sample``.
-        ``shape``: ``shape_for``'s, ``ready``."""
+        piece order) -> (the logits [len(sample), V] of the last token of each piece listed in ``sample``, the
+        KDA states ``keep`` asks for: ``StepContext.kept``, valid until the next replay). ``shape``:
+        ``shape_for``'s, ``ready``."""
         m = self.model
         if self.eager:
-            step = prepare_step(self.cache, seq_ids, num_tokens, m.device, m.config.max_seq_len, sample, shape)
+            step = prepare_step(self.cache, seq_ids, num_tokens, m.device, m.config.max_seq_len, sample, shape,
+                                keep=keep)
             try:
                 logits = self._forward(step, self._ids(step, ids).to(m.device))
             except BaseException:
@@ -120,11 +125,11 @@ class StepGraphs:
                 raise
             step.publish()
             self.replays += 1
-            return logits[step.sampled]
+            return logits[step.sampled], step.kept
         self.graphs.move_to_end(shape)
-        graph, template, static_ids, staged, logits = self.graphs[shape]
+        graph, template, static_ids, staged, kept, logits = self.graphs[shape]
         step = prepare_step(self.cache, seq_ids, num_tokens, m.device, m.config.max_seq_len, sample, shape,
-                            into=template)
+                            into=template, keep=keep)
         try:
             static_ids.copy_(self._ids(step, ids), non_blocking=True)
             graph.replay()
@@ -134,7 +139,7 @@ class StepGraphs:
         self.replays += 1
         step.staged = staged
         step.publish()
-        return logits[step.sampled]
+        return logits[step.sampled], kept
 
     @staticmethod
     def _ids(step, ids: list[int]) -> torch.Tensor:
@@ -156,10 +161,11 @@ class StepGraphs:
             return lm.lm_head(hidden[0, step.logits_indices])
 
     def _buffer(self, key, like: torch.Tensor, rows: int) -> torch.Tensor:
-        """The shared output buffer ``key`` with room for the most rows any shape may have."""
+        """The shared output buffer ``key`` with room for ``rows`` (the most any shape may have) or more. A buffer
+        too small for ``like`` is replaced; the graphs captured with the old one keep it."""
         buf = self.shared.get(key)
-        if buf is None:
-            buf = self.shared[key] = like.new_empty((rows, *like.shape[1:]))
+        if buf is None or buf.shape[0] < like.shape[0]:
+            buf = self.shared[key] = like.new_empty((max(rows, like.shape[0]), *like.shape[1:]))
         return buf[: like.shape[0]]
 
     def _capture(self, shape: StepShape) -> None:
@@ -175,12 +181,16 @@ class StepGraphs:
             out = self._forward(template, static_ids)
             logits = self._buffer("logits", out, most)
             logits.copy_(out)
-            staged = []
+            staged, kept = [], []
             for layer, name, slots, value, decode in template.staged:
                 buf = self._buffer((layer, name, decode), value, most)
                 buf.copy_(value)
                 staged.append((layer, name, slots, buf, decode))
-            return logits, staged
+            for layer, name, value in template.kept:
+                buf = self._buffer((layer, name, "kept"), value, value.shape[0])
+                buf.copy_(value)
+                kept.append((layer, name, buf))
+            return logits, staged, kept
 
         with torch.inference_mode(), sync_free():  # the sparse prefill's form chosen without a host wait
             stream = torch.cuda.Stream(dev)
@@ -192,7 +202,8 @@ class StepGraphs:
             graph = torch.cuda.CUDAGraph()
             self.pool = self.pool or torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits, staged = fwd()
+                logits, staged, kept = fwd()
         template.staged.clear()  # the graph's own outputs: not kept
-        self.graphs[shape] = (graph, template, static_ids, staged, logits)
+        template.kept.clear()
+        self.graphs[shape] = (graph, template, static_ids, staged, kept, logits)
         self.captures += 1

@@ -132,6 +132,29 @@ def test_a_prefix_hit_equals_recomputing(model):
     assert s["prefix_cache_queries"] == sum(len(model.tokenizer.encode(p)) for p in prompts)
 
 
+def test_checkpoints_inside_a_piece_cost_no_extra_forward(model):
+    """A step keeps the KDA states at the checkpoints inside its pieces as it runs (the chunk form returns
+    them), so it stays one forward however many checkpoints a piece crosses; each checkpoint equals the state a
+    cache holds after that prefix alone (fp64: rounding ~1e-13)."""
+    engine = Engine(model, **EVERY_CHUNK)
+    prompt = SHARED + " first question"  # 55 tokens, one piece: checkpoints at 16, 32 and 48 inside it
+    ids = model.tokenizer.encode(prompt)
+    req = engine.requests[engine.add_request(prompt, GREEDY)]
+    engine.step()
+    assert engine.runner.packed_steps == 1 and req.num_computed == len(ids) == 55
+    pc, bs = engine.prefix, engine.cache.block_size
+    assert len(pc.checkpoints) == 3
+    for c in (16, 32, 48):
+        cache = model.new_cache()
+        sid = cache.add_sequence()
+        with torch.inference_mode():
+            model(torch.tensor([ids[:c]]), cache=cache, seq_ids=[sid])
+        want, got = cache.snapshot_state(sid), pc._entries[pc.checkpoints[req.hashes[c // bs - 1]]]
+        for w, g in zip(want, got):
+            for name in w:
+                torch.testing.assert_close(g[name], w[name], rtol=0, atol=1e-10)
+
+
 PASS_KEY = ("the river runs past old town where people walk slowly The pass key of kqz is 40271. "
             "birds sing of morning light on hills far away and the sky is blue\nQ: pass key of kqz?\nA: ")  # README
 
@@ -259,8 +282,8 @@ def poison(engine, monkeypatch, victim, column: int, value: float) -> None:
     """The engine's packed forwards with ``value`` put at ``column`` of every logits row of ``victim``."""
     forward = engine.runner.forward_packed
 
-    def poisoned(pieces, sample, trace):
-        logits = forward(pieces, sample, trace)
+    def poisoned(pieces, sample, trace, keep=()):
+        logits = forward(pieces, sample, trace, keep)
         for k, i in enumerate(sample):
             if pieces[i][0] is victim:
                 logits[k, column] = value

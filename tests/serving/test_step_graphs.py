@@ -24,10 +24,11 @@ def model():
     return minidsa.MiniDSA(tiny_config(dtype="float64"))
 
 
-def run_step(model, cache, sids, embeds, shape=None):
-    """Every piece's token logits [N, V] (piece order) and the selections of each piece, from one forward."""
+def run_step(model, cache, sids, embeds, shape=None, keep=(), kept=None):
+    """Every piece's token logits [N, V] (piece order) and the selections of each piece, from one forward
+    (``kept``: a list that receives the step's kept KDA states)."""
     step = prepare_step(cache, sids, [e.shape[0] for e in embeds], model.device, model.config.max_seq_len,
-                        shape=shape)
+                        shape=shape, keep=keep)
     x = embeds[0].new_zeros(1, step.num_tokens, model.config.hidden_size)
     spans = [step.span(i) for i in range(len(sids))]
     for (a, b), e in zip(spans, embeds):
@@ -37,6 +38,8 @@ def run_step(model, cache, sids, embeds, shape=None):
         hidden = model.language_model.model(x, step, trace)
         logits = model.language_model.lm_head(hidden[0])
     step.publish()
+    if kept is not None:
+        kept.extend(step.kept)
     rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(x.device)
     return logits[rows], {k: v[0, rows] for k, v in trace.selected.items()}
 
@@ -118,6 +121,30 @@ def test_the_engine_through_step_graphs_gives_its_own_outputs(model):
     assert engine.runner.step_graphs.replays > 0
 
 
+def test_states_kept_inside_pieces_equal_the_prefixes_alone(model):
+    """``keep``: the KDA states (recurrent and conv) after t tokens of a prefill piece, which the prefix cache
+    keeps without cutting the step there, from a shaped step (one padding pair) and a tight one, against the
+    state each sequence holds after a step that stops at t. Offsets are multiples of tiny's 16-token chunk."""
+    history, lengths = [9, 24, 0], [1, 40, 37]
+    keep = [(2, 32), (1, 16), (1, 32), (2, 16)]  # out of piece order
+    torch.manual_seed(2)
+    embeds = [torch.randn(n, model.config.hidden_size, dtype=torch.float64) for n in lengths]
+    got = []
+    for shape in (StepShape(2, 3, 48, 16, kept=8), None):
+        (cache, sids), _ = two_caches(model, history)
+        kept = []
+        run_step(model, cache, sids, embeds, shape, keep, kept)
+        got.append(kept)
+    for m, (i, t) in enumerate(keep):
+        (cache, sids), _ = two_caches(model, history)
+        run_step(model, cache, [sids[i]], [embeds[i][:t]])
+        want = cache.snapshot_state(sids[i])
+        for kept in got:
+            for layer, name, states in kept:
+                assert close(states[m], want[layer][name]), (m, layer, name)
+    assert all(states.shape[0] == 8 for _, _, states in got[0]) and all(s.shape[0] == 4 for _, _, s in got[1])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (the GPU acceptance script runs this)")
 def test_a_replayed_step_equals_the_eager_shaped_step_bit_for_bit():
     """Two different steps of one shape through one captured graph, against the same steps run eagerly with the
@@ -145,7 +172,7 @@ def test_a_replayed_step_equals_the_eager_shaped_step_bit_for_bit():
                 shape = graphs.shape_for(sids, lengths)
                 assert graphs.ready(shape)
                 ids = torch.randint(1, 200, (sum(lengths),)).tolist()
-                out.append(graphs.run(shape, sids, lengths, ids, [0, 1, 2]).clone())
+                out.append(graphs.run(shape, sids, lengths, ids, [0, 1, 2])[0].clone())
             out += [cache.state[0][name][cache.state_slots(sids)].clone() for name in cache.state[0]]
         results.append(out)
         assert graphs.replays == 2 and (graphs.captures == 1) == graphed
@@ -201,6 +228,6 @@ def test_a_failed_shaped_step_leaves_the_cache_as_it_was(model, monkeypatch):
     assert ([cache.block_table(s) for s in sids], [cache.seq_len(s) for s in sids], cache.num_free_blocks) == before
     assert all(torch.equal(a, b) for a, b in zip(states, [t for layer in cache.state for t in layer.values()]))
     with torch.inference_mode():
-        logits = graphs.run(shape, sids, [1, 20], list(range(1, 22)), [0, 1])
+        logits, _ = graphs.run(shape, sids, [1, 20], list(range(1, 22)), [0, 1])
     assert logits.shape[0] == 2 and torch.isfinite(logits).all()
     assert [cache.seq_len(s) for s in sids] == [1, 20]

@@ -71,7 +71,7 @@ import triton
 import triton.language as tl
 
 from .io_triton import copy_state, load_state, new_outputs, token_row, wants_reference
-from .reference import _check, check_state_at, kda_chunk_ref, kept_states
+from .reference import _check, check_chunk_size, check_state_at, kda_chunk_ref, kept_states
 
 MAX_CHUNK = 64  # registers: the chunk kernels hold [BC, BC] and [BC, K] tiles
 _GPU_F32_DOT = "tf32x3"  # precision of fp32 dots on a GPU ("ieee": exact products, FMA units, slow)
@@ -427,11 +427,10 @@ def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64, s
     the chunk. Shapes and results as ``kda_chunk_ref`` (o, final state, kept states); chunks hold
     min(chunk_size, 64) tokens, so kept states need a chunk_size of at most 64 or a multiple of it.
     """
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check_chunk_size(chunk_size)
     B, T = _check(q, k, v, g, beta, initial_state)[:2]
+    check_state_at(state_at, B, T, chunk_size)
     if state_at is not None:
-        check_state_at(state_at, B, T, chunk_size)
         if chunk_size > MAX_CHUNK and chunk_size % MAX_CHUNK:
             raise ValueError(f"kept states need chunk_size <= {MAX_CHUNK} or a multiple of it, got {chunk_size}")
     if wants_reference(q, k, v, g, beta, initial_state):

@@ -31,11 +31,18 @@ def _check(q, k, v, g, beta, initial_state):
     return B, T, H, K, HV, V
 
 
+def check_chunk_size(chunk_size) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
 def check_state_at(state_at, B: int, T: int, chunk_size: int) -> None:
     """``state_at`` int [M, 2]: (row b, position t) pairs whose state ``kda_chunk`` also returns. A row of -1 is
     padding (its state comes back as zeros); t must be a multiple of ``chunk_size`` in [0, T], or T itself, and
     no pair may repeat.
-    Values are checked where that costs no device sync (``on_host``)."""
+    Values are checked where that costs no device sync (``on_host``). None passes."""
+    if state_at is None:
+        return
     check_tensor("state_at", state_at, ndim=2, integer=True)
     if state_at.shape[1] != 2:
         raise ValueError(f"state_at must be [M, 2] (row, position) pairs, got shape {tuple(state_at.shape)}")
@@ -159,13 +166,11 @@ def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=6
     16-step sub-chunks a bounded positive factor may stand in, see ``_intra_chunk_products``).
     Any T: the tail is padded with g = beta = k = v = 0 (steps that leave the state unchanged); T < chunk_size is one chunk.
     """
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check_chunk_size(chunk_size)
     out_dtype = v.dtype
     q, k, v, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state)
     B, T, H, K = q.shape
-    if state_at is not None:
-        check_state_at(state_at, B, T, chunk_size)
+    check_state_at(state_at, B, T, chunk_size)
     if T == 0:  # no step: the state passes through (a copy, see _prepare)
         return v.to(out_dtype), S, kept_states([S], state_at, T, 1)
     C = min(chunk_size, T)
@@ -186,10 +191,9 @@ def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=6
     W = M @ (beta.unsqueeze(-1) * floored_exp(G) * k)
     U = M @ (beta.unsqueeze(-1) * v)
     o = torch.empty(B, H, n, C, V, dtype=q.dtype, device=q.device)
-    starts = []  # the state at the start of each chunk, kept only when asked for
+    starts = []  # the state at the start of each chunk (references: S is never updated in place)
     for c in range(n):
-        if state_at is not None and state_at.numel():
-            starts.append(S)
+        starts.append(S)
         v_new = U[:, :, c] - W[:, :, c] @ S
         o[:, :, c] = (floored_exp(G[:, :, c]) * q[:, :, c]) @ S + A_qk[:, :, c] @ v_new
         G_last = G[:, :, c, -1]  # [B, H, K]
