@@ -177,7 +177,8 @@ class StepGraphs:
         most = self.decode_buckets[-1] + self.max_num_seqs
 
         def fwd():
-            template.staged.clear()
+            template.staged.clear()  # a warm-up's outputs: a capture that copied them would read freed memory
+            template.kept.clear()
             out = self._forward(template, static_ids)
             logits = self._buffer("logits", out, most)
             logits.copy_(out)

@@ -148,8 +148,8 @@ def test_states_kept_inside_pieces_equal_the_prefixes_alone(model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (the GPU acceptance script runs this)")
 def test_a_replayed_step_equals_the_eager_shaped_step_bit_for_bit():
     """Two different steps of one shape through one captured graph, against the same steps run eagerly with the
-    same kernels (the absorbed sparse prefill, as in the graph): logits and KDA states identical, so the
-    metadata of the second step really replaced the first's."""
+    same kernels (the absorbed sparse prefill, as in the graph): logits, KDA states and the states kept inside
+    a piece identical, so the metadata of the second step really replaced the first's."""
     from minidsa.ops.mla.prefill_form import sync_free
     torch.manual_seed(0)
     model = minidsa.MiniDSA(tiny_config(dtype="float32"), device="cuda").set_backend("triton")
@@ -169,10 +169,13 @@ def test_a_replayed_step_equals_the_eager_shaped_step_bit_for_bit():
                 for sid, n in zip(sids, history):
                     if n:
                         model(torch.randint(1, 200, (1, n), device="cuda"), cache=cache, seq_ids=[sid])
-                shape = graphs.shape_for(sids, lengths)
+                shape = graphs.shape_for(sids, lengths, 1)
                 assert graphs.ready(shape)
                 ids = torch.randint(1, 200, (sum(lengths),)).tolist()
-                out.append(graphs.run(shape, sids, lengths, ids, [0, 1, 2])[0].clone())
+                logits, kept = graphs.run(shape, sids, lengths, ids, [0, 1, 2], [(1, 16)])
+                out.append(logits.clone())
+                assert len(kept) == 2 * len(cache.state)  # recurrent and conv of each KDA layer, once
+                out += [states[:1].clone() for _, _, states in kept]
             out += [cache.state[0][name][cache.state_slots(sids)].clone() for name in cache.state[0]]
         results.append(out)
         assert graphs.replays == 2 and (graphs.captures == 1) == graphed
