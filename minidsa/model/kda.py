@@ -124,9 +124,9 @@ class KimiDeltaAttention(nn.Module):
 
     def _prefill_rect(self, step: StepContext, projected, f_a, b) -> torch.Tensor:
         """The prefill pieces of a step as one [P', T_max] chunk-form call -> o [P', T_max, H, K]; stages both
-        states. Padding rows past a piece's end must leave its states as the piece left them: they get
-        q = k = v = 0, no decay (g = 0) and beta = 0, so the recurrence adds nothing there, and the conv state
-        is read at each piece's own end."""
+        states. Padding past a piece's end must leave its states as the piece left them: the chunk form is
+        given each row's length (it ignores the rest and skips its whole chunks), and the conv state is read
+        at each piece's own end."""
         acc, ctx = acc_dtype(projected), step.prefill_part()
         state = {name: ctx.cache.read_state(self.cache_layer, name, ctx.state_slots) for name in self.STATE_NAMES}
         first = step.query_start[step.num_decode]  # the first prefill token
@@ -137,12 +137,11 @@ class KimiDeltaAttention(nn.Module):
         z = cast(self.decay_up(f_a[:, first:])[0], acc)  # the decay's up-projection over the prefill tokens only
         q, k, v, g, beta = ops.kda_step_inputs(qkv, step.pad(z), step.pad(cast(b[:, first:], acc)), self.A_log,
                                                self.dt_bias, self.lower_bound)
+        lengths = step.prefill_lengths if step.ragged else None  # the op skips the padding (whole chunks of it)
         if step.ragged:
-            real = (step.prefill_positions >= 0).to(acc)  # [P', T_max]
-            q, k, v, g = (t * real[..., None, None] for t in (q, k, v, g))
-            beta = beta * real[..., None]
             conv = _conv_states(state["conv"], inputs, torch.arange(P, device=inputs.device), step.prefill_lengths)
-        o, recurrent, *kept = ops.kda_chunk(q, k, v, g, beta, None, state["recurrent"], self.chunk_size, step.keep)
+        o, recurrent, *kept = ops.kda_chunk(q, k, v, g, beta, None, state["recurrent"], self.chunk_size, step.keep,
+                                            lengths)
         ctx.stage_state(self.cache_layer, "recurrent", recurrent)
         ctx.stage_state(self.cache_layer, "conv", conv)
         if kept:  # states inside the pieces that the prefix cache keeps: the step stays one forward

@@ -122,14 +122,17 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               scale: float | None = None, initial_state: torch.Tensor | None = None, chunk_size: int = 64,
-              state_at: torch.Tensor | None = None, *, backend: str | None = None) -> tuple[torch.Tensor, ...]:
+              state_at: torch.Tensor | None = None, lengths: torch.Tensor | None = None, *,
+              backend: str | None = None) -> tuple[torch.Tensor, ...]:
     """Chunked (WY/UT) form of ``kda_recurrent`` with the same inputs and outputs; T need not be a
     multiple of ``chunk_size``. With ``state_at`` int [M, 2] of (row, position) pairs (positions multiples
     of ``chunk_size``, or T; row -1 skips a pair) a third result holds those rows' states after that many
-    tokens, [M, HV, K, V] fp32: a prefix cache keeps them without cutting the prefill there."""
+    tokens, [M, HV, K, V] fp32: a prefix cache keeps them without cutting the prefill there. ``lengths``
+    int [B]: each row's real tokens in a padded batch; the padding leaves the state alone, gets o = 0, and
+    its whole chunks cost nothing."""
     fn = pick("kda_chunk", backend, kda_chunk_ref, q, k, v, g, beta, initial_state)
     with flush_denormals(q):  # exp of a chunk's cumulative decay: subnormal products, slow on a CPU
-        o, state, kept = fn(q, k, v, g, beta, scale, initial_state, chunk_size, state_at)
+        o, state, kept = fn(q, k, v, g, beta, scale, initial_state, chunk_size, state_at, lengths)
     return (o, state) if state_at is None else (o, state, kept)
 
 

@@ -34,7 +34,7 @@ SCHEMAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kda_recurrent": ("(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float? scale, "
                       "Tensor? initial_state) -> (Tensor, Tensor)", ()),
     "kda_chunk": ("(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float? scale, Tensor? initial_state, "
-                  "int chunk_size, Tensor? state_at=None) -> (Tensor, Tensor, Tensor)", ()),
+                  "int chunk_size, Tensor? state_at=None, Tensor? lengths=None) -> (Tensor, Tensor, Tensor)", ()),
     "kda_decode": ("(Tensor projected, Tensor f_a, Tensor b, Tensor conv_weight, Tensor w_fb, Tensor A_log, "
                    "Tensor dt_bias, float lower_bound, Tensor conv_pool, Tensor state_pool, Tensor slots, "
                    "float? scale) -> (Tensor, Tensor, Tensor)", ()),
@@ -76,7 +76,7 @@ FAKES: dict[str, Callable] = {
     "sparse_mla_prefill": lambda q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale:
         _new(q, (*q.shape[:3], kv_b_weight.shape[0] // q.shape[2] - (q.shape[3] - k_pe_plane.shape[-1]))),
     "kda_recurrent": _kda,
-    "kda_chunk": lambda q, k, v, g, beta, scale, initial_state, chunk_size, state_at=None: (
+    "kda_chunk": lambda q, k, v, g, beta, scale, initial_state, chunk_size, state_at=None, lengths=None: (
         *_kda(q, k, v, g, beta, scale, initial_state),
         _new(v, (0 if state_at is None else state_at.shape[0], v.shape[2], q.shape[-1], v.shape[3]))),
     "kda_decode": lambda projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, lower_bound, conv_pool, state_pool,

@@ -130,6 +130,25 @@ def test_kept_states_are_the_states_of_the_prefixes():
         torch.testing.assert_close(kept[m], want[0], atol=1e-10, rtol=0)  # as test_chunk_equals_recurrent_fp64
 
 
+def test_lengths_skip_the_padding_and_equal_each_row_alone():
+    """``lengths``: a padded batch whose rows end at 70, 16, 0 and 33 tokens (chunk 16): each row's o and state
+    equal the row run alone on its real tokens, o is 0 on the padding whatever it holds, and a kept state
+    at a row's end is its final state (fp64, as test_chunk_equals_recurrent_fp64)."""
+    B, T, H, K, V = 4, 70, 2, 8, 6
+    q, k, v, g, beta = inputs(B, T, H, K, V)
+    s0 = torch.randn(B, H, K, V, dtype=torch.float64)
+    lengths = torch.tensor([70, 16, 0, 33])
+    o, s, kept = ops.kda_chunk(q, k, v, g, beta, None, s0, 16, torch.tensor([(1, 16), (3, 32)]), lengths)
+    for b, n in enumerate(lengths.tolist()):
+        o_b, s_b = kda_recurrent_ref(*(x[b:b + 1, :n] for x in (q, k, v, g, beta)), None, s0[b:b + 1])
+        torch.testing.assert_close(o[b:b + 1, :n], o_b, atol=1e-10, rtol=0)
+        torch.testing.assert_close(s[b:b + 1], s_b, atol=1e-10, rtol=0)
+        assert not o[b, n:].any()
+    torch.testing.assert_close(kept[0], s[1], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="lengths must lie in"):
+        ops.kda_chunk(q, k, v, g, beta, lengths=torch.tensor([71, 0, 0, 0]))
+
+
 def test_kept_state_positions_are_checked():
     q, k, v, g, beta = inputs(2, 40, 1, 4, 3)
     for pairs, match in (([(0, 8)], "multiple of chunk_size"), ([(2, 16)], "row < 2"), ([(0, 48)], "in \\[0, 40\\]"),

@@ -286,8 +286,9 @@ def test_registered_kernels_share_reference_signatures(op):
     assert kernel_signature_mismatch(op) == ""
 
 
-MATCHING = "def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64, state_at=None):\n    pass\n"
-DIFFERENT = "def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=32, state_at=None):\n    pass\n"
+ARGS = "q, k, v, g, beta, scale=None, initial_state=None, chunk_size={}, state_at=None, lengths=None"
+MATCHING = f"def kda_chunk({ARGS.format(64)}):\n    pass\n"
+DIFFERENT = f"def kda_chunk({ARGS.format(32)}):\n    pass\n"
 
 
 @pytest.mark.parametrize("how", ["import", "parse"])

@@ -136,6 +136,21 @@ def test_kept_states_equal_the_reference():
     assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]) and plain[2].shape[0] == 0
 
 
+def test_lengths_skip_whole_chunks_like_the_reference():
+    # Rows ending at 37 (a partial last chunk), 0 and 16 tokens of 37, chunk 16, with non-zero padding that the
+    # op must ignore; a kept state in a skipped chunk's start and at T are the row's final state.
+    q, k, v, g, beta = kda_inputs(B=3, T=37, H=1, HV=2, K=20, V=12)
+    s0 = state(3, 2, 20, 12)
+    lengths = torch.tensor([37, 0, 16], device=DEV)
+    pairs = torch.tensor([(2, 32), (1, 37), (0, 16)], device=DEV)
+    got = chunk.kda_chunk(q, k, v, g, beta, None, s0, 16, pairs, lengths)
+    want = ref_ops.kda_chunk_ref(q, k, v, g, beta, None, s0, 16, pairs, lengths)
+    check(got, want)
+    torch.testing.assert_close(got[2], want[2], **TOL)
+    assert not got[0][1].any() and not got[0][2, 16:].any()
+    torch.testing.assert_close(got[2][0], got[1][2], **TOL)
+
+
 # ------------------------------------------------------------------------------- contracts
 def test_initial_state_is_not_modified_and_runs_are_bitwise_equal():
     q, k, v, g, beta = kda_inputs(B=1, T=19, H=1, HV=2, K=20, V=12)

@@ -71,7 +71,7 @@ import triton
 import triton.language as tl
 
 from .io_triton import copy_state, load_state, new_outputs, token_row, wants_reference
-from .reference import _check, check_chunk_size, check_state_at, kda_chunk_ref, kept_states
+from .reference import _check, check_chunk_size, check_lengths, check_state_at, kda_chunk_ref, kept_states
 
 MAX_CHUNK = 64  # registers: the chunk kernels hold [BC, BC] and [BC, K] tiles
 _GPU_F32_DOT = "tf32x3"  # precision of fp32 dots on a GPU ("ieee": exact products, FMA units, slow)
@@ -102,23 +102,34 @@ def _mm(a, b, DOT: tl.constexpr, F32: tl.constexpr):
     return tl.dot(a.to(DOT), b.to(DOT), input_precision=F32)
 
 
+@triton.jit
+def _row_len(len_ptr, b, T, HAS_LEN: tl.constexpr):
+    """Row b's real tokens: lengths[b] (the rest is padding, skipped by whole chunks), else T."""
+    if HAS_LEN:
+        return tl.load(len_ptr + b).to(tl.int32)
+    return T
+
+
 # ------------------------------------------------------------------------------ chunked: decay
 # The lengths T, C (chunk) and NT (chunk count) only scale offsets and bound loops: left unspecialised, a new
 # prompt length compiles no new variant of the five chunk kernels (README, "cold process"); same speed.
 @triton.jit(do_not_specialize=["T", "C", "NT"])
-def _chunk_decay_kernel(q_ptr, k_ptr, g_ptr, G_ptr, qg_ptr, kd_ptr, gl_ptr,
+def _chunk_decay_kernel(q_ptr, k_ptr, g_ptr, G_ptr, qg_ptr, kd_ptr, gl_ptr, len_ptr,
                         T, H, HV, K, REP, C, NT, scale,
-                        BC: tl.constexpr, BK: tl.constexpr):
+                        BC: tl.constexpr, BK: tl.constexpr, HAS_LEN: tl.constexpr):
     """One (chunk, head): G = inclusive cumsum of g over the chunk's rows, Qg = exp(G) scale q,
     Kd = exp(G_C - G) k, exp(G_C), all into scratch rows [BC, BK] (padding rows and columns too)."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, hv = bh // HV, bh % HV
+    Tb = _row_len(len_ptr, b, T, HAS_LEN)
+    if c * C >= Tb:  # all padding: no later kernel reads this chunk
+        return
     h = hv // REP
     r = tl.arange(0, BC)
     d = tl.arange(0, BK)
     t = c * C + r
-    ok = (r < C) & (t < T)
+    ok = (r < C) & (t < Tb)
     g = _token_tile(g_ptr, b * T, t, ok, hv, HV, K, d)
     G = tl.cumsum(g, axis=0)  # padding rows add 0: G stays flat past the chunk's last token
     g_last = tl.sum(g, axis=0)  # G_C
@@ -212,9 +223,9 @@ def _extend_inverse(M, a_off, a_diag, i, BC: tl.constexpr, F32: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T", "C", "NT"])
-def _chunk_pairs_kernel(q_ptr, k_ptr, G_ptr, aqk_ptr, akk_ptr, T, H, HV, K, REP, C, NT, scale,
+def _chunk_pairs_kernel(q_ptr, k_ptr, G_ptr, aqk_ptr, akk_ptr, len_ptr, T, H, HV, K, REP, C, NT, scale,
                         BC: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, DOT: tl.constexpr,
-                        F32: tl.constexpr):
+                        F32: tl.constexpr, HAS_LEN: tl.constexpr):
     """One (chunk, head, row block i): rows 16 i .. 16 i + 15 of A_qk (into its scratch, in the dot
     type: it is only ever a dot operand) and of A_kk without beta (fp32: the solve reads it as it
     was computed). A_kk's columns j < 16 i and its diagonal block are two stores to disjoint
@@ -223,8 +234,11 @@ def _chunk_pairs_kernel(q_ptr, k_ptr, G_ptr, aqk_ptr, akk_ptr, T, H, HV, K, REP,
     bh = tl.program_id(1).to(tl.int64)
     i = tl.program_id(2)
     b, hv = bh // HV, bh % HV
+    Tb = _row_len(len_ptr, b, T, HAS_LEN)
+    if c * C >= Tb:
+        return
     row0 = (bh * NT + c) * BC  # first scratch row of this chunk
-    a_qk, a_off, a_diag = _pair_rows(q_ptr, k_ptr, G_ptr, b * T, row0, c, i, T, H, hv // REP, K, C, scale,
+    a_qk, a_off, a_diag = _pair_rows(q_ptr, k_ptr, G_ptr, b * T, row0, c, i, Tb, H, hv // REP, K, C, scale,
                                      BC, BK, KC, DOT, F32)
     s16 = tl.arange(0, SUB)
     rows = (row0 + s16 + i * SUB)[:, None] * BC
@@ -235,15 +249,19 @@ def _chunk_pairs_kernel(q_ptr, k_ptr, G_ptr, aqk_ptr, akk_ptr, T, H, HV, K, REP,
 
 
 @triton.jit(do_not_specialize=["T", "C", "NT"])
-def _chunk_solve_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, akk_ptr, w_ptr, u_ptr,
+def _chunk_solve_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, akk_ptr, w_ptr, u_ptr, len_ptr,
                         T, H, HV, K, V, REP, C, NT, BC: tl.constexpr, BK: tl.constexpr,
-                        BVF: tl.constexpr, WC: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr):
+                        BVF: tl.constexpr, WC: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr,
+                        HAS_LEN: tl.constexpr):
     """One (chunk, head): M = (I + Diag(beta) A_kk)^-1 in registers, then W and U out."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, hv = bh // HV, bh % HV
-    h = hv // REP
     bT = b * T
+    T = _row_len(len_ptr, b, T, HAS_LEN)  # masks below: the row's real tokens
+    if c * C >= T:
+        return
+    h = hv // REP
     row0 = (bh * NT + c) * BC
     cols = tl.arange(0, BC)
     s16 = tl.arange(0, SUB)
@@ -282,10 +300,11 @@ def _keep_state(keep_ptr, kept_ptr, bh, HV, c, NT, K, V, d, e, S):
         tl.store(kept_ptr + offs, S, mask=(d < K)[:, None] & (e < V)[None, :])
 
 
-@triton.jit(do_not_specialize=["NT"])
-def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gl_ptr, s0_ptr, hs_ptr, vn_ptr, s_ptr, keep_ptr, kept_ptr, HV, K, V,
-                        NT, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
-                        HAS_S0: tl.constexpr, KEEP: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr):
+@triton.jit(do_not_specialize=["C", "NT"])
+def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gl_ptr, s0_ptr, hs_ptr, vn_ptr, s_ptr, keep_ptr, kept_ptr, len_ptr, HV,
+                        K, V, C, NT, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
+                        HAS_S0: tl.constexpr, KEEP: tl.constexpr, HAS_LEN: tl.constexpr, DOT: tl.constexpr,
+                        F32: tl.constexpr):
     """One (head, V tile), chunks in order: store S0 of each chunk and V_new = U - W S0, then
     S <- exp(G_C) S + Kd^T V_new. The state [BK, BV] never leaves registers in between; with KEEP, the
     chunk starts and the end that the table asks for are also stored in fp32."""
@@ -294,7 +313,8 @@ def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gl_ptr, s0_ptr, hs_ptr, vn_ptr, s_
     e = tl.program_id(1) * BV + tl.arange(0, BV)  # < BVF: the grid covers the padded width exactly
     r = tl.arange(0, BC)
     S, state_offs, state_mask = load_state(s0_ptr, bh, K, V, d, e, BK, BV, HAS_S0)
-    for c in range(NT):
+    n = tl.cdiv(_row_len(len_ptr, bh // HV, NT * C, HAS_LEN), C)  # chunks with real tokens; the rest is inert
+    for c in range(n):
         rows = (bh * NT + c) * BC + r
         tl.store(hs_ptr + (bh * NT + c) * BK * BVF + d[:, None] * BVF + e[None, :], S)
         if KEEP:
@@ -306,18 +326,23 @@ def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gl_ptr, s0_ptr, hs_ptr, vn_ptr, s_
         decay = tl.load(gl_ptr + (bh * NT + c) * BK + d)  # exp(G_C) per key channel
         S = S * decay[:, None] + _mm(tl.trans(kd), v_new, DOT, F32)
     tl.store(s_ptr + state_offs, S, mask=state_mask)
-    if KEEP:
-        _keep_state(keep_ptr, kept_ptr, bh, HV, NT, NT, K, V, d, e, S)
+    if KEEP:  # the starts of the skipped chunks and the end: all the final state
+        for c in range(n, NT + 1):
+            _keep_state(keep_ptr, kept_ptr, bh, HV, c, NT, K, V, d, e, S)
 
 
 @triton.jit(do_not_specialize=["T", "C", "NT"])
-def _chunk_output_kernel(qg_ptr, aqk_ptr, hs_ptr, vn_ptr, o_ptr, T, HV, V, C, NT,
+def _chunk_output_kernel(qg_ptr, aqk_ptr, hs_ptr, vn_ptr, o_ptr, len_ptr, T, HV, V, C, NT,
                          BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
-                         DOT: tl.constexpr, F32: tl.constexpr):
-    """One (chunk, head, V tile): O = Qg S0 + A_qk V_new, stored for the chunk's real tokens only."""
+                         DOT: tl.constexpr, F32: tl.constexpr, HAS_LEN: tl.constexpr):
+    """One (chunk, head, V tile): O = Qg S0 + A_qk V_new, stored for the chunk's real tokens only (o is zero
+    where lengths leave padding)."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, hv = bh // HV, bh % HV
+    Tb = _row_len(len_ptr, b, T, HAS_LEN)
+    if c * C >= Tb:
+        return
     r = tl.arange(0, BC)
     d = tl.arange(0, BK)
     e = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -326,7 +351,7 @@ def _chunk_output_kernel(qg_ptr, aqk_ptr, hs_ptr, vn_ptr, o_ptr, T, HV, V, C, NT
     o = _mm(_scratch_tile(qg_ptr, rows, BK, d), s0, DOT, F32)
     o += _mm(_scratch_tile(aqk_ptr, rows, BC, r), _scratch_tile(vn_ptr, rows, BVF, e), DOT, F32)
     t = c * C + r
-    ok = (r < C) & (t < T)
+    ok = (r < C) & (t < Tb)
     offs = ((b * T + t)[:, None] * HV + hv) * V + e[None, :]
     tl.store(o_ptr + offs, o.to(o_ptr.dtype.element_ty), mask=ok[:, None] & (e < V)[None, :])
 
@@ -372,7 +397,23 @@ def _keep_table(state_at, B: int, T: int, C: int, NT: int) -> torch.Tensor:
     return table
 
 
-def _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, state_at=None, config=None):
+def _scratch(BH: int, NT: int, BC: int, BK: int, BVF: int, v: torch.Tensor, dot) -> dict:
+    """The kernels' scratch tensors, [B*HV, NT*BC, width] each (per chunk: decay [.., NT, BK], S0 [.., NT, BK, BVF]).
+
+    Scratch that is only ever a dot operand is stored in the dots' operand type (bf16 for bf16 inputs): the
+    kernels would convert it right after loading, so this halves its bytes and changes no result. G, U and
+    A_kk stay fp32 (exponents, a subtraction, the exact solve)."""
+    f32 = dict(dtype=torch.float32, device=v.device)
+    dt = dict(dtype=v.dtype if dot != tl.float32 else torch.float32, device=v.device)  # dot: v's type
+    rows = NT * BC
+    return dict(G=torch.empty(BH, rows, BK, **f32), qg=torch.empty(BH, rows, BK, **dt),
+                kd=torch.empty(BH, rows, BK, **dt), w=torch.empty(BH, rows, BK, **dt),
+                u=torch.empty(BH, rows, BVF, **f32), v_new=torch.empty(BH, rows, BVF, **dt),
+                aqk=torch.empty(BH, rows, BC, **dt), akk=torch.empty(BH, rows, BC, **f32),
+                decay=torch.empty(BH, NT, BK, **f32), s0=torch.empty(BH, NT, BK, BVF, **dt))
+
+
+def _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, state_at=None, lengths=None, config=None):
     """Run the five chunk kernels on checked, non-fp64 inputs. ``config`` overrides entries of
     ``_chunk_config`` (tests use it to run the GPU's slicing in the interpreter)."""
     B, T, H, K = q.shape
@@ -383,49 +424,42 @@ def _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, state_at=N
     if state.numel() == 0 or T == 0:  # nothing to run (K = 0 leaves o = S^T q = 0)
         state = copy_state(initial_state, state)
         return o.zero_(), state, kept_states([state], state_at, T, 1) if M else kept
+    if lengths is not None:
+        o.zero_()  # chunks past a row's length are skipped: their o stays 0
     C = max(1, min(chunk_size, T, MAX_CHUNK))  # the result does not depend on C, only its rounding does
     BC, BK = max(SUB_ROWS, triton.next_power_of_2(C)), max(16, triton.next_power_of_2(K))
     BVF, NT, BH = max(16, triton.next_power_of_2(V)), triton.cdiv(T, C), B * HV
     cfg = {**_chunk_config(BK, BVF, v.device), **(config or {})}
-    bv = cfg["BV"]
     dot, f32 = _dot_types(q, k, v)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    f32t = dict(dtype=torch.float32, device=v.device)
-    # Scratch that is only ever a dot operand is stored in the dots' operand type (bf16 for bf16
-    # inputs): the kernels would convert it right after loading, so this halves its bytes and
-    # changes no result. G, U and A_kk stay fp32 (exponents, a subtraction, the exact solve).
-    dt = dict(dtype=v.dtype if dot != tl.float32 else torch.float32, device=v.device)  # dot: v's type
-    G = torch.empty(BH, NT * BC, BK, **f32t)
-    qg, kd, w = (torch.empty(BH, NT * BC, BK, **dt) for _ in range(3))
-    u, v_new = torch.empty(BH, NT * BC, BVF, **f32t), torch.empty(BH, NT * BC, BVF, **dt)
-    aqk, akk = torch.empty(BH, NT * BC, BC, **dt), torch.empty(BH, NT * BC, BC, **f32t)
-    decay = torch.empty(BH, NT, BK, **f32t)
-    s0_chunks = torch.empty(BH, NT, BK, BVF, **dt)
-    kw = dict(BC=BC, BK=BK)
-    _chunk_decay_kernel[(NT, BH)](q, k, g, G, qg, kd, decay, T, H, HV, K, HV // H, C, NT, scale, **kw,
-                                  num_warps=cfg["warps"])
+    x = _scratch(BH, NT, BC, BK, BVF, v, dot)
+    lens = lengths.contiguous() if lengths is not None else state  # placeholder when absent
+    kw = dict(BC=BC, BK=BK, HAS_LEN=lengths is not None)
+    _chunk_decay_kernel[(NT, BH)](q, k, g, x["G"], x["qg"], x["kd"], x["decay"], lens, T, H, HV, K, HV // H, C, NT,
+                                  scale, **kw, num_warps=cfg["warps"])
     kw.update(DOT=dot, F32=f32)
-    _chunk_pairs_kernel[(NT, BH, BC // SUB_ROWS)](q, k, G, aqk, akk, T, H, HV, K, HV // H, C, NT, scale,
-                                                   KC=cfg["KC"], **kw, num_warps=cfg["pair_warps"])
-    _chunk_solve_kernel[(NT, BH)](k, v, beta, G, akk, w, u, T, H, HV, K, V, HV // H, C, NT,
+    _chunk_pairs_kernel[(NT, BH, BC // SUB_ROWS)](q, k, x["G"], x["aqk"], x["akk"], lens, T, H, HV, K, HV // H, C,
+                                                   NT, scale, KC=cfg["KC"], **kw, num_warps=cfg["pair_warps"])
+    _chunk_solve_kernel[(NT, BH)](k, v, beta, x["G"], x["akk"], x["w"], x["u"], lens, T, H, HV, K, V, HV // H, C, NT,
                                   BVF=BVF, WC=cfg["WC"], **kw, num_warps=cfg["solve_warps"])
     s0 = initial_state.contiguous() if initial_state is not None else state  # placeholder when absent
-    kw.update(BV=bv, BVF=BVF)
     keep = _keep_table(state_at, B, T, C, NT) if M else state  # placeholder when absent
-    _chunk_state_kernel[(BH, BVF // bv)](w, u, kd, decay, s0, s0_chunks, v_new, state, keep, kept, HV, K, V, NT,
-                                         HAS_S0=initial_state is not None, KEEP=M > 0, num_stages=2, **kw,
-                                         num_warps=cfg["state_warps"])
+    kw.update(BV=cfg["BV"], BVF=BVF)
+    _chunk_state_kernel[(BH, BVF // cfg["BV"])](x["w"], x["u"], x["kd"], x["decay"], s0, x["s0"], x["v_new"], state,
+                                                keep, kept, lens, HV, K, V, C, NT, HAS_S0=initial_state is not None,
+                                                KEEP=M > 0, num_stages=2, **kw, num_warps=cfg["state_warps"])
     kw.update(BV=cfg["out_BV"])
-    _chunk_output_kernel[(NT, BH, BVF // cfg["out_BV"])](qg, aqk, s0_chunks, v_new, o, T, HV, V, C, NT, **kw,
-                                                         num_warps=cfg["warps"])
+    _chunk_output_kernel[(NT, BH, BVF // cfg["out_BV"])](x["qg"], x["aqk"], x["s0"], x["v_new"], o, lens, T, HV, V, C,
+                                                         NT, **kw, num_warps=cfg["warps"])
     return o, state, kept
 
 
 # ------------------------------------------------------------------------------------ public op
-def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64, state_at=None):
+def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64, state_at=None, lengths=None):
     """Chunked KDA (WY form), equal to ``kda_recurrent`` up to rounding; T need not be a multiple of
-    the chunk. Shapes and results as ``kda_chunk_ref`` (o, final state, kept states); chunks hold
-    min(chunk_size, 64) tokens, so kept states need a chunk_size of at most 64 or a multiple of it.
+    the chunk. Shapes and results as ``kda_chunk_ref`` (o, final state, kept states; ``lengths``: each row's
+    real tokens, whole chunks past them skipped); chunks hold min(chunk_size, 64) tokens, so kept states need
+    a chunk_size of at most 64 or a multiple of it.
     """
     check_chunk_size(chunk_size)
     B, T = _check(q, k, v, g, beta, initial_state)[:2]
@@ -433,7 +467,9 @@ def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64, s
     if state_at is not None:
         if chunk_size > MAX_CHUNK and chunk_size % MAX_CHUNK:
             raise ValueError(f"kept states need chunk_size <= {MAX_CHUNK} or a multiple of it, got {chunk_size}")
+    if lengths is not None:
+        lengths = check_lengths(lengths, B, T)
     if wants_reference(q, k, v, g, beta, initial_state):
-        return kda_chunk_ref(q, k, v, g, beta, scale, initial_state, chunk_size, state_at)
+        return kda_chunk_ref(q, k, v, g, beta, scale, initial_state, chunk_size, state_at, lengths)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, state_at)
+    return _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, state_at, lengths)

@@ -150,11 +150,13 @@ def _intra_chunk_products(q, k, G, c: int) -> tuple[torch.Tensor, torch.Tensor]:
     return A_qk, A_kk
 
 
-def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64, state_at=None):
+def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64, state_at=None, lengths=None):
     """Chunked KDA, equal to ``kda_recurrent_ref`` (same inputs plus ``chunk_size``) -> (o, final state, kept):
     ``kept`` [M, HV, K, V] holds, for each (row, position t) pair of ``state_at`` int [M, 2], the row's state
     after its first t tokens (what a prefix cache keeps; t a multiple of ``chunk_size`` or T, see
-    ``check_state_at``); without ``state_at`` it is empty (M = 0).
+    ``check_state_at``); without ``state_at`` it is empty (M = 0). ``lengths`` int [B]: row b's real tokens;
+    the rest of the row is padding, which leaves the state as it is and gets o = 0 (and whole chunks of it
+    are skipped).
 
     Within a chunk of C steps, with G = inclusive cumulative log-decay [C, K] and S0 the state at its start:
       A_kk[i,j] = beta_i sum_d k_id k_jd exp(G_id - G_jd), j < i
@@ -171,6 +173,10 @@ def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=6
     q, k, v, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state)
     B, T, H, K = q.shape
     check_state_at(state_at, B, T, chunk_size)
+    if lengths is not None:  # padding made inert here, so that skipping it changes nothing
+        real = torch.arange(T, device=q.device) < check_lengths(lengths, B, T).view(B, 1).to(q.device)
+        q, k, v, g = (x * real[..., None, None].to(x.dtype) for x in (q, k, v, g))
+        beta = beta * real[..., None].to(beta.dtype)
     if T == 0:  # no step: the state passes through (a copy, see _prepare)
         return v.to(out_dtype), S, kept_states([S], state_at, T, 1)
     C = min(chunk_size, T)
@@ -183,23 +189,52 @@ def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=6
     # Contiguous: the [C, C, K] pair tensors inherit these strides (permuted ones slow each op on the CPU).
     q, k, v, g = (x.view(B, n, C, H, -1).permute(0, 3, 1, 2, 4).contiguous() for x in (q, k, v, g))
     beta = beta.view(B, n, C, H).permute(0, 3, 1, 2)
-    G = g.cumsum(dim=3)
+    o = q.new_zeros(B, H, n, C, V)
+    starts = []  # the state at the start of each chunk (references: S is never updated in place)
+    for c, rows in enumerate(_active_rows(lengths, B, n, C)):
+        starts.append(S)
+        pick = (lambda x: x[:, :, c]) if rows is None else (lambda x: x[rows, :, c])
+        o_c, S_c = _chunk_step(*(pick(x) for x in (q, k, v, g, beta)), S if rows is None else S[rows])
+        if rows is None:
+            o[:, :, c], S = o_c, S_c
+        else:
+            o[rows, :, c], S = o_c, S.index_copy(0, rows, S_c)
+    o = o.permute(0, 2, 3, 1, 4).reshape(B, n * C, H, V)[:, :T].to(out_dtype)
+    return o, S, kept_states(starts + [S], state_at, T, C)
+
+
+def check_lengths(lengths, B: int, T: int) -> torch.Tensor:
+    """``lengths`` int [B] in [0, T] (values checked where that costs no sync) -> int64 [B]."""
+    check_tensor("lengths", lengths, shape=(B,), integer=True)
+    if on_host(lengths) and B and not bool(((lengths >= 0) & (lengths <= T)).all()):
+        raise ValueError(f"lengths must lie in [0, {T}] (the row length), got {lengths.tolist()}")
+    return lengths.long()
+
+
+def _active_rows(lengths, B: int, n: int, C: int) -> list:
+    """Per chunk c: the rows with a real token in it (int64 indices), or None for all rows. Rows are only
+    skipped where the lengths are on the host: on a GPU the test would wait for it (a padded chunk costs
+    work there, not a wrong answer)."""
+    if lengths is None or not on_host(lengths):
+        return [None] * n
+    chunks = (lengths.long() + C - 1) // C
+    return [None if bool((chunks > c).all()) else (chunks > c).nonzero().view(-1) for c in range(n)]
+
+
+def _chunk_step(q, k, v, g, beta, S):
+    """One chunk of every row given (q, k, g [R, H, C, K], v [R, H, C, V], beta [R, H, C], S [R, H, K, V], see
+    ``kda_chunk_ref``) -> (o [R, H, C, V], the state after it)."""
+    C = q.shape[-2]
+    G = g.cumsum(dim=-2)
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     A_qk, A_kk = _intra_chunk_products(q, k, G, SUB_CHUNK if C % SUB_CHUNK == 0 else C)
     A_kk = beta.unsqueeze(-1) * A_kk
     M = torch.linalg.solve_triangular(eye + A_kk, eye.expand_as(A_kk), upper=False, unitriangular=True)
     W = M @ (beta.unsqueeze(-1) * floored_exp(G) * k)
-    U = M @ (beta.unsqueeze(-1) * v)
-    o = torch.empty(B, H, n, C, V, dtype=q.dtype, device=q.device)
-    starts = []  # the state at the start of each chunk (references: S is never updated in place)
-    for c in range(n):
-        starts.append(S)
-        v_new = U[:, :, c] - W[:, :, c] @ S
-        o[:, :, c] = (floored_exp(G[:, :, c]) * q[:, :, c]) @ S + A_qk[:, :, c] @ v_new
-        G_last = G[:, :, c, -1]  # [B, H, K]
-        S = floored_exp(G_last).unsqueeze(-1) * S + (floored_exp(G_last.unsqueeze(2) - G[:, :, c]) * k[:, :, c]).mT @ v_new
-    o = o.permute(0, 2, 3, 1, 4).reshape(B, n * C, H, V)[:, :T].to(out_dtype)
-    return o, S, kept_states(starts + [S], state_at, T, C)
+    v_new = M @ (beta.unsqueeze(-1) * v) - W @ S  # U - W S0
+    o = (floored_exp(G) * q) @ S + A_qk @ v_new
+    G_last = G[..., -1, :]  # [R, H, K]
+    return o, floored_exp(G_last).unsqueeze(-1) * S + (floored_exp(G_last.unsqueeze(-2) - G) * k).mT @ v_new
 
 
 # ---------------------------------------------------------------- one decode step from the projections
