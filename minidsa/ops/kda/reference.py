@@ -174,9 +174,8 @@ def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=6
     B, T, H, K = q.shape
     check_state_at(state_at, B, T, chunk_size)
     if lengths is not None:  # padding made inert here, so that skipping it changes nothing
-        real = torch.arange(T, device=q.device) < check_lengths(lengths, B, T).view(B, 1).to(q.device)
-        q, k, v, g = (x * real[..., None, None].to(x.dtype) for x in (q, k, v, g))
-        beta = beta * real[..., None].to(beta.dtype)
+        real = (torch.arange(T, device=q.device) < check_lengths(lengths, B, T).view(B, 1).to(q.device)).to(q.dtype)
+        q, k, v, g, beta = (x * real.view(B, T, *[1] * (x.dim() - 2)) for x in (q, k, v, g, beta))
     if T == 0:  # no step: the state passes through (a copy, see _prepare)
         return v.to(out_dtype), S, kept_states([S], state_at, T, 1)
     C = min(chunk_size, T)
