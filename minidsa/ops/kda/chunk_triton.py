@@ -70,6 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .chunk_host import keep_table, scratch
 from .io_triton import copy_state, load_state, new_outputs, token_row, wants_reference
 from .reference import _check, check_chunk_size, check_lengths, check_state_at, kda_chunk_ref, kept_states
 
@@ -385,34 +386,6 @@ def _chunk_config(BK: int, BVF: int, device: torch.device) -> dict:
                 solve_warps=4, state_warps=4)
 
 
-def _keep_table(state_at, B: int, T: int, C: int, NT: int) -> torch.Tensor:
-    """int32 [B, NT + 1]: at (row, chunk), the index in ``state_at`` of the pair asking for the state at that
-    chunk's start (chunk NT: the end), else -1. Built on the device: no host sync, so a graph can hold it."""
-    row, t = state_at.long().unbind(1)
-    chunk = torch.where(t >= T, NT, t.clamp_min(0) // C)
-    sink = B * (NT + 1)  # padding pairs land past the table
-    flat = torch.where(row >= 0, row * (NT + 1) + chunk, sink)
-    table = torch.full((sink + 1,), -1, dtype=torch.int32, device=state_at.device)
-    table.scatter_(0, flat, torch.arange(state_at.shape[0], dtype=torch.int32, device=state_at.device))
-    return table
-
-
-def _scratch(BH: int, NT: int, BC: int, BK: int, BVF: int, v: torch.Tensor, dot) -> dict:
-    """The kernels' scratch tensors, [B*HV, NT*BC, width] each (per chunk: decay [.., NT, BK], S0 [.., NT, BK, BVF]).
-
-    Scratch that is only ever a dot operand is stored in the dots' operand type (bf16 for bf16 inputs): the
-    kernels would convert it right after loading, so this halves its bytes and changes no result. G, U and
-    A_kk stay fp32 (exponents, a subtraction, the exact solve)."""
-    f32 = dict(dtype=torch.float32, device=v.device)
-    dt = dict(dtype=v.dtype if dot != tl.float32 else torch.float32, device=v.device)  # dot: v's type
-    rows = NT * BC
-    return dict(G=torch.empty(BH, rows, BK, **f32), qg=torch.empty(BH, rows, BK, **dt),
-                kd=torch.empty(BH, rows, BK, **dt), w=torch.empty(BH, rows, BK, **dt),
-                u=torch.empty(BH, rows, BVF, **f32), v_new=torch.empty(BH, rows, BVF, **dt),
-                aqk=torch.empty(BH, rows, BC, **dt), akk=torch.empty(BH, rows, BC, **f32),
-                decay=torch.empty(BH, NT, BK, **f32), s0=torch.empty(BH, NT, BK, BVF, **dt))
-
-
 def _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, state_at=None, lengths=None, config=None):
     """Run the five chunk kernels on checked, non-fp64 inputs. ``config`` overrides entries of
     ``_chunk_config`` (tests use it to run the GPU's slicing in the interpreter)."""
@@ -432,7 +405,7 @@ def _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, state_at=N
     cfg = {**_chunk_config(BK, BVF, v.device), **(config or {})}
     dot, f32 = _dot_types(q, k, v)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    x = _scratch(BH, NT, BC, BK, BVF, v, dot)
+    x = scratch(BH, NT, BC, BK, BVF, v, dot)
     lens = lengths.contiguous() if lengths is not None else state  # placeholder when absent
     kw = dict(BC=BC, BK=BK, HAS_LEN=lengths is not None)
     _chunk_decay_kernel[(NT, BH)](q, k, g, x["G"], x["qg"], x["kd"], x["decay"], lens, T, H, HV, K, HV // H, C, NT,
@@ -443,7 +416,7 @@ def _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, state_at=N
     _chunk_solve_kernel[(NT, BH)](k, v, beta, x["G"], x["akk"], x["w"], x["u"], lens, T, H, HV, K, V, HV // H, C, NT,
                                   BVF=BVF, WC=cfg["WC"], **kw, num_warps=cfg["solve_warps"])
     s0 = initial_state.contiguous() if initial_state is not None else state  # placeholder when absent
-    keep = _keep_table(state_at, B, T, C, NT) if M else state  # placeholder when absent
+    keep = keep_table(state_at, B, T, C, NT) if M else state  # placeholder when absent
     kw.update(BV=cfg["BV"], BVF=BVF)
     _chunk_state_kernel[(BH, BVF // cfg["BV"])](x["w"], x["u"], x["kd"], x["decay"], s0, x["s0"], x["v_new"], state,
                                                 keep, kept, lens, HV, K, V, C, NT, HAS_S0=initial_state is not None,
