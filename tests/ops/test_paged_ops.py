@@ -121,6 +121,30 @@ def test_paged_index_scores_equals_index_scores(fp8):
         assert (got[b, :, n:] == float("-inf")).all()
 
 
+def test_padded_rows_and_causal_bounds_cost_nothing_and_change_nothing():
+    """A padded batch (q_pos -1 on a row's tail, a row of padding only) through the host path, which scores each
+    row's live queries against the keys up to its last position only: equal to scoring everything and masking
+    by the same rules; top-k gives -1 on every padding query and the full sort's answer elsewhere."""
+    lens, bs, MB, NB = [13, 29, 6], 5, 7, 12
+    B, T, H, D = 3, 6, 4, 60
+    q, w = torch.randn(B, T, H, D), torch.randn(B, T, H)
+    table = interleaved_table(lens, bs, MB, NB, seed=1)
+    key_plane = to_plane(torch.randn(B, MB * bs, D), table, bs, NB, lambda b, p: p < lens[b])
+    q_pos = torch.tensor([[9, 10, 11, 12, -1, -1], [20, 21, 22, 23, 24, 25], [-1] * 6])
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    got = ops.paged_index_scores(q, w, key_plane, None, table, lens_t, D ** -0.5, q_pos)
+    full = ops.paged_index_scores(q, w, key_plane, None, table, lens_t, D ** -0.5)  # no bound: every pair scored
+    want = full.masked_fill(torch.arange(MB * bs).view(1, 1, -1) > q_pos.unsqueeze(-1), float("-inf"))
+    # The same fp32 products; an einsum over fewer rows may block the length-60 dot differently: ulps of O(1).
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.isinf(), want.isinf())
+    idx = ops.topk_indices(got, 4, q_pos)
+    assert (idx[q_pos < 0] == -1).all()
+    real = q_pos >= 0
+    assert torch.equal(idx[real], ops.topk_indices(got[real].unsqueeze(0), 4, q_pos[real].unsqueeze(0))[0])
+    assert torch.equal(idx[1], ops.topk_indices(got[1:2], 4, q_pos[1:2])[0])
+
+
 # ------------------------------------------------------------------ sparse_mla_decode
 def test_sparse_mla_decode_equals_sparse_attention_on_dense_latents():
     lens, bs, MB, NB = [13, 29], 5, 7, 12

@@ -46,6 +46,14 @@ def check_topk_args(scores, topk, q_pos) -> tuple[int, int, int]:
     return B, T, S
 
 
+def _live_extent(q_pos: torch.Tensor) -> list[tuple[int, int]]:
+    """Per row of q_pos [B, T] (host): (queries up to the last real one, keys up to its largest position + 1);
+    the queries after are padding (-1) and the keys after no query's causal bound."""
+    real = q_pos >= 0
+    last = torch.where(real, torch.arange(1, q_pos.shape[1] + 1), 0).amax(1)
+    return list(zip(last.tolist(), (q_pos.amax(1).clamp_min(-1) + 1).tolist()))
+
+
 def topk_indices_ref(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> torch.Tensor:
     """Top-k key positions per query among the causal candidates 0..q_pos (itself included).
 
@@ -61,6 +69,11 @@ def topk_indices_ref(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> to
     sync per call; NaN then sorts first).
     """
     B, T, S = check_topk_args(scores, topk, q_pos)
+    if on_host(q_pos) and B * T and not bool((q_pos >= 0).all()):  # padding rows have no candidate: all -1
+        out = torch.full((B, T, topk), -1, dtype=torch.int32)
+        real = q_pos >= 0
+        out[real] = topk_indices_ref(scores[real].unsqueeze(0), topk, q_pos[real].unsqueeze(0))[0]
+        return out
     pos = torch.arange(S, device=scores.device)
     candidate = pos.view(1, 1, S) <= q_pos.to(torch.long).unsqueeze(-1)  # [B, T, S]
     # Non-candidates sort after every candidate: -inf ties with a candidate scored -inf, and a
@@ -118,7 +131,12 @@ def paged_index_scores_ref(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Te
     keys = gather_slots(key_plane, slots).to(acc_dtype(q, w))
     if key_scale_plane is not None:
         keys = keys * gather_slots(key_scale_plane, slots).to(keys.dtype)
-    scores = index_scores_ref(q, keys, w, scale)
+    if q_pos is not None and on_host(q_pos) and q_pos.numel():  # a padded batch: the scores that can survive only
+        scores = q.new_zeros((B, q.shape[1], MB * bs), dtype=keys.dtype)
+        for b, (n, hi) in enumerate(_live_extent(q_pos)):  # -inf below for every pair left out
+            scores[b, :n, :hi] = index_scores_ref(q[b:b + 1, :n], keys[b:b + 1, :hi], w[b:b + 1, :n], scale)[0]
+    else:
+        scores = index_scores_ref(q, keys, w, scale)
     keep = ((positions < context_lens.long().unsqueeze(1)) & (slots >= 0)).unsqueeze(1)  # [B, 1, S]
     if q_pos is not None:
         keep = keep & (positions.unsqueeze(1) <= q_pos.long().unsqueeze(-1))  # [B, T, S]
