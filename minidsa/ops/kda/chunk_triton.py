@@ -107,8 +107,10 @@ def _mm(a, b, DOT: tl.constexpr, F32: tl.constexpr):
 def _row_len(len_ptr, b, T, HAS_LEN: tl.constexpr):
     """Row b's real tokens: lengths[b] (the rest is padding, skipped by whole chunks), else T."""
     if HAS_LEN:
-        return tl.load(len_ptr + b).to(tl.int32)
-    return T
+        n = tl.load(len_ptr + b).to(tl.int32)
+    else:
+        n = T
+    return n
 
 
 # ------------------------------------------------------------------------------ chunked: decay
