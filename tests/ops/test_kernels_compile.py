@@ -1,0 +1,63 @@
+"""The KDA chunk kernels compile for an H100 (sm_90) on a machine without a GPU.
+
+The interpreter runs a kernel's Python; it never meets the compiler's front end, layouts or ptxas, so a
+construct the compiler rejects (an early exit, a loop bound read from memory) would first fail on a GPU.
+``triton.compile`` with a CUDA target runs every stage down to a cubin here (the Linux wheel carries ptxas).
+The tests run with the interpreter on (conftest.py), under which the kernels are not compilable objects, so
+the compilation runs in a fresh process: this file as a script.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+F32_DOT = "tf32x3"
+TILES = dict(BC=64, BK=128)
+KERNELS = {  # kernel -> (pointer arguments of a non-fp32 type, constexprs besides TILES and the flags)
+    "_chunk_decay_kernel": ({"len_ptr": "*i64"}, {}),
+    "_chunk_pairs_kernel": ({"len_ptr": "*i64", "aqk_ptr": "*bf16"}, dict(KC=32)),
+    "_chunk_solve_kernel": ({"len_ptr": "*i64", "w_ptr": "*bf16"}, dict(BVF=128, WC=64)),
+    "_chunk_state_kernel": ({"len_ptr": "*i64", "keep_ptr": "*i32", "hs_ptr": "*bf16"}, dict(BV=32, BVF=128)),
+    "_chunk_output_kernel": ({"len_ptr": "*i64", "o_ptr": "*bf16"}, dict(BV=128, BVF=128)),
+}
+FLAGS = {"lengths, kept states": dict(HAS_LEN=True, KEEP=True, HAS_S0=True),
+         "plain": dict(HAS_LEN=False, KEEP=False, HAS_S0=False)}
+
+
+def compile_kernel(name: str, flags: dict) -> bytes:
+    """The cubin of kernel ``name`` of ops/kda/chunk_triton.py for sm_90, bf16 dots (needs the interpreter off)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from minidsa.ops.kda import chunk_triton as ct
+    fn = getattr(ct, name)
+    types, consts = KERNELS[name]
+    consts = {**TILES, **consts, **{k: v for k, v in flags.items() if k in fn.arg_names}}
+    if "DOT" in fn.arg_names:
+        consts.update(DOT=triton.language.bfloat16, F32=F32_DOT)
+    signature = {arg: "constexpr" if arg in consts else types.get(arg, "*fp32") if arg.endswith("_ptr") else
+                 "fp32" if arg == "scale" else "i32" for arg in fn.arg_names}
+    source = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", list(FLAGS))
+def test_chunk_kernels_compile_for_sm90(flags):
+    pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, __file__, flags], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == [f"{name}:ok" for name in KERNELS]
+
+
+if __name__ == "__main__":
+    for kernel in KERNELS:
+        assert compile_kernel(kernel, FLAGS[sys.argv[1]])
+        print(f"{kernel}:ok")
