@@ -24,9 +24,11 @@ the real tokens back. One call of each op then serves every piece, whatever thei
 a step no longer grows with its number of pieces. Pieces of one length need no padding (views only).
 
 A step may also be laid out to a ``StepShape`` fixed in advance, so that a CUDA graph captured for that
-shape can replay it (serving/step_graphs.py): then the token axis *is* the padded layout, decode rows
-padded to D' and the rectangle [P', T_max] stored row after row, so ``pad`` and ``unpad`` are views, and
-padding rows sit at position -1 and slot -1 as above. A piece's ``row`` is where it lies in that layout.
+shape can replay it (serving/step_graphs.py): decode rows padded to D', the prefill tokens packed and padded
+to a fixed count, and the rectangle fixed at [P', T_max]; padding tokens and rows sit at position -1 and
+slot -1 as above. Only the attention-like ops pay for the rectangle's padding (and the chunk form and the
+indexer's kernel skip most of it); the projections and the MoE see the packed tokens. A piece's ``row`` is
+where it lies in that layout.
 """
 
 from __future__ import annotations
@@ -44,20 +46,26 @@ from .paged import CacheContext, PagedKVCache
 @dataclass(frozen=True)
 class StepShape:
     """The padded layout of a step whose shapes are fixed in advance (a CUDA graph's: every tensor the forward
-    reads has one size per shape). The token axis holds ``decode_rows`` rows of one token, then ``pieces``
-    rows of ``piece_len`` tokens each, the prefill rectangle itself: a piece fills the start of its row.
-    Rows past the real pieces and tokens past a piece's end are padding (position -1, slot -1, block table
-    -1, context length 0, state slot 0 read but never written)."""
+    reads has one size per shape). The token axis holds ``decode_rows`` rows of one token, then the prefill
+    pieces back to back and padding tokens up to ``tokens``; the attention-like ops see the prefill as a
+    rectangle of ``pieces`` rows of ``piece_len`` (``pad``), a piece at the start of its row. Rows past the
+    real pieces and tokens past the real ones are padding (position -1, slot -1, block table -1, context
+    length 0, state slot 0 read but never written)."""
 
     decode_rows: int  # D': >= the step's decode pieces
     pieces: int  # P': >= its prefill pieces
     piece_len: int  # T_max: >= its longest prefill piece
     table_width: int  # block-table columns: >= its longest sequence's blocks (the indexer scores this many keys)
     kept: int = 0  # KDA states kept inside prefill pieces (prefix-cache checkpoints): >= the step's; padding skipped
+    tokens: int = 0  # prefill tokens on the axis: >= the step's, <= pieces * piece_len (0: pieces * piece_len)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.tokens or self.pieces * self.piece_len
 
     @property
     def num_tokens(self) -> int:
-        return self.decode_rows + self.pieces * self.piece_len
+        return self.decode_rows + self.prefill_tokens
 
     @property
     def num_rows(self) -> int:
@@ -236,23 +244,34 @@ def _tight_layout(starts: list[int], num_tokens: list[int], num_decode: int, tab
 
 def _shaped_layout(starts: list[int], num_tokens: list[int], num_decode: int, table: torch.Tensor,
                    sample: Sequence[int], shape: StepShape) -> dict:
-    """The pieces laid out to ``shape`` (R = its rows): lm_head reads the last real token of every row."""
+    """The pieces laid out to ``shape`` (R = its rows): decode rows padded to D', the prefill pieces back to back,
+    padding tokens after them (in the rectangle they fill the rows' unused places); lm_head reads the last real
+    token of every row."""
     lengths = num_tokens[num_decode:]
     if num_decode > shape.decode_rows or len(lengths) > shape.pieces or max(lengths, default=0) > shape.piece_len \
-            or table.shape[1] > shape.table_width:
+            or table.shape[1] > shape.table_width or sum(lengths) > shape.prefill_tokens:
         raise ValueError(f"the step (decode pieces {num_decode}, prefill lengths {lengths}, {table.shape[1]} "
                          f"blocks) does not fit {shape}")
-    D, T = shape.decode_rows, shape.piece_len
+    D, T, P = shape.decode_rows, shape.piece_len, shape.pieces
     rows = list(range(num_decode)) + [D + j for j in range(len(lengths))]
-    query_start = list(range(D + 1)) + [D + T * (j + 1) for j in range(shape.pieces)]
+    query_start = list(range(D + 1))
+    for n in lengths + [0] * (P - len(lengths)):
+        query_start.append(query_start[-1] + n)
+    query_start[-1] = shape.num_tokens  # the last row's range runs over the padding tokens
+    taken = torch.zeros(P * T, dtype=torch.bool)
+    pad_pos = torch.full((P, T), -1, dtype=torch.long)
+    for j, (s, n) in enumerate(zip(starts[num_decode:], lengths)):
+        taken[j * T: j * T + n] = True
+        pad_pos[j, :n] = torch.arange(s, s + n)
+    real = taken.nonzero().view(-1)  # the real tokens' places, in piece order
+    dest = torch.cat([real, (~taken).nonzero().view(-1)[: shape.prefill_tokens - real.numel()]])
     wide = torch.full((shape.num_rows, shape.table_width), -1, dtype=torch.int32)
     wide[rows, : table.shape[1]] = table
     row_len = torch.zeros(shape.num_rows, dtype=torch.long)
     row_len[rows] = torch.tensor(num_tokens, dtype=torch.long)
-    logits_rows = torch.tensor(query_start[:-1]) + (row_len - 1).clamp_min(0)
+    logits_rows = (torch.tensor(query_start[:-1]) + (row_len - 1).clamp_min(0)).clamp_max(shape.num_tokens - 1)
     return dict(query_start=query_start, rows=rows, num_decode=D, t_max=T, ragged=True, table=wide,
-                dest=torch.zeros(0, dtype=torch.long), pad_pos=torch.zeros(0, dtype=torch.long),
-                logits_rows=logits_rows.tolist(), sampled=[rows[i] for i in sample])
+                dest=dest, pad_pos=pad_pos, logits_rows=logits_rows.tolist(), sampled=[rows[i] for i in sample])
 
 
 def _host_tensors(cache: PagedKVCache, seq_ids: list[int], starts: list[int], num_tokens: list[int],
@@ -302,14 +321,15 @@ def prepare_step(cache: PagedKVCache, seq_ids: list[int], num_tokens: list[int],
         slots = len(keep) if shape is None else shape.kept
         parts = _host_tensors(cache, seq_ids, starts, num_tokens, lay)
         parts.append(_keep_pairs(keep, num_tokens, num_decode, lay, slots).reshape(-1))
-        if into is not None and (into.query_start != lay["query_start"] or into.block_table.shape != lay["table"].shape):
+        if into is not None and (into.packed.numel() != sum(p.numel() for p in parts)
+                                 or into.block_table.shape != lay["table"].shape):
             raise ValueError("prepare_step(into=...) needs a step laid out to the same shape")
     except BaseException:
         cache.give_back(tables_before)  # refused: nothing stays reserved
         raise
     host, sizes = torch.cat(parts), [p.numel() for p in parts]
     new = dict(seq_ids=list(seq_ids), starts=starts, lengths=list(num_tokens), rows=lay["rows"],
-               sampled=lay["sampled"], tables_before=tables_before)
+               sampled=lay["sampled"], tables_before=tables_before, query_start=lay["query_start"])
     if into is not None:  # the graph's tensors keep their addresses; their int32 copies are refreshed too
         _, _, tab, context_lens, _, qsl, *_ = into.packed.copy_(host, non_blocking=True).split(sizes)
         into.block_table.copy_(tab.view(lay["table"].shape))
@@ -320,8 +340,8 @@ def prepare_step(cache: PagedKVCache, seq_ids: list[int], num_tokens: list[int],
     pos, slot_mapping, tab, context_lens, state_slots, qsl, dest, pad_pos, lengths, logit_rows, kp = packed.split(sizes)
     D, T = lay["num_decode"], lay["t_max"]
     P = len(lay["query_start"]) - 1 - D
-    prefill_positions = pad_pos.view(P, T) if pad_pos.numel() else (pos[D:].view(P, T) if shape else None)
-    return StepContext(cache, query_start=lay["query_start"], num_decode=D, positions=pos, slot_mapping=slot_mapping,
+    prefill_positions = pad_pos.view(P, T) if pad_pos.numel() else None
+    return StepContext(cache, num_decode=D, positions=pos, slot_mapping=slot_mapping,
                        block_table=tab.view(lay["table"].shape).int(), context_lens=context_lens.int(),
                        state_slots=state_slots, query_start_loc=qsl.int(), prefill_max=T, ragged=lay["ragged"],
                        prefill_dest=dest if dest.numel() else None, prefill_positions=prefill_positions,

@@ -12,15 +12,18 @@ replays. Shapes are rounded up so that few cover a workload:
     their length     16, 24, 32, 48, 64, 96, ... (a power of two or 1.5 times one)
     block table      a power of two of blocks, at most max_seq_len's
     kept KDA states  0 or a power of two (the prefix cache's checkpoints inside the step's pieces)
+    prefill tokens   16, 24, 32, 48, ... as the lengths, at most the rows times their length
 
-A step whose shape would hold more than twice its tokens (pieces of very different lengths) runs eagerly; so
-does one with media or a trace. A shape is captured when first met (two eager warm-up runs, then the capture:
-about three forwards) and kept; past ``max_graphs`` the least recently used is dropped. Capturing only at a
-shape's ``capture_after``-th step would spare the shapes met once, but a step's numerics would then depend on
-what ran before it (a graph pads rows and takes another sparse prefill form than the eager step, so the same
-request sent twice could part at a near-tie): the default keeps them a function of the step. In a graph the
-sparse MLA prefill runs its absorbed form: the union form's choice waits for counts from the GPU, which a
-capture cannot hold (ops/mla/prefill_form.py).
+The projections and the MoE see the packed tokens (at most 1.5 times the step's), the attention-like ops the
+rectangle of rows (the chunk form skips its padding by whole chunks, the indexer's kernel by key tiles). A
+step whose rectangle would hold more than MAX_PADDING times its prefill tokens (pieces of very different
+lengths) runs eagerly; so does one with media or a trace. A shape is captured when first met (two eager
+warm-up runs, then the capture: about three forwards) and kept; past ``max_graphs`` the least recently used is
+dropped. Capturing only at a shape's ``capture_after``-th step would spare the shapes met once, but a step's
+numerics would then depend on what ran before it (a graph pads rows and takes another sparse prefill form than
+the eager step, so the same request sent twice could part at a near-tie): the default keeps them a function of
+the step. In a graph the sparse MLA prefill runs its absorbed form: the union form's choice waits for counts
+from the GPU, which a capture cannot hold (ops/mla/prefill_form.py).
 
 Graphs share one memory pool. A graph's outputs would pin their memory in it, so every graph instead writes
 its logits and its new KDA states into buffers that all graphs share, and holds no output of its own; the
@@ -40,7 +43,7 @@ from ..cache import PagedKVCache, StepShape, prepare_step
 from ..model.minidsa import MiniDSA
 from ..ops.mla.prefill_form import sync_free
 
-MAX_PADDING = 2.0  # a shape may hold at most this many times the step's tokens (plus one row's worth)
+MAX_PADDING = 4.0  # a shape's prefill rectangle may hold this many times the step's prefill tokens (plus a row)
 
 
 def _round_len(n: int) -> int:
@@ -83,10 +86,11 @@ class StepGraphs:
         bs = self.cache.block_size  # the tables once the step's tokens are reserved (a table may already hold more)
         width = max(max(len(self.cache.block_table(s)), -(-(self.cache.seq_len(s) + n) // bs))
                     for s, n in zip(seq_ids, num_tokens))
-        shape = StepShape(next(b for b in self.decode_buckets if b >= d), _pow2(len(lengths), self.max_num_seqs),
-                          _round_len(max(lengths)), _pow2(width, self.max_blocks),
-                          1 << (num_kept - 1).bit_length() if num_kept else 0)
-        if shape.num_tokens > MAX_PADDING * sum(num_tokens) + shape.piece_len:
+        pieces, piece_len = _pow2(len(lengths), self.max_num_seqs), _round_len(max(lengths))
+        shape = StepShape(next(b for b in self.decode_buckets if b >= d), pieces, piece_len, _pow2(width, self.max_blocks),
+                          1 << (num_kept - 1).bit_length() if num_kept else 0,
+                          min(_round_len(sum(lengths)), pieces * piece_len))
+        if pieces * piece_len > MAX_PADDING * sum(lengths) + piece_len:
             return None
         return shape
 

@@ -47,7 +47,8 @@ def run_step(model, cache, sids, embeds, shape=None, keep=(), kept=None):
 def shape_of(lengths, extra_rows=1, extra_len=5, width=16):
     d = sum(1 for n in lengths if n == 1)
     p = [n for n in lengths if n > 1]
-    return StepShape(d + extra_rows, len(p) + extra_rows, max(p, default=1) + extra_len, width)
+    return StepShape(d + extra_rows, len(p) + extra_rows, max(p, default=1) + extra_len, width,
+                     tokens=sum(p) + extra_len)  # a few padding tokens after the packed pieces
 
 
 @pytest.mark.parametrize("mix", [m for m in MIXES if m != "decode only"])
@@ -93,8 +94,11 @@ def test_shapes_round_up_to_few_sizes(model):
     width = 1
     while width * cache.block_size < 100:  # the table of a 100-token sequence, a power of two of blocks
         width *= 2
-    assert graphs.shape_for(sids, [1, 1, 1, 100]) == StepShape(4, 1, 128, min(width, graphs.max_blocks))
-    assert graphs.shape_for(sids[:3], [200, 5, 5]) is None  # 4 x 256 rows would hold 5x the 210 tokens
+    assert graphs.shape_for(sids, [1, 1, 1, 100]) == StepShape(4, 1, 128, min(width, graphs.max_blocks), tokens=128)
+    # Prefill tokens packed: 130 of them on 192 places of the axis, the rectangle 2 x 128 = 256 places.
+    assert graphs.shape_for(sids[:2], [100, 30]).tokens == 192
+    sids += [cache.add_sequence() for _ in range(4)]
+    assert graphs.shape_for(sids, [1000] + [5] * 7) is None  # 8 x 1,024 places would hold 7.9x the 1,035 tokens
     assert graphs.decode_buckets == [0, 1, 2, 4, 8]
 
 
