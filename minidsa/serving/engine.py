@@ -231,15 +231,14 @@ class Engine:
             if self.raise_errors:
                 raise
             return reqs
+        if keep:  # named by the blocks they end; before the checkpoints at the pieces' ends, deeper, kept longer
+            bs = self.cache.block_size
+            self.prefix.insert_kept([group[i][0].hashes[(group[i][1] + t) // bs - 1] for i, t in keep], kept)
         at = 0
         for req, start, end in group:
             req.num_computed = end
             self.prompt_tokens += max(0, min(end, len(req.prompt_ids)) - start)
             self._remember(req, end)
-        if keep:  # named by the blocks they end, which _remember has just named
-            bs = self.cache.block_size
-            self.prefix.insert_kept([group[i][0].hashes[(group[i][1] + t) // bs - 1] for i, t in keep], kept)
-        for req, start, end in group:
             if req.trace is not None:
                 req.trace.append_span(tr, at, at + end - start)
             at += end - start

@@ -127,10 +127,14 @@ class PrefixCache:
     def insert_kept(self, names: list[bytes], kept: list) -> None:
         """Checkpoints from states a step kept inside its pieces (``StepContext.kept``: (cache layer, state name,
         states [M, ...])): ``names[m]`` names the block that state m ends. One copy per layer and state name."""
-        pairs = [(m, e) for m, e in ((m, self._entry_for(n)) for m, n in enumerate(names)) if e is not None]
-        if not pairs:
+        owner = {}  # entry -> state: with fewer entries than states, a later state takes an earlier one's entry
+        for m, name in enumerate(names):
+            entry = self._entry_for(name)
+            if entry is not None:
+                owner[entry] = m
+        if not owner:
             return
-        rows, entries = (torch.tensor(x, device=kept[0][2].device) for x in zip(*pairs))
+        entries, rows = (torch.tensor(x, device=kept[0][2].device) for x in zip(*owner.items()))
         for layer, state_name, states in kept:
             pool = self._pool[layer][state_name]
             pool.index_copy_(0, entries.to(pool.device), states.index_select(0, rows).to(pool.dtype))

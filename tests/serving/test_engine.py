@@ -132,19 +132,21 @@ def test_a_prefix_hit_equals_recomputing(model):
     assert s["prefix_cache_queries"] == sum(len(model.tokenizer.encode(p)) for p in prompts)
 
 
-def test_checkpoints_inside_a_piece_cost_no_extra_forward(model):
+@pytest.mark.parametrize("pool", [None, 1], ids=["default pool", "a pool of one"])
+def test_checkpoints_inside_a_piece_cost_no_extra_forward(model, pool):
     """A step keeps the KDA states at the checkpoints inside its pieces as it runs (the chunk form returns
     them), so it stays one forward however many checkpoints a piece crosses; each checkpoint equals the state a
-    cache holds after that prefix alone (fp64: rounding ~1e-13)."""
-    engine = Engine(model, **EVERY_CHUNK)
+    cache holds after that prefix alone (fp64: rounding ~1e-13). A pool of one entry keeps the deepest."""
+    engine = Engine(model, **EVERY_CHUNK, max_checkpoints=pool)
     prompt = SHARED + " first question"  # 55 tokens, one piece: checkpoints at 16, 32 and 48 inside it
     ids = model.tokenizer.encode(prompt)
     req = engine.requests[engine.add_request(prompt, GREEDY)]
     engine.step()
     assert engine.runner.packed_steps == 1 and req.num_computed == len(ids) == 55
     pc, bs = engine.prefix, engine.cache.block_size
-    assert len(pc.checkpoints) == 3
-    for c in (16, 32, 48):
+    held = (16, 32, 48) if pool is None else (48,)
+    assert set(pc.checkpoints) == {req.hashes[c // bs - 1] for c in held}
+    for c in held:
         cache = model.new_cache()
         sid = cache.add_sequence()
         with torch.inference_mode():
