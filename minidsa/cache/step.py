@@ -233,13 +233,22 @@ def _tight_layout(starts: list[int], num_tokens: list[int], num_decode: int, tab
     padded = len(set(lengths)) > 1  # pieces of one length are a rectangle already
     dest, pad_pos = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
     if padded:
-        dest = torch.cat([torch.arange(n) + r * t_max for r, n in enumerate(lengths)])
-        pad_pos = torch.full((len(lengths), t_max), -1, dtype=torch.long)
-        for r, (s, n) in enumerate(zip(starts[num_decode:], lengths)):
-            pad_pos[r, :n] = torch.arange(s, s + n)
+        taken, pad_pos = _rectangle(starts[num_decode:], lengths, len(lengths), t_max)
+        dest = taken.nonzero().view(-1)
     return dict(query_start=query_start, rows=list(range(len(num_tokens))), num_decode=num_decode, t_max=t_max,
                 ragged=padded, table=table, dest=dest, pad_pos=pad_pos,
                 logits_rows=[query_start[i + 1] - 1 for i in sample], sampled=list(range(len(sample))))
+
+
+def _rectangle(starts: list[int], lengths: list[int], rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pieces of ``lengths`` tokens (from positions ``starts``) at the start of the rows of a [rows, width]
+    rectangle -> (bool [rows * width]: the places they take, int64 [rows, width]: their positions, -1 elsewhere)."""
+    taken = torch.zeros(rows * width, dtype=torch.bool)
+    positions = torch.full((rows, width), -1, dtype=torch.long)
+    for r, (s, n) in enumerate(zip(starts, lengths)):
+        taken[r * width: r * width + n] = True
+        positions[r, :n] = torch.arange(s, s + n)
+    return taken, positions
 
 
 def _shaped_layout(starts: list[int], num_tokens: list[int], num_decode: int, table: torch.Tensor,
@@ -258,11 +267,7 @@ def _shaped_layout(starts: list[int], num_tokens: list[int], num_decode: int, ta
     for n in lengths + [0] * (P - len(lengths)):
         query_start.append(query_start[-1] + n)
     query_start[-1] = shape.num_tokens  # the last row's range runs over the padding tokens
-    taken = torch.zeros(P * T, dtype=torch.bool)
-    pad_pos = torch.full((P, T), -1, dtype=torch.long)
-    for j, (s, n) in enumerate(zip(starts[num_decode:], lengths)):
-        taken[j * T: j * T + n] = True
-        pad_pos[j, :n] = torch.arange(s, s + n)
+    taken, pad_pos = _rectangle(starts[num_decode:], lengths, P, T)
     real = taken.nonzero().view(-1)  # the real tokens' places, in piece order
     dest = torch.cat([real, (~taken).nonzero().view(-1)[: shape.prefill_tokens - real.numel()]])
     wide = torch.full((shape.num_rows, shape.table_width), -1, dtype=torch.int32)

@@ -137,9 +137,10 @@ class KimiDeltaAttention(nn.Module):
         z = cast(self.decay_up(f_a[:, first:])[0], acc)  # the decay's up-projection over the prefill tokens only
         q, k, v, g, beta = ops.kda_step_inputs(qkv, step.pad(z), step.pad(cast(b[:, first:], acc)), self.A_log,
                                                self.dt_bias, self.lower_bound)
-        lengths = step.prefill_lengths if step.ragged else None  # the op skips the padding (whole chunks of it)
-        if step.ragged:
-            conv = _conv_states(state["conv"], inputs, torch.arange(P, device=inputs.device), step.prefill_lengths)
+        lengths = None
+        if step.ragged:  # the op skips the padding (whole chunks of it); the conv state is read at each row's end
+            lengths = step.prefill_lengths
+            conv = _conv_states(state["conv"], inputs, torch.arange(P, device=inputs.device), lengths)
         o, recurrent, *kept = ops.kda_chunk(q, k, v, g, beta, None, state["recurrent"], self.chunk_size, step.keep,
                                             lengths)
         ctx.stage_state(self.cache_layer, "recurrent", recurrent)
