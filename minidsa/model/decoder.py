@@ -24,15 +24,24 @@ from .norm import RMSNorm
 from .trace import ForwardTrace
 
 
-def mix_sources(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear, name: str,
+def mix_sources(sources: torch.Tensor | list[torch.Tensor], norm: RMSNorm, proj: nn.Linear, name: str,
                 trace: ForwardTrace | None) -> torch.Tensor:
-    """One Block-AttnRes mixer: N sources [B, T, d] -> [B, T, d] (fp32/fp64). ``proj.weight`` [1, d] is the
-    pseudo-query w (zero at init), ``norm.weight`` the RMSNorm gamma of the scores."""
-    out, alpha = ops.attn_res_mix(torch.stack(sources), proj.weight[0], norm.weight, norm.eps,
-                                  return_weights=True)
+    """One Block-AttnRes mixer: N sources [B, T, d] (a list, or stacked [N, B, T, d]) -> [B, T, d] (fp32/fp64).
+    ``proj.weight`` [1, d] is the pseudo-query w (zero at init), ``norm.weight`` the RMSNorm gamma of the scores."""
+    stacked = torch.stack(sources) if isinstance(sources, list) else sources
+    out, alpha = ops.attn_res_mix(stacked, proj.weight[0], norm.weight, norm.eps, return_weights=True)
     if trace is not None:
         trace.depth_weights[name] = alpha
     return out
+
+
+def _add_to(sources: torch.Tensor, n: int, x: torch.Tensor) -> torch.Tensor:
+    """sources[n] += x [B, T, d] (upcast). In place, unless autograd records: a mixer's backward needs the
+    sources it read as they were."""
+    if torch.is_grad_enabled():
+        return sources.index_add(0, torch.tensor([n], device=sources.device), cast(x, sources.dtype).unsqueeze(0))
+    sources[n] += x
+    return sources
 
 
 class DecoderLayer(nn.Module):
@@ -98,26 +107,23 @@ class TextDecoder(nn.Module):
     def forward(self, emb: torch.Tensor, ctx: CacheContext | None, trace: ForwardTrace | None) -> torch.Tensor:
         """emb [B, T, d] -> final hidden states [B, T, d] (after the output mixer and the final norm).
 
-        blocks: completed block representations (the embedding is block 0); partial: the running sum
-        of sub-layer outputs of the current block. Each sub-layer reads a softmax mix of blocks + [partial].
+        The sources of the mixers live in one buffer [blocks + 1, B, T, d]: the completed block representations
+        (the embedding is block 0), then the running sum of the current block's sub-layer outputs. A mixer
+        reads a prefix of the buffer as it is: nothing is stacked per mixer.
         """
         acc = acc_dtype(emb)
         if self.two_phase:
             return self._forward_two_phase(cast(emb, acc), ctx, trace)
-        blocks: list[torch.Tensor] = []
-        partial = cast(emb, acc)
+        sources = _add_to(emb.new_zeros((-(-len(self.layers) // self.layers_per_block) + 1, *emb.shape), dtype=acc),
+                          0, emb)
+        n = 0  # completed blocks; sources[n] is the running sum
         for l, layer in enumerate(self.layers):
-            h = layer.mix_attn(blocks + [partial], trace) if blocks else partial
-            if l % self.layers_per_block == 0:  # a new block starts: the finished one is stored
-                blocks.append(partial)
-                partial = cast(layer.attention(h, ctx, trace), acc)
-            else:
-                partial = partial + cast(layer.attention(h, ctx, trace), acc)
-            h = layer.mix_ffn(blocks + [partial], trace)
-            partial = partial + cast(layer.feed_forward(h), acc)
-        out = mix_sources(blocks + [partial], self.output_attn_res_norm, self.output_attn_res_proj, "out", trace)
+            h = layer.mix_attn(sources[: n + 1], trace) if n else sources[0]
+            n += l % self.layers_per_block == 0  # a new block starts: the finished one stays stored
+            sources = _add_to(sources, n, layer.attention(h, ctx, trace))
+            sources = _add_to(sources, n, layer.feed_forward(layer.mix_ffn(sources[: n + 1], trace)))
+        out = mix_sources(sources[: n + 1], self.output_attn_res_norm, self.output_attn_res_proj, "out", trace)
         return self.norm(cast(out, self.compute_dtype))
-
 
     def _forward_two_phase(self, partial: torch.Tensor, ctx, trace) -> torch.Tensor:
         """The same function as ``forward``, scheduled as in the AttnRes paper's inference: when a block

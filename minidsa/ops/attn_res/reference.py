@@ -13,13 +13,8 @@ import torch.nn.functional as F
 from .._checks import acc_dtype, cast, check_tensor
 
 
-def attn_res_mix_ref(sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-5,
-                     return_weights: bool = False):
-    """sources [N, ..., D], query [D], norm_weight [D] -> out [..., D] (fp32, fp64 kept).
-
-    score_i = < RMSNorm_gamma(V_i), w >, alpha = softmax_i(score), out = sum_i alpha_i V_i.
-    With ``return_weights`` also returns alpha [N, ...].
-    """
+def check_mix_args(sources, query: torch.Tensor, norm_weight: torch.Tensor) -> None:
+    """The mixer's argument checks, shared by its kernel."""
     if not isinstance(sources, torch.Tensor) or sources.dim() < 2:
         raise ValueError(f"sources must be a tensor [N, ..., D] with N >= 1, got "
                          f"{tuple(sources.shape) if isinstance(sources, torch.Tensor) else type(sources).__name__}")
@@ -29,6 +24,17 @@ def attn_res_mix_ref(sources: torch.Tensor, query: torch.Tensor, norm_weight: to
         raise ValueError("sources is empty (N = 0); a mixer needs at least one source")
     check_tensor("query", query, shape=(D,), floating=True)
     check_tensor("norm_weight", norm_weight, shape=(D,), floating=True)
+
+
+def attn_res_mix_ref(sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-5,
+                     return_weights: bool = False):
+    """sources [N, ..., D], query [D], norm_weight [D] -> out [..., D] (fp32, fp64 kept).
+
+    score_i = < RMSNorm_gamma(V_i), w >, alpha = softmax_i(score), out = sum_i alpha_i V_i.
+    With ``return_weights`` also returns alpha [N, ...].
+    """
+    check_mix_args(sources, query, norm_weight)
+    D = sources.shape[-1]
     acc = acc_dtype(sources, query, norm_weight)
     v = cast(sources, acc)
     normed = F.rms_norm(v, (D,), cast(norm_weight, acc), eps)  # v / sqrt(mean(v^2) + eps) * gamma
