@@ -18,7 +18,7 @@ from .reference import attn_res_mix_ref, check_mix_args
 
 
 @triton.jit
-def _mix_kernel(src_ptr, q_ptr, gamma_ptr, out_ptr, alpha_ptr, N, R, D, eps,
+def _mix_kernel(src_ptr, q_ptr, gamma_ptr, out_ptr, alpha_ptr, N, R, D, source_stride, eps,
                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, N_PAD: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
@@ -31,8 +31,10 @@ def _mix_kernel(src_ptr, q_ptr, gamma_ptr, out_ptr, alpha_ptr, N, R, D, eps,
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     scores = tl.full([BLOCK_R, N_PAD], float("-inf"), tl.float32)
     depth = tl.arange(0, N_PAD)
+    src = src_ptr + at  # 64-bit pointers: stepping them by one source never overflows an index
     for i in range(N):
-        v = tl.load(src_ptr + i * R.to(tl.int64) * D + at, mask=ok, other=0.0).to(tl.float32)
+        v = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+        src += source_stride
         s = tl.sum(v * wg[None, :], 1) / tl.sqrt(tl.sum(v * v, 1) / D + eps)
         m_new = tl.maximum(m, s)
         shrink, p = tl.exp(m - m_new), tl.exp(s - m_new)
@@ -62,6 +64,6 @@ def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.
         block_d = triton.next_power_of_2(D)
         block_r = max(1, min(16, 4096 // block_d, triton.next_power_of_2(R)))
         _mix_kernel[(triton.cdiv(R, block_r),)](src, query.contiguous(), norm_weight.contiguous(), out, alpha, N, R,
-                                                D, float(eps), BLOCK_R=block_r, BLOCK_D=block_d,
+                                                D, R * D, float(eps), BLOCK_R=block_r, BLOCK_D=block_d,
                                                 N_PAD=triton.next_power_of_2(N), num_warps=4 if block_d <= 2048 else 8)
     return (out, alpha) if return_weights else out
