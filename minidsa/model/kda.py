@@ -130,24 +130,24 @@ class KimiDeltaAttention(nn.Module):
         acc, ctx = acc_dtype(projected), step.prefill_part()
         state = {name: ctx.cache.read_state(self.cache_layer, name, ctx.state_slots) for name in self.STATE_NAMES}
         first = step.query_start[step.num_decode]  # the first prefill token
-        inputs = step.pad(cast(projected[:, first:], acc))  # [P', T_max, 3HK]
-        y, conv = causal_conv(inputs, self.conv_weight.tensor(), state["conv"])
-        P, T = y.shape[:2]
-        qkv = F.silu(y).view(P, T, 3, self.num_heads, self.head_dim)
+        inputs = step.pad(projected[:, first:])  # [P', T_max, 3HK]
+        # ragged rows: the chunk form skips the padding (whole chunks of it), the conv state is read at each
+        # row's own end
+        lengths = step.prefill_lengths if step.ragged else None
+        qkv, conv = ops.short_conv(inputs, self.conv_weight.tensor(), state["conv"], lengths)
+        P, T = qkv.shape[:2]
+        qkv = qkv.view(P, T, 3, self.num_heads, self.head_dim)
         z = cast(self.decay_up(f_a[:, first:])[0], acc)  # the decay's up-projection over the prefill tokens only
         q, k, v, g, beta = ops.kda_step_inputs(qkv, step.pad(z), step.pad(cast(b[:, first:], acc)), self.A_log,
                                                self.dt_bias, self.lower_bound)
-        lengths = None
-        if step.ragged:  # the op skips the padding (whole chunks of it); the conv state is read at each row's end
-            lengths = step.prefill_lengths
-            conv = _conv_states(state["conv"], inputs, torch.arange(P, device=inputs.device), lengths)
         o, recurrent, *kept = ops.kda_chunk(q, k, v, g, beta, None, state["recurrent"], self.chunk_size, step.keep,
                                             lengths)
         ctx.stage_state(self.cache_layer, "recurrent", recurrent)
         ctx.stage_state(self.cache_layer, "conv", conv)
         if kept:  # states inside the pieces that the prefix cache keeps: the step stays one forward
             step.kept.append((self.cache_layer, "recurrent", kept[0]))
-            step.kept.append((self.cache_layer, "conv", _conv_states(state["conv"], inputs, *step.keep.unbind(1))))
+            step.kept.append((self.cache_layer, "conv", _conv_states(state["conv"], cast(inputs, acc),
+                                                                         *step.keep.unbind(1))))
         return o
 
     def recurrence_inputs(self, x: torch.Tensor, state: dict[str, torch.Tensor]):

@@ -18,7 +18,7 @@ from .activation.reference import situ_glu_backward_ref, situ_glu_ref
 from .attention.reference import gather_rows, indices_to_mask, masked_dense_attention, sparse_attention_ref
 from .attn_res.reference import attn_res_block_scores, attn_res_merge, attn_res_mix_ref
 from .indexer.reference import index_scores_ref, paged_index_scores_ref, topk_indices_ref
-from .kda.reference import causal_conv, kda_chunk_ref, kda_decode_ref, kda_recurrent_ref, kda_step_inputs
+from .kda.reference import causal_conv, kda_chunk_ref, kda_decode_ref, kda_recurrent_ref, kda_step_inputs, short_conv_ref
 from .kv_store.reference import store_kv_ref
 from .linear.reference import linear_ref, linear_sum_ref
 from .mla.reference import PREFILL_TILE, decompress_kv, sparse_mla_decode_ref, sparse_mla_prefill_ref
@@ -33,7 +33,8 @@ __all__ = ["BACKENDS", "TRITON_KERNELS", "REFERENCES", "acc_dtype", "cast", "cur
            "sparse_mla_prefill", "decompress_kv", "paged_slots", "gather_positions", "PREFILL_TILE",
            "kda_recurrent", "kda_chunk", "attn_res_mix", "attn_res_block_scores", "attn_res_merge",
            "mxfp4_to_fp8", "expert_mlp_fp8", "expert_mlp_mxfp4", "situ_glu", "situ_glu_backward",
-           "linear", "linear_sum", "moe_route", "route_weights", "kda_decode", "kda_step_inputs", "causal_conv"]
+           "linear", "linear_sum", "moe_route", "route_weights", "kda_decode", "kda_step_inputs", "causal_conv",
+           "short_conv"]
 
 # op name -> its PyTorch reference; a Triton kernel registered under the same name must share its signature.
 REFERENCES = {
@@ -43,7 +44,7 @@ REFERENCES = {
     "kda_recurrent": kda_recurrent_ref, "kda_chunk": kda_chunk_ref, "attn_res_mix": attn_res_mix_ref,
     "mxfp4_to_fp8": mxfp4_to_fp8_ref, "expert_mlp_fp8": expert_mlp_fp8_ref, "expert_mlp_mxfp4": expert_mlp_mxfp4_ref,
     "situ_glu": situ_glu_ref, "situ_glu_backward": situ_glu_backward_ref, "linear": linear_ref, "linear_sum": linear_sum_ref,
-    "moe_route": moe_route_ref, "kda_decode": kda_decode_ref,
+    "moe_route": moe_route_ref, "kda_decode": kda_decode_ref, "short_conv": short_conv_ref,
 }
 
 
@@ -146,6 +147,13 @@ def kda_decode(projected: torch.Tensor, f_a: torch.Tensor, b: torch.Tensor, conv
     [B,H,K,K], new conv states [B,W-1,3HK]), fp32. See ops/kda/reference.py."""
     fn = pick("kda_decode", backend, kda_decode_ref, projected, f_a, conv_weight, w_fb, state_pool)
     return fn(projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, lower_bound, conv_pool, state_pool, slots, scale)
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, lengths: torch.Tensor | None = None, *,
+               backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA's short conv and its SiLU over a (padded) rectangle: x [B,T,C], weight [C,1,W], state [B,W-1,C],
+    lengths int [B] or None -> (SiLU(conv) [B,T,C], the state at each row's end [B,W-1,C]), fp32."""
+    return pick("short_conv", backend, short_conv_ref, x, weight)(x, weight, state, lengths)
 
 
 def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-5,

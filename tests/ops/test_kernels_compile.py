@@ -1,7 +1,9 @@
-"""The KDA chunk kernels compile for an H100 (sm_90) on a machine without a GPU.
+"""The Triton kernels whose constructs the interpreter does not check compile for an H100 (sm_90) on a machine
+without a GPU.
 
 The interpreter runs a kernel's Python; it never meets the compiler's front end, layouts or ptxas, so a
-construct the compiler rejects (an early exit, a loop bound read from memory) would first fail on a GPU.
+construct the compiler rejects (an early exit, a loop bound read from memory, a method called on an integer
+argument that the compiler specialised to the constant 1) would first fail on a GPU.
 ``triton.compile`` with a CUDA target runs every stage down to a cubin here (the Linux wheel carries ptxas).
 The tests run with the interpreter on (conftest.py), under which the kernels are not compilable objects, so
 the compilation runs in a fresh process: this file as a script.
@@ -26,6 +28,30 @@ KERNELS = {  # kernel -> (pointer arguments of a non-fp32 type, constexprs besid
 }
 FLAGS = {"lengths, kept states": dict(HAS_LEN=True, KEEP=True, HAS_S0=True),
          "plain": dict(HAS_LEN=False, KEEP=False, HAS_S0=False)}
+
+
+# Kernels compiled as they are launched, and with the integer arguments that Triton turns into constants when
+# they equal 1: module -> kernel -> [(constexprs, pointer types besides *fp32)].
+OTHER_KERNELS = {
+    "minidsa.ops.attn_res.mix_triton": {"_mix_kernel": [
+        ({"BLOCK_R": 4, "BLOCK_D": 1024, "N_PAD": 4, **one}, {}) for one in ({}, {"R": 1}, {"N": 1, "N_PAD": 1})]},
+    "minidsa.ops.kda.conv_triton": {"_short_conv_kernel": [
+        (dict(W=4, WP=4, BT=32, BC=128, HAS_LEN=has_len, **one), {"x_ptr": "*bf16", "len_ptr": "*i64"})
+        for has_len in (True, False) for one in ({}, {"T": 1})]},
+}
+
+
+def compile_other(module: str, name: str, consts: dict, types: dict) -> bytes:
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    fn = getattr(importlib.import_module(module), name)
+    signature = {arg: "constexpr" if arg in consts else types.get(arg, "*fp32") if arg.endswith("_ptr") else
+                 "fp32" if arg == "eps" else "i32" for arg in fn.arg_names}
+    source = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 
 
 def compile_kernel(name: str, flags: dict) -> bytes:
@@ -57,7 +83,24 @@ def test_chunk_kernels_compile_for_sm90(flags):
     assert run.stdout.split() == [f"{name}:ok" for name in KERNELS]
 
 
+@pytest.mark.slow
+def test_other_kernels_compile_for_sm90():
+    pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, __file__, "other"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == [f"{name}:ok" for kernels in OTHER_KERNELS.values() for name in kernels]
+
+
 if __name__ == "__main__":
-    for kernel in KERNELS:
-        assert compile_kernel(kernel, FLAGS[sys.argv[1]])
-        print(f"{kernel}:ok")
+    if sys.argv[1] == "other":
+        for module, kernels in OTHER_KERNELS.items():
+            for kernel, variants in kernels.items():
+                for consts, types in variants:
+                    assert compile_other(module, kernel, consts, types)
+                print(f"{kernel}:ok")
+    else:
+        for kernel in KERNELS:
+            assert compile_kernel(kernel, FLAGS[sys.argv[1]])
+            print(f"{kernel}:ok")

@@ -254,19 +254,48 @@ def _chunk_step(q, k, v, g, beta, S):
 L2_EPS = 1e-6  # q, k <- x / sqrt(sum x^2 + eps)
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
+                lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv continuing from ``state``.
 
-    x [B, T, C], weight [C, 1, W], state [B, W-1, C] (the previous W-1 inputs, zeros at the start)
-    -> (y [B, T, C], new_state [B, W-1, C]); y[t] = sum_i weight[:, 0, i] * [state; x][t + i].
+    x [B, T, C], weight [C, 1, W], state [B, W-1, C] (the previous W-1 inputs, zeros at the start), lengths
+    int [B] or None -> (y [B, T, C], new_state [B, W-1, C]); y[t] = sum_i weight[:, 0, i] * [state; x][t + i].
+    new_state holds the W-1 inputs before each row's end: lengths[b] (rows of a padded rectangle of pieces
+    end before T) or T.
     """
-    T, W = x.shape[1], weight.shape[-1]
+    B, T, W = x.shape[0], x.shape[1], weight.shape[-1]
     full = torch.cat([cast(state, x.dtype), x], dim=1)  # [B, W-1+T, C]
     w = cast(weight[:, 0, :], x.dtype)  # [C, W]
     y = full[:, :T] * w[:, 0]
     for i in range(1, W):  # W shifted rows, each read contiguously (an unfolded window's are strided)
         y.addcmul_(full[:, i:i + T], w[:, i])
-    return y, full[:, full.shape[1] - (W - 1):]
+    if lengths is None:
+        return y, full[:, full.shape[1] - (W - 1):]
+    at = lengths.to(x.device, torch.long).view(B, 1) + torch.arange(W - 1, device=x.device)
+    return y, full[torch.arange(B, device=x.device).view(B, 1), at]
+
+
+def check_short_conv(x, weight, state, lengths) -> tuple[int, int, int, int]:
+    """``short_conv``'s argument checks (reference and kernel alike) -> (B, T, C, W)."""
+    B, T, C = check_tensor("x", x, ndim=3, floating=True)
+    W = check_tensor("weight", weight, shape=(C, 1, None), floating=True)[2]
+    if W < 1:
+        raise ValueError(f"weight has width {W}; a conv needs width >= 1")
+    check_tensor("state", state, shape=(B, W - 1, C), floating=True)
+    if lengths is not None:
+        check_tensor("lengths", lengths, shape=(B,), integer=True)
+    return B, T, C, W
+
+
+def short_conv_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
+                   lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA's short conv and its SiLU: x [B, T, C] (q, k, v before the convs), weight [C, 1, W], state
+    [B, W-1, C], lengths int [B] or None -> (SiLU(causal_conv(x)) [B, T, C], the state at each row's end
+    [B, W-1, C]), in the accumulation dtype (fp32, fp64 kept). Padding rows past a length are computed like
+    any other; their outputs are the caller's to drop."""
+    check_short_conv(x, weight, state, lengths)
+    y, new_state = causal_conv(cast(x, acc_dtype(x, weight, state)), weight, state, lengths)
+    return torch.nn.functional.silu(y), new_state
 
 
 def kda_step_inputs(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
