@@ -160,7 +160,7 @@ def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.
                  return_weights: bool = False, *, backend: str | None = None):
     """Attention Residual mixer. sources [N,...,D], query [D], norm_weight [D] -> [...,D]
     (and the depth weights [N,...] with ``return_weights``)."""
-    # asked for the weights always: one result type, which a custom op's schema needs (they cost N floats a row)
+    # asked for the weights always: one result type, as a custom op's schema needs (they cost N floats a row)
     out = pick("attn_res_mix", backend, attn_res_mix_ref, sources)(sources, query, norm_weight, eps, True)
     return out if return_weights else out[0]
 
