@@ -55,7 +55,7 @@ def test_public_op_keeps_both_result_types():
     sources, query, gamma = inputs(2, (3,), 16)
     out, pair = ops.attn_res_mix(sources, query, gamma), ops.attn_res_mix(sources, query, gamma, return_weights=True)
     assert isinstance(out, torch.Tensor) and isinstance(pair, tuple) and len(pair) == 2
-    torch.testing.assert_close(out, attn_res_mix_ref(sources, query, gamma), rtol=0, atol=0)
+    torch.testing.assert_close(out, attn_res_mix_ref(sources, query, gamma), **TOL)  # the kernel, on a GPU
     torch.testing.assert_close(pair[0], out, rtol=0, atol=0)
 
 
