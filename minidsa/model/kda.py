@@ -146,8 +146,9 @@ class KimiDeltaAttention(nn.Module):
         ctx.stage_state(self.cache_layer, "conv", conv)
         if kept:  # states inside the pieces that the prefix cache keeps: the step stays one forward
             step.kept.append((self.cache_layer, "recurrent", kept[0]))
-            step.kept.append((self.cache_layer, "conv", _conv_states(state["conv"], cast(inputs, acc),
-                                                                         *step.keep.unbind(1))))
+            full = torch.cat([cast(state["conv"], acc), cast(inputs, acc)], 1)  # each row's state, then its inputs
+            kept_conv = ops.conv_states_at(full, state["conv"].shape[1], *step.keep.unbind(1))
+            step.kept.append((self.cache_layer, "conv", kept_conv))
         return o
 
     def recurrence_inputs(self, x: torch.Tensor, state: dict[str, torch.Tensor]):
@@ -180,12 +181,3 @@ class KimiDeltaAttention(nn.Module):
         o = self.o_norm(o).reshape(B, T, self.num_heads * self.head_dim) * gate
         out = ops.linear(cast(o, self.o_proj.weight.dtype), self.o_proj.weight)
         return out if self.parallel is None else self.parallel.tp_all_reduce(out)  # this rank's heads: partial
-
-
-def _conv_states(state: torch.Tensor, inputs: torch.Tensor, rows: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """The conv states after the first t[m] inputs of row rows[m] of a padded rectangle: state [P, W-1, C] (before
-    the rows), inputs [P, T_max, C], rows and t int64 [M] on the device (row -1: padding, any value) -> [M, W-1, C],
-    ``causal_conv``'s state for those t inputs alone."""
-    full = torch.cat([cast(state, inputs.dtype), inputs], 1)  # the last W-1 inputs before t end at W-1+t
-    index = t.view(-1, 1) + torch.arange(state.shape[1], device=inputs.device)  # [M, W-1]
-    return full[rows.clamp_min(0).view(-1, 1), index]

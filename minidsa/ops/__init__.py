@@ -18,7 +18,15 @@ from .activation.reference import situ_glu_backward_ref, situ_glu_ref
 from .attention.reference import gather_rows, indices_to_mask, masked_dense_attention, sparse_attention_ref
 from .attn_res.reference import attn_res_block_scores, attn_res_merge, attn_res_mix_ref
 from .indexer.reference import index_scores_ref, paged_index_scores_ref, topk_indices_ref
-from .kda.reference import causal_conv, kda_chunk_ref, kda_decode_ref, kda_recurrent_ref, kda_step_inputs, short_conv_ref
+from .kda.reference import (
+    causal_conv,
+    conv_states_at,
+    kda_chunk_ref,
+    kda_decode_ref,
+    kda_recurrent_ref,
+    kda_step_inputs,
+    short_conv_ref,
+)
 from .kv_store.reference import store_kv_ref
 from .linear.reference import linear_ref, linear_sum_ref
 from .mla.reference import PREFILL_TILE, decompress_kv, sparse_mla_decode_ref, sparse_mla_prefill_ref
@@ -34,6 +42,7 @@ __all__ = ["BACKENDS", "TRITON_KERNELS", "REFERENCES", "acc_dtype", "cast", "cur
            "kda_recurrent", "kda_chunk", "attn_res_mix", "attn_res_block_scores", "attn_res_merge",
            "mxfp4_to_fp8", "expert_mlp_fp8", "expert_mlp_mxfp4", "situ_glu", "situ_glu_backward",
            "linear", "linear_sum", "moe_route", "route_weights", "kda_decode", "kda_step_inputs", "causal_conv",
+           "conv_states_at",
            "short_conv"]
 
 # op name -> its PyTorch reference; a Triton kernel registered under the same name must share its signature.

@@ -271,8 +271,16 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
         y.addcmul_(full[:, i:i + T], w[:, i])
     if lengths is None:
         return y, full[:, full.shape[1] - (W - 1):]
-    at = lengths.to(x.device, torch.long).view(B, 1) + torch.arange(W - 1, device=x.device)
-    return y, full[torch.arange(B, device=x.device).view(B, 1), at]
+    return y, conv_states_at(full, W - 1, torch.arange(B, device=x.device), lengths.to(x.device))
+
+
+def conv_states_at(full: torch.Tensor, state_len: int, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """The conv states after the first ends[m] inputs of row rows[m]: full [B, S+T, C] (each row's state of
+    S = state_len = W-1 entries, then its inputs), rows and ends int [M] on full's device -> [M, S, C], the S
+    entries before position S+ends[m] (``causal_conv``'s state for those inputs alone; a padding row -1 of a
+    captured step, -1, reads row 0: any value will do)."""
+    at = ends.long().view(-1, 1) + torch.arange(state_len, device=full.device)
+    return full[rows.long().clamp_min(0).view(-1, 1), at]
 
 
 def check_short_conv(x, weight, state, lengths) -> tuple[int, int, int, int]:
