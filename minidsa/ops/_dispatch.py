@@ -46,6 +46,8 @@ TRITON_KERNELS: dict[str, tuple[str, str]] = {
     "linear_sum": ("minidsa.ops.linear.gemv_triton", "linear_sum"),
     "moe_route": ("minidsa.ops.moe_router.route_triton", "moe_route"),
     "situ_glu_backward": ("minidsa.ops.activation.situ_glu_triton", "situ_glu_backward"),
+    "attn_res_mix": ("minidsa.ops.attn_res.mix_triton", "attn_res_mix"),
+    "short_conv": ("minidsa.ops.kda.conv_triton", "short_conv"),
 }
 
 _default = "auto"

@@ -50,6 +50,10 @@ SCHEMAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "moe_route": ("(Tensor logits, Tensor bias, int top_k, float scaling) -> (Tensor, Tensor)", ()),
     "situ_glu_backward": ("(Tensor g, Tensor u, Tensor grad, float beta_gate, float beta_up) -> (Tensor, Tensor)",
                           ()),
+    # called with return_weights=True by ops.attn_res_mix, so the result is always the pair
+    "attn_res_mix": ("(Tensor sources, Tensor query, Tensor norm_weight, float eps=1e-05, bool return_weights=False) "
+                     "-> (Tensor, Tensor)", ()),
+    "short_conv": ("(Tensor x, Tensor weight, Tensor state, Tensor? lengths=None) -> (Tensor, Tensor)", ()),
 }
 
 
@@ -92,6 +96,9 @@ FAKES: dict[str, Callable] = {
     "moe_route": lambda logits, bias, top_k, scaling: (_new(logits, (logits.shape[0], top_k), torch.int64),
                                                        _new(logits, (logits.shape[0], top_k))),
     "situ_glu_backward": lambda g, u, grad, beta_gate, beta_up: (_new(g, g.shape), _new(g, g.shape)),
+    "attn_res_mix": lambda sources, query, norm_weight, eps=1e-5, return_weights=False: (
+        _new(sources, sources.shape[1:]), _new(sources, sources.shape[:-1])),
+    "short_conv": lambda x, weight, state, lengths=None: (_new(x, x.shape), _new(x, state.shape)),
 }
 
 

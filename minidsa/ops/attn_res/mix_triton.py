@@ -6,8 +6,7 @@ mixers read and write more bytes than any sub-layer's glue. Here each program ho
 loads each source row once, scores it (v . (gamma * w) / rms(v), the same value as the reference's
 <RMSNorm_gamma(v), w>), and folds it into the output by online softmax; the depth weights come from the
 scores kept in registers. fp32 math; results agree with the reference to fp32 rounding. Tested in the
-interpreter and compiled for sm_90 (tests/ops/test_kernels_compile.py); it joins ``TRITON_KERNELS`` once
-checked on a GPU.
+interpreter and compiled for sm_90 (tests/ops/test_kernels_compile.py).
 """
 
 from __future__ import annotations

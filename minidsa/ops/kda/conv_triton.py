@@ -6,7 +6,7 @@ glue of a KDA layer's prefill. Here a program reads a [BT, BC] tile's W shifted 
 rows of a sequence from its state), writes SiLU(y) once, and the programs of each row's first tile also
 write the W-1 inputs before that row's end as its next state. Results agree with the reference to fp32
 rounding (the multiply-adds may fuse). Tested in the interpreter and compiled for sm_90
-(tests/ops/test_kernels_compile.py); it joins ``TRITON_KERNELS`` once checked on a GPU.
+(tests/ops/test_kernels_compile.py).
 """
 
 from __future__ import annotations
