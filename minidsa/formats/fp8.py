@@ -17,23 +17,30 @@ FP8_E4M3_MAX = 448.0
 _AMAX_FLOOR = 1e-4  # DeepSeek's activation quantiser clamps amax here so all-zero vectors get a finite scale
 
 
-def hadamard(x: torch.Tensor) -> torch.Tensor:
+def hadamard_matrix(d: int) -> torch.Tensor:
+    """The normalised Sylvester Hadamard matrix H_d / sqrt(d): fp32 [d, d], symmetric and orthonormal;
+    d must be 2^n. H_1 = [1], H_2n = [[H_n, H_n], [H_n, -H_n]]."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"Hadamard transform needs a power-of-two last dim, got {d}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / math.sqrt(d)
+
+
+def hadamard(x: torch.Tensor, matrix: torch.Tensor | None = None) -> torch.Tensor:
     """Normalised Walsh-Hadamard transform (Sylvester order) over the last dim, which must be 2^n.
 
-    x [..., D] -> [..., D] in fp32; equals x @ H_D / sqrt(D), H_D the Sylvester Hadamard matrix.
+    x [..., D] -> x @ H_D / sqrt(D) in fp32, as one product (a butterfly would take log2(D) rounds of
+    launches on a GPU). ``matrix``: ``hadamard_matrix(D)`` already on x's device (a model keeps it as a
+    buffer, so that no forward, and no captured graph, builds or copies it).
     """
-    d = x.shape[-1]
-    if d & (d - 1):
-        raise ValueError(f"Hadamard transform needs a power-of-two last dim, got {d}")
-    y = x.float()
-    shape = y.shape
-    h = 1
-    while h < d:
-        y = y.reshape(-1, d // (2 * h), 2, h)
-        a, b = y[:, :, 0, :], y[:, :, 1, :]
-        y = torch.stack((a + b, a - b), dim=2)
-        h *= 2
-    return y.reshape(shape) / math.sqrt(d)
+    if matrix is None:
+        matrix = hadamard_matrix(x.shape[-1]).to(x.device)
+    elif matrix.shape != (x.shape[-1], x.shape[-1]):
+        raise ValueError(f"matrix has shape {tuple(matrix.shape)}; a rotation of x's last dim needs "
+                         f"({x.shape[-1]}, {x.shape[-1]})")
+    return x.float() @ matrix.float()
 
 
 def quantize_fp8_pow2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from torch import nn
 from .. import ops
 from ..cache import CacheContext, Plane
 from ..config import ModelConfig
-from ..formats.fp8 import dequantize_fp8, hadamard, quantize_fp8_pow2
+from ..formats.fp8 import dequantize_fp8, hadamard, hadamard_matrix, quantize_fp8_pow2
 from ..ops import acc_dtype
 
 
@@ -34,6 +34,14 @@ class LightningIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(ic.head_dim, eps=cfg.rms_norm_eps)
         self.weights_proj = nn.Linear(cfg.hidden_size, ic.num_heads, bias=False)
         self.softmax_scale = ic.head_dim ** -0.5
+        # The rotation's matrix, a constant: not in the checkpoint, rebuilt wherever the module moves
+        self.register_buffer("rotation", hadamard_matrix(ic.head_dim) if ic.hadamard else None, persistent=False)
+
+    def _apply(self, fn, recurse=True):  # to_empty (checkpoint loading) leaves buffers uninitialised
+        out = super()._apply(fn, recurse)
+        if self.rotation is not None:
+            self.rotation = hadamard_matrix(self.head_dim).to(self.rotation.device)
+        return out
 
     @staticmethod
     def cache_planes(cfg: ModelConfig, dtype: torch.dtype) -> tuple[Plane, ...]:
@@ -45,7 +53,7 @@ class LightningIndexer(nn.Module):
     def _numerics(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rotation + fp8 round trip of the deployment numerics; identity (no scale) otherwise."""
         if self.use_hadamard:
-            x = hadamard(x)
+            x = hadamard(x, self.rotation)
         if not self.fp8:
             return x, None
         return quantize_fp8_pow2(x)

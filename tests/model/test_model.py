@@ -239,6 +239,17 @@ def test_hadamard_on_both_sides_keeps_the_selection():
     assert (one - plain).abs().max() > 1e-2
 
 
+def test_indexer_rotation_survives_checkpoint_style_construction():
+    """The rotation's matrix is a buffer outside the checkpoint: a model built on "meta" and moved with
+    to_empty (as loading does) must hold the real matrix, and a dtype move must leave it fp32."""
+    from minidsa.formats.fp8 import hadamard_matrix
+    cfg = with_indexer(tiny_config(), fp8=True, hadamard=True)
+    model = minidsa.MiniDSA(cfg, device="meta", init=False).to_empty(device="cpu").to(torch.bfloat16)
+    rotations = [m.rotation for m in model.modules() if getattr(m, "rotation", None) is not None]
+    assert rotations and all(torch.equal(r, hadamard_matrix(cfg.indexer.head_dim)) for r in rotations)
+    assert "rotation" not in " ".join(model.state_dict())
+
+
 def test_forward_rejects_bad_ids_and_keeps_cache():
     model = make_model()
     cache = model.new_cache(num_blocks=3)
