@@ -49,6 +49,7 @@ TRITON_KERNELS: dict[str, tuple[str, str]] = {
     "situ_glu_backward": ("minidsa.ops.activation.situ_glu_triton", "situ_glu_backward"),
     "attn_res_mix": ("minidsa.ops.attn_res.mix_triton", "attn_res_mix"),
     "short_conv": ("minidsa.ops.kda.conv_triton", "short_conv"),
+    "rms_norm": ("minidsa.ops.norm.rms_triton", "rms_norm"),
 }
 
 # op -> (module, function) of a faster plain-PyTorch form for CPU tensors, with the reference's signature

@@ -38,6 +38,9 @@ OTHER_KERNELS = {
     "minidsa.ops.kda.conv_triton": {"_short_conv_kernel": [
         (dict(W=4, WP=4, BT=32, BC=128, HAS_LEN=has_len, **one), {"x_ptr": "*bf16", "len_ptr": "*i64"})
         for has_len in (True, False) for one in ({}, {"T": 1})]},
+    "minidsa.ops.norm.rms_triton": {"_rms_norm_kernel": [
+        (dict(BLOCK_D=block, ROWS=rows, **one), {"x_ptr": "*bf16", "y_ptr": "*bf16"})
+        for block, rows in ((8192, 1), (128, 32)) for one in ({}, {"n_rows": 1})]},
 }
 
 
