@@ -157,8 +157,9 @@ def test_a_replayed_step_equals_the_eager_shaped_step_bit_for_bit():
     from minidsa.ops.mla.prefill_form import sync_free
     torch.manual_seed(0)
     model = minidsa.MiniDSA(tiny_config(dtype="float32"), device="cuda").set_backend("triton")
-    steps = [([6, 0, 0], [1, 20, 9]), ([30, 3, 0], [1, 17, 2])]  # (history, piece lengths): one shape
-    results = []
+    # (history, piece lengths): one shape (2 pieces of at most 24, 32 prefill tokens on the axis, one table width)
+    steps = [([6, 0, 0], [1, 20, 9]), ([30, 3, 0], [1, 17, 9])]
+    results, shapes = [], {}
     for graphed in (True, False):
         cache = model.new_cache()
         graphs = StepGraphs(model, cache, 4, eager=not graphed, capture_after=1)
@@ -174,6 +175,7 @@ def test_a_replayed_step_equals_the_eager_shaped_step_bit_for_bit():
                     if n:
                         model(torch.randint(1, 200, (1, n), device="cuda"), cache=cache, seq_ids=[sid])
                 shape = graphs.shape_for(sids, lengths, 1)
+                assert shape is not None and shape == shapes.setdefault(graphed, shape)  # the premise: one shape
                 assert graphs.ready(shape)
                 ids = torch.randint(1, 200, (sum(lengths),)).tolist()
                 logits, kept = graphs.run(shape, sids, lengths, ids, [0, 1, 2], [(1, 16)])
