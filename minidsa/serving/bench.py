@@ -110,6 +110,7 @@ def run_engine(model: MiniDSA, requests: list[dict], warmup: dict | None = None,
         "prefill_seconds": s["prefill_seconds"] - before["prefill_seconds"],
         "prefill_replays": s["step_graph_replays"] - before["step_graph_replays"],
         "shapes_captured": s["step_graph_captures"] - before["step_graph_captures"],
+        "capture_seconds": s["step_graph_capture_seconds"] - before["step_graph_capture_seconds"],
     }
 
 
@@ -204,7 +205,8 @@ def format_report(result: dict, title: str = "Serving Benchmark Result") -> str:
               f"{'Engine start-up, warm-up included (s):':<40}{r['startup_s']:>10.2f}",
               f"{'Steps with prefill rows (s):':<40}{r['prefill_seconds']:>10.2f}",
               f"{'  of them, steps / graph replays:':<40}{str(r['prefill_steps']) + ' / ' + str(r['prefill_replays']):>10}",
-              f"{'  shapes captured meanwhile:':<40}{r['shapes_captured']:>10}"]
+              f"{'  shapes captured meanwhile:':<40}{r['shapes_captured']:>10}",
+              f"{'  capturing them (s):':<40}{r['capture_seconds']:>10.2f}"]
     if "sequential" in r:
         seq = r["sequential"]
         lines += [f"{'Sequential generate() duration (s):':<40}{seq['duration_s']:>10.2f}",

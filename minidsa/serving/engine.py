@@ -361,6 +361,7 @@ class Engine:
             "packed_steps": self.runner.packed_steps,
             "step_graph_replays": self.runner.step_graphs.replays if self.runner.step_graphs else 0,
             "step_graph_captures": self.runner.step_graphs.captures if self.runner.step_graphs else 0,
+            "step_graph_capture_seconds": self.runner.step_graphs.capture_seconds if self.runner.step_graphs else 0.0,
             "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens,
             "decode_seconds": self.decode_seconds,
             "prefill_steps": self.prefill_steps, "prefill_seconds": self.prefill_seconds,

@@ -33,6 +33,7 @@ runs each shaped step as it is (the CPU tests check the padded layouts that way)
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import OrderedDict
 
@@ -73,6 +74,7 @@ class StepGraphs:
         self.pool = pool
         self.shared: dict = {}  # (name, ...) -> the output buffers every graph writes
         self.replays = self.captures = 0
+        self.capture_seconds = 0.0  # host time spent capturing (warm-up forwards, capture, instantiation)
         self.failed: dict[StepShape, str] = {}  # shapes whose capture failed -> why
         self.sightings: dict[StepShape, int] = {}  # steps of each shape not yet captured
 
@@ -104,12 +106,15 @@ class StepGraphs:
             return False  # a shape met once costs one eager forward; a capture costs about three
         if self.eager:
             return True
+        start = time.perf_counter()
         try:
             self._capture(shape)
         except Exception as e:  # noqa: BLE001 -- the step still runs, eagerly
             self.failed[shape] = f"{type(e).__name__}: {e}"
             warnings.warn(f"no CUDA graph for {shape}; such steps run eagerly ({self.failed[shape]})", stacklevel=2)
             return False
+        finally:
+            self.capture_seconds += time.perf_counter() - start
         return True
 
     def run(self, shape: StepShape, seq_ids: list[int], num_tokens: list[int], ids: list[int],
