@@ -122,6 +122,14 @@ def test_reference_config_builds_on_meta_device_with_spec_shapes():
 
 
 @pytest.mark.slow  # builds and installs a wheel
+def test_every_package_folder_ships_in_the_wheel():
+    """pyproject lists the packages by hand: a new folder left out imports from the tree but not from a wheel."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "minidsa").rglob("__init__.py")}
+    assert folders - listed == set(), f"add these to [tool.setuptools] packages in pyproject.toml: {folders - listed}"
+
+
 def test_presets_load_from_an_installed_wheel(tmp_path):
     """load('tiny') must work from a wheel, outside the source tree."""
     wheel_dir = tmp_path / "wheel"
