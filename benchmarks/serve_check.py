@@ -19,6 +19,7 @@ import argparse
 import base64
 import io
 import sys
+import time
 
 from PIL import Image
 
@@ -45,6 +46,14 @@ def _judge(got: str, mine: str, parted: str | None) -> tuple[bool, str]:
     return parted is None or parted.startswith("near-tie"), f"fp32 twin, graphs against eager: {parted or 'equal'}"
 
 
+_START = time.perf_counter()
+
+
+def _progress(what: str) -> None:
+    """A line on stderr with the seconds since start: a run cut off by a time limit shows how far it got."""
+    print(f"serve_check: {what} ({time.perf_counter() - _START:.1f} s)", file=sys.stderr, flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", default="default", help="what `serve --checkpoint` gets (default: default)")
@@ -55,12 +64,14 @@ def main() -> int:
 
     model = minidsa.load(args.checkpoint, progress=False, device=args.device).set_backend(args.backend)
     same = minidsa.Engine(model, max_num_seqs=2)  # CUDA graphs on a GPU, as `serve` runs
+    _progress("model loaded, this process's engine ready")
     greedy = minidsa.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     chat = [{"role": "user", "content": "pass key of kqz?"}]
     image_chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(drawn_image())}},
                                                {"type": "text", "text": "colour and shape?"}]}]
     failed = 0
     with serve_process(args.checkpoint, args.backend, args.device) as url:
+        _progress(f"server answering at {url}")
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=300, max_retries=0)
         name = client.models.list().data[0].id
         cases = []
@@ -74,7 +85,9 @@ def main() -> int:
         prompt, images = render(image_chat)
         got = client.chat.completions.create(model=name, messages=image_chat, max_tokens=MAX_TOKENS, temperature=0)
         cases.append(("image chat", prompt, images, got.choices[0].message.content))
+        _progress("three requests served")
     parted = graphs_against_eager(model, [c[1] for c in cases], greedy, [c[2] for c in cases])  # one fp32 twin
+    _progress("fp32 twin: graphs against eager compared")
     for (what, prompt, images, text), how in zip(cases, parted):
         mine = same.generate([prompt], greedy, images=[images] if images else None, progress=False)[0]
         ok, why = _judge(text, mine.text, how)
