@@ -277,8 +277,8 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
 def conv_states_at(full: torch.Tensor, state_len: int, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """The conv states after the first ends[m] inputs of row rows[m]: full [B, S+T, C] (each row's state of
     S = state_len = W-1 entries, then its inputs), rows and ends int [M] on full's device -> [M, S, C], the S
-    entries before position S+ends[m] (``causal_conv``'s state for those inputs alone; a padding row -1 of a
-    captured step, -1, reads row 0: any value will do)."""
+    entries before position S+ends[m] (``causal_conv``'s state for those inputs alone). A row of -1 (a padding
+    pair of a captured step) reads row 0: its state is never used."""
     at = ends.long().view(-1, 1) + torch.arange(state_len, device=full.device)
     return full[rows.long().clamp_min(0).view(-1, 1), at]
 
