@@ -1,9 +1,12 @@
 """First-run compile cost on the GPU: one process prefills prompts of ten lengths through the Triton
 kernels (each then decodes 3 tokens) and prints, per length, the wall time and the kernel variants it
-compiled. What a notebook user pays the first time each prompt length comes by.
+compiled. What a notebook user pays the first time each prompt length comes by. With ``--engine``, the
+serving engine instead: the variants its start-up compiles (the decode graphs of every batch bucket), then
+those the nano-vllm workload (``--num-requests`` of 100-1,024 tokens, 100-512 out) still compiles while
+requests wait: each one stalls a step, and with it every running request, for about a second.
 
     rm -rf ~/.triton/cache   # optional: without it, variants compiled by an earlier process load from disk
-    PYTHONPATH=. python benchmarks/cold_compile.py [--config small]
+    PYTHONPATH=. python benchmarks/cold_compile.py [--config small] [--engine [--num-requests 64]]
 
 Triton compiles one variant per combination of constexprs and of the divisibility class (by 16, and
 == 1) of every integer and pointer argument it specialises. A length that a kernel leaves unspecialised
@@ -21,6 +24,8 @@ import torch
 
 import minidsa
 import minidsa.ops
+from minidsa.serving.bench import workload
+from minidsa.serving.params import SamplingParams
 
 LENGTHS = (40, 57, 64, 96, 133, 160, 200, 255, 300, 301)
 
@@ -48,15 +53,39 @@ def variants(kernels: dict) -> dict[str, int]:
     return {k: sum(len(cache[0]) for cache in f.device_caches.values()) for k, f in kernels.items()}
 
 
+def engine_run(model: minidsa.MiniDSA, num_requests: int, max_num_seqs: int) -> None:
+    """Variants compiled by the engine's start-up, then by the workload (with the seconds each part took)."""
+    kernels = jit_kernels()
+    before = variants(kernels)
+    t0 = time.perf_counter()
+    engine = minidsa.Engine(model, max_num_seqs=max_num_seqs)
+    started = variants(kernels)
+    t1 = time.perf_counter()
+    requests = workload(num_requests, (100, 1024), (100, 512), 0)
+    engine.generate([r["prompt"] for r in requests], [SamplingParams(temperature=0, max_tokens=r["max_tokens"],
+                                                                     ignore_eos=True) for r in requests],
+                    progress=False)
+    t2 = time.perf_counter()
+    now = variants(kernels)
+    new = {k: now[k] - started[k] for k in now if now[k] != started[k]}
+    print(f"engine start-up: {t1 - t0:.1f} s, {sum(started.values()) - sum(before.values())} variants compiled")
+    print(f"{num_requests} requests: {t2 - t1:.1f} s, {sum(new.values())} variants compiled meanwhile {new}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="small")
+    ap.add_argument("--engine", action="store_true", help="the serving engine's start-up and a workload instead")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     config = minidsa.load_config(args.config)
     model = minidsa.MiniDSA(config, device="cuda")
     model.set_backend("triton")
+    if args.engine:
+        return engine_run(model, args.num_requests, args.max_num_seqs)
     kernels = jit_kernels()
     before = variants(kernels)
     gen = torch.Generator().manual_seed(0)

@@ -18,7 +18,8 @@ import triton.language as tl
 from .reference import attn_res_mix_ref, check_mix_args
 
 
-@triton.jit
+# The row count changes with every step: specialised on 1 only (a decode of one row), not on divisibility.
+@triton.jit(do_not_specialize_on_alignment=["R"])
 def _mix_kernel(src_ptr, q_ptr, gamma_ptr, out_ptr, alpha_ptr, N, R, D, source_stride, eps,
                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, N_PAD: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)

@@ -70,10 +70,11 @@ from .reference import check_paged_scores_args, index_scores_ref, paged_index_sc
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-# The block-table width (st_b) and T are not specialised on divisibility, so a new prompt length compiles no
-# new variant (T = 1, decode, keeps its own). S, the key range per program and the weights' batch stride stay
+# The block-table width (st_b) and T are not specialised on divisibility, nor the step metadata's addresses (a
+# slice of one upload starts at any 8 bytes), so a new prompt length or step compiles no new variant (T = 1,
+# decode, keeps its own). S, the key range per program and the weights' batch stride stay
 # specialised: the FP8 decode scores are slower without them.
-@triton.jit(do_not_specialize=["st_b"], do_not_specialize_on_alignment=["T"])
+@triton.jit(do_not_specialize=["st_b"], do_not_specialize_on_alignment=["T", "table_ptr", "ctx_ptr", "pos_ptr"])
 def _paged_scores_kernel(
     q_ptr, w_ptr, k_ptr, ks_ptr, table_ptr, ctx_ptr, pos_ptr, out_ptr,
     T, H, D, S, block_size: tl.constexpr, keys_per_program, scale,  # constexpr: // and % by it become shifts

@@ -144,9 +144,10 @@ def _threshold(hist_row_ptr, state_ptr, qpos_ptr, row, T, S, topk, sp_b, sp_t, L
     return prefix, need, resolved
 
 
-# T and the tile count are not specialised on divisibility, so a new prompt length compiles no new variant;
+# T, the tile count and the query positions' address (a slice of the step's metadata) are not specialised on
+# divisibility, so a new prompt length compiles no new variant;
 # T = 1, decode, keeps its variant. S stays specialised: the masks on it decide the vector loads.
-@triton.jit(do_not_specialize_on_alignment=["T", "sp_b"])
+@triton.jit(do_not_specialize_on_alignment=["T", "sp_b", "qpos_ptr"])
 def _hist_kernel(scores_ptr, qpos_ptr, hist_ptr, state_ptr, T, S, topk, ss_b, ss_t, ss_s, sp_b, sp_t,
                  LEVEL: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr,
                  BLOCK: tl.constexpr):
@@ -171,7 +172,7 @@ def _hist_kernel(scores_ptr, qpos_ptr, hist_ptr, state_ptr, T, S, topk, ss_b, ss
         tl.atomic_add(hist_row + LEVEL * NB + bins, counts, mask=counts > 0, sem="relaxed")
 
 
-@triton.jit(do_not_specialize_on_alignment=["T", "n_tiles", "sp_b"])
+@triton.jit(do_not_specialize_on_alignment=["T", "n_tiles", "sp_b", "qpos_ptr"])
 def _count_kernel(scores_ptr, qpos_ptr, hist_ptr, state_ptr, counts_ptr, T, S, topk, n_tiles,
                   ss_b, ss_t, ss_s, sp_b, sp_t, NB: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr,
                   BLOCK: tl.constexpr):
@@ -187,7 +188,7 @@ def _count_kernel(scores_ptr, qpos_ptr, hist_ptr, state_ptr, counts_ptr, T, S, t
     tl.store(c + 1, tl.sum((cand & (u == thr)).to(tl.int32), axis=0))
 
 
-@triton.jit(do_not_specialize_on_alignment=["T", "n_tiles", "sp_b"])
+@triton.jit(do_not_specialize_on_alignment=["T", "n_tiles", "sp_b", "qpos_ptr"])
 def _compact_kernel(scores_ptr, qpos_ptr, state_ptr, counts_ptr, sel_ptr, T, S, topk, n_tiles,
                     ss_b, ss_t, ss_s, sp_b, sp_t, PASSES: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr):
     """Every selected key, packed as (u << 31) | (2^31 - 1 - position), to its own slot of sel[row, :n]:
@@ -213,7 +214,7 @@ def _compact_kernel(scores_ptr, qpos_ptr, state_ptr, counts_ptr, sel_ptr, T, S, 
     tl.store(sel_ptr + row.to(tl.int64) * topk + slot, _pack(u, pos), mask=above | (equal & (equal_rank < need)))
 
 
-@triton.jit(do_not_specialize_on_alignment=["T", "sp_b"])
+@triton.jit(do_not_specialize_on_alignment=["T", "sp_b", "qpos_ptr"])
 def _sort_kernel(sel_ptr, qpos_ptr, out_ptr, T, S, topk, sp_b, sp_t, K_PAD: tl.constexpr):
     """One row: its n packed keys sorted descending -> positions; -1 in slots n .. topk-1."""
     row = tl.program_id(0)
@@ -224,7 +225,7 @@ def _sort_kernel(sel_ptr, qpos_ptr, out_ptr, T, S, topk, sp_b, sp_t, K_PAD: tl.c
     tl.store(out_ptr + base + i, pos, mask=i < topk)
 
 
-@triton.jit(do_not_specialize_on_alignment=["T", "sp_b"])
+@triton.jit(do_not_specialize_on_alignment=["T", "sp_b", "qpos_ptr"])
 def _row_sort_kernel(scores_ptr, qpos_ptr, out_ptr, T, S, topk, ss_b, ss_t, ss_s, sp_b, sp_t,
                      S_PAD: tl.constexpr):
     """A short row whole: every candidate packed with its position, sorted descending; the first n

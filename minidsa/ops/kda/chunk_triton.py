@@ -114,9 +114,10 @@ def _row_len(len_ptr, b, T, HAS_LEN: tl.constexpr):
 
 
 # ------------------------------------------------------------------------------ chunked: decay
-# The lengths T, C (chunk) and NT (chunk count) only scale offsets and bound loops: left unspecialised, a new
-# prompt length compiles no new variant of the five chunk kernels (README, "cold process"); same speed.
-@triton.jit(do_not_specialize=["T", "C", "NT"])
+# The lengths T, C (chunk) and NT (chunk count) only scale offsets and bound loops, and the lengths' address is
+# a slice of the step's metadata: left unspecialised, a new prompt length or step compiles no new variant of the
+# five chunk kernels; same speed.
+@triton.jit(do_not_specialize=["T", "C", "NT"], do_not_specialize_on_alignment=["len_ptr"])
 def _chunk_decay_kernel(q_ptr, k_ptr, g_ptr, G_ptr, qg_ptr, kd_ptr, gl_ptr, len_ptr,
                         T, H, HV, K, REP, C, NT, scale,
                         BC: tl.constexpr, BK: tl.constexpr, HAS_LEN: tl.constexpr):
@@ -225,7 +226,7 @@ def _extend_inverse(M, a_off, a_diag, i, BC: tl.constexpr, F32: tl.constexpr):
     return M + tl.dot(tl.trans(E_i), M_i, input_precision=F32)  # M_i into rows 16 i..
 
 
-@triton.jit(do_not_specialize=["T", "C", "NT"])
+@triton.jit(do_not_specialize=["T", "C", "NT"], do_not_specialize_on_alignment=["len_ptr"])
 def _chunk_pairs_kernel(q_ptr, k_ptr, G_ptr, aqk_ptr, akk_ptr, len_ptr, T, H, HV, K, REP, C, NT, scale,
                         BC: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, DOT: tl.constexpr,
                         F32: tl.constexpr, HAS_LEN: tl.constexpr):
@@ -251,7 +252,7 @@ def _chunk_pairs_kernel(q_ptr, k_ptr, G_ptr, aqk_ptr, akk_ptr, len_ptr, T, H, HV
     tl.store(akk_ptr + rows + (s16 + i * SUB)[None, :], a_diag)
 
 
-@triton.jit(do_not_specialize=["T", "C", "NT"])
+@triton.jit(do_not_specialize=["T", "C", "NT"], do_not_specialize_on_alignment=["len_ptr"])
 def _chunk_solve_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, akk_ptr, w_ptr, u_ptr, len_ptr,
                         T, H, HV, K, V, REP, C, NT, BC: tl.constexpr, BK: tl.constexpr,
                         BVF: tl.constexpr, WC: tl.constexpr, DOT: tl.constexpr, F32: tl.constexpr,
@@ -303,7 +304,7 @@ def _keep_state(keep_ptr, kept_ptr, bh, HV, c, NT, K, V, d, e, S):
         tl.store(kept_ptr + offs, S, mask=(d < K)[:, None] & (e < V)[None, :])
 
 
-@triton.jit(do_not_specialize=["C", "NT"])
+@triton.jit(do_not_specialize=["C", "NT"], do_not_specialize_on_alignment=["len_ptr"])
 def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gl_ptr, s0_ptr, hs_ptr, vn_ptr, s_ptr, keep_ptr, kept_ptr, len_ptr, HV,
                         K, V, C, NT, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
                         HAS_S0: tl.constexpr, KEEP: tl.constexpr, HAS_LEN: tl.constexpr, DOT: tl.constexpr,
@@ -334,7 +335,7 @@ def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gl_ptr, s0_ptr, hs_ptr, vn_ptr, s_
             _keep_state(keep_ptr, kept_ptr, bh, HV, c, NT, K, V, d, e, S)
 
 
-@triton.jit(do_not_specialize=["T", "C", "NT"])
+@triton.jit(do_not_specialize=["T", "C", "NT"], do_not_specialize_on_alignment=["len_ptr"])
 def _chunk_output_kernel(qg_ptr, aqk_ptr, hs_ptr, vn_ptr, o_ptr, len_ptr, T, HV, V, C, NT,
                          BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
                          DOT: tl.constexpr, F32: tl.constexpr, HAS_LEN: tl.constexpr):

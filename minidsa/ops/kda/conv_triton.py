@@ -32,7 +32,9 @@ def _inputs(x_ptr, s_ptr, b, src, c, T, C, W: tl.constexpr, ok):
     return xv + sv
 
 
-@triton.jit
+# The token count and the lengths' address (a slice of the step's metadata) vary from step to step: not
+# specialised on, so a new step compiles no new variant.
+@triton.jit(do_not_specialize_on_alignment=["T", "len_ptr"])
 def _short_conv_kernel(x_ptr, w_ptr, s_ptr, len_ptr, y_ptr, ns_ptr, T, C, W: tl.constexpr, WP: tl.constexpr,
                        BT: tl.constexpr, BC: tl.constexpr, HAS_LEN: tl.constexpr):
     b, tb, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)

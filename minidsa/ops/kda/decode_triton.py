@@ -38,7 +38,8 @@ def _conv_silu(x_ptr, pool_ptr, w_ptr, new_ptr, c, ok, write_ok, C, W: tl.conste
     return y / (1.0 + tl.exp(-y))
 
 
-@triton.jit
+# slot_ptr may be a slice of the step's metadata at any offset: its alignment is not specialised on.
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _decode_kernel(x_ptr, fa_ptr, b_ptr, cw_ptr, wfb_ptr, alog_ptr, dt_ptr, cpool_ptr, spool_ptr, slot_ptr,
                    o_ptr, s_ptr, c_ptr, H, K, R, s_xb, s_fb, s_bb, lower_bound, scale, eps,
                    W: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):

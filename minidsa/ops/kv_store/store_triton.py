@@ -30,7 +30,9 @@ import triton.language as tl
 from .._checks import check_tensor
 
 
-@triton.jit(do_not_specialize=["N"])
+# The row count and the slots' address (a slice of the step's metadata) vary from step to step: not specialised
+# on, so a new step compiles no new variant.
+@triton.jit(do_not_specialize=["N"], do_not_specialize_on_alignment=["slots_ptr"])
 def _store_rows(plane_ptr, slots_ptr, values_ptr, N, W, values_stride,
                 BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -22,7 +22,8 @@ from .reference import check_rms_norm, rms_norm_ref
 _TILE = 4096  # elements a program normalises (ROWS x BLOCK_D), for widths up to it
 
 
-@triton.jit
+# The row count changes with every step: specialised on 1 only (a decode of one row), not on divisibility.
+@triton.jit(do_not_specialize_on_alignment=["n_rows"])
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, D, stride_x, eps, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
