@@ -94,6 +94,8 @@ class Engine:
                                    self.max_num_batched_tokens, enable_chunked_prefill, self.align)
         self.runner = ModelRunner(model, cache, self.scheduler.max_num_seqs,
                                   cuda_graphs != "off" and model.device.type == "cuda", compile_decode)
+        if self.runner.graphs is not None:  # a GPU engine: compile the prefill path before the first request
+            self.runner.warm_up(self.max_num_batched_tokens)
         self.requests: dict[str, EngineRequest] = {}
         self.raise_errors = False  # generate() sets it: a failed forward is the caller's exception
         self._ids = itertools.count()

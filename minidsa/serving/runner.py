@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..cache import prepare_step
+from ..cache import OutOfKVBlocksError, prepare_step
 from ..model.minidsa import MiniDSA
 from ..model.trace import ForwardTrace
 from .cuda_graphs import DecodeGraphs
@@ -80,6 +80,35 @@ class ModelRunner:
             raise
         step.publish()
         return logits
+
+    def warm_up(self, max_tokens: int) -> None:
+        """Run one step on scratch sequences and roll it back: a one-token row beside two prefill pieces of
+        unequal, odd lengths (at most ``max_tokens`` in all), so that the prefill path's Triton kernels are
+        compiled at start-up rather than while the first requests wait (a cold compile costs about a second
+        a kernel). Nothing stays in the cache; skipped where the cache has no room for it."""
+        m, cache = self.model, self.cache
+        long = min(1023, (max_tokens - 1) // 2, m.config.max_seq_len - 1) | 1
+        counts = ([1] if cache.num_free_state_slots > 2 else []) + [long, long // 2 | 1]
+        if long < 3 or cache.num_free_state_slots < 2:
+            return
+        sids = [cache.add_sequence() for _ in counts]
+        try:
+            step = prepare_step(cache, sids, counts, m.device, max_len=m.config.max_seq_len,
+                                sample=range(len(counts)))
+            try:
+                if m._workspace is not None:
+                    m._workspace.routed[1].zero_()
+                with torch.inference_mode(), ops.use_backend(m.backend):
+                    h = m.language_model.model.embed_tokens(torch.ones(1, sum(counts), dtype=torch.long,
+                                                                       device=m.device))
+                    m.language_model.lm_head(m.language_model.model(h, step, None)[0, step.logits_indices])
+            finally:
+                step.rollback()
+        except OutOfKVBlocksError:
+            pass
+        finally:
+            for sid in reversed(sids):  # the free lists back in their order
+                cache.free(sid)
 
     def embeddings(self, pieces: list) -> torch.Tensor:
         """[1, N, d]: the token embeddings of every piece, with the media features where a piece covers them."""

@@ -13,6 +13,7 @@ import torch
 from conftest import kernel_device
 
 import minidsa
+from minidsa import SamplingParams
 from minidsa.serving.cuda_graphs import buckets, padded_decode_context, publish_rows, run_padded
 
 
@@ -148,3 +149,27 @@ def test_graphs_capture_again_when_a_weight_moves():
     again = engine.generate(["hello"], greedy, progress=False)[0].token_ids
     assert again == first
     assert engine.graphs.graphs  # captured again
+
+
+@pytest.mark.parametrize("max_num_seqs", [2, 4])
+def test_the_start_up_warm_up_leaves_the_cache_and_the_outputs_as_they_were(tiny_model, max_num_seqs):
+    """A GPU engine runs ``ModelRunner.warm_up`` at start-up (the prefill path's kernels compiled before the
+    first request); called on a CPU engine, it must leave every block and state slot free and change no output
+    (the engine without it is the reference). With two state slots it runs two prefill pieces, with more a
+    one-token row beside them."""
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = ["the pass key is 40271. the pass key is", "abc" * 30]
+    want = [o.token_ids for o in minidsa.Engine(tiny_model, max_num_seqs=max_num_seqs).generate(
+        prompts, params, progress=False)]
+    engine = minidsa.Engine(tiny_model, max_num_seqs=max_num_seqs)
+    blocks, slots = engine.cache.num_free_blocks, engine.cache.num_free_state_slots
+    tokens = []  # the warm-up's forward, seen from the decoder: it must have run, on the tokens it says
+    hook = tiny_model.language_model.model.register_forward_hook(lambda mod, args, out: tokens.append(out.shape[1]))
+    try:
+        engine.runner.warm_up(engine.max_num_batched_tokens)
+    finally:
+        hook.remove()
+    assert tokens == [(1 if max_num_seqs > 2 else 0) + 255 + 127]  # tiny: max_seq_len 256, so pieces of 255 and 127
+    assert (engine.cache.num_free_blocks, engine.cache.num_free_state_slots) == (blocks, slots)
+    assert engine.cache.sequences() == []
+    assert [o.token_ids for o in engine.generate(prompts, params, progress=False)] == want
