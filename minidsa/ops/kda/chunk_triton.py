@@ -114,9 +114,8 @@ def _row_len(len_ptr, b, T, HAS_LEN: tl.constexpr):
 
 
 # ------------------------------------------------------------------------------ chunked: decay
-# The lengths T, C (chunk) and NT (chunk count) only scale offsets and bound loops, and the lengths' address is
-# a slice of the step's metadata: left unspecialised, a new prompt length or step compiles no new variant of the
-# five chunk kernels; same speed.
+# T, C (chunk) and NT (chunk count) only scale offsets and bound loops, the lengths' address is a slice of the
+# step's metadata: left unspecialised, a new prompt length or step compiles no new variant; same speed.
 @triton.jit(do_not_specialize=["T", "C", "NT"], do_not_specialize_on_alignment=["len_ptr"])
 def _chunk_decay_kernel(q_ptr, k_ptr, g_ptr, G_ptr, qg_ptr, kd_ptr, gl_ptr, len_ptr,
                         T, H, HV, K, REP, C, NT, scale,
