@@ -427,6 +427,9 @@ def _serve(args) -> int:
     engine_kw = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
     # vLLM's rule: the model is served under what the user passed, so a client can name it the same way
     name = args.checkpoint if args.served_model_name is None else args.served_model_name
+    if model.device.type == "cuda":  # a silent minute on a fresh machine would look like a hang
+        print("starting the engine: CUDA graphs are captured and the Triton kernels compiled (on a fresh machine "
+              "a minute or two; ~/.triton/cache keeps them for the next start)", file=sys.stderr, flush=True)
     with start_server(model, args.host, args.port, name, **engine_kw) as server:
         print(f"serving {server.model_name} at {server.url}/v1 (also /health, /metrics; Ctrl-C stops)", flush=True)
         try:
