@@ -345,8 +345,9 @@ class PagedKVCache:
     @_locked
     def give_back(self, tables_before: dict[int, int]) -> None:
         """Undo ``reserve_more``: each sequence keeps its first ``tables_before[sid]`` blocks (sequences
-        freed meanwhile are skipped)."""
-        for sid, n in tables_before.items():
+        freed meanwhile are skipped). The last reserved go back first, so the free list is as it was and the
+        next reservation takes the same blocks."""
+        for sid, n in reversed(list(tables_before.items())):
             if sid in self._tables:
                 self.release_blocks(sid, keep=n)
 

@@ -171,5 +171,7 @@ def test_the_start_up_warm_up_leaves_the_cache_and_the_outputs_as_they_were(tiny
         hook.remove()
     assert tokens == [(1 if max_num_seqs > 2 else 0) + 255 + 127]  # tiny: max_seq_len 256, so pieces of 255 and 127
     assert (engine.cache.num_free_blocks, engine.cache.num_free_state_slots) == (blocks, slots)
+    fresh = minidsa.Engine(tiny_model, max_num_seqs=max_num_seqs).cache
+    assert engine.cache._free == fresh._free and engine.cache._free_state_slots == fresh._free_state_slots  # in order
     assert engine.cache.sequences() == []
     assert [o.token_ids for o in engine.generate(prompts, params, progress=False)] == want
