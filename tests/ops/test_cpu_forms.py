@@ -59,3 +59,47 @@ def test_topk_cpu_form_fp64_and_empty_go_to_the_reference():
 def test_topk_cpu_form_rejects_nan():
     with pytest.raises(ValueError, match="NaN"):
         topk_cpu.topk_indices(torch.tensor([[[float("nan"), 1.0]]]), 1, torch.tensor([[1]]))
+
+
+@pytest.mark.parametrize("shape", [(1, 63, 60), (6, 63, 60), (4, 2, 5, 60), (3, 0, 60)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_attn_res_mix_cpu_form_equals_the_reference(shape, dtype):
+    """Scores and weights within fp32 rounding of the reference's: the form folds gamma into the query and the
+    RMS into a scalar per row, so the scores' roundings differ by a few ulps of |score| (scores here are O(10),
+    alpha moves by ~1e-6) and the O(1) output by ~1e-6; 2e-5 covers it, while a wrong fold (gamma or eps
+    dropped, the norm over the wrong axis) moves alpha by O(0.1). fp64 is kept and agrees to 1e-12."""
+    from minidsa.ops.attn_res import mix_cpu
+    from minidsa.ops.attn_res.reference import attn_res_mix_ref
+    g = torch.Generator().manual_seed(0)
+    sources = (torch.randn(shape, generator=g) * torch.rand(shape[:-1], generator=g).unsqueeze(-1) * 3).to(dtype)
+    query = torch.randn(shape[-1], generator=g).to(dtype)
+    gamma = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype)
+    out, alpha = mix_cpu.attn_res_mix(sources, query, gamma, 1e-5, return_weights=True)
+    want_out, want_alpha = attn_res_mix_ref(sources, query, gamma, 1e-5, return_weights=True)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+    assert out.dtype == want_out.dtype and alpha.dtype == want_alpha.dtype
+    torch.testing.assert_close(alpha, want_alpha, **tol)
+    torch.testing.assert_close(out, want_out, **tol)
+    assert pick("attn_res_mix", "auto", attn_res_mix_ref, sources) is mix_cpu.attn_res_mix
+
+
+def test_cpu_forms_run_under_autograd_with_the_reference_gradients():
+    """"auto" picks a CPU form by device alone, so a recorded forward runs it: the mixer's gradients equal the
+    reference's (fp64: to 1e-10), and the top-k, whose output is an index, accepts scores that require grad."""
+    from minidsa.ops.attn_res import mix_cpu
+    from minidsa.ops.attn_res.reference import attn_res_mix_ref
+    g = torch.Generator().manual_seed(1)
+    args = [torch.randn(4, 7, 60, generator=g, dtype=torch.float64), torch.randn(60, generator=g, dtype=torch.float64),
+            torch.rand(60, generator=g, dtype=torch.float64) + 0.5]
+    grads = []
+    for fn in (mix_cpu.attn_res_mix, attn_res_mix_ref):
+        leaves = [a.clone().requires_grad_() for a in args]
+        out = fn(*leaves)
+        out.backward(torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out))
+        grads.append([t.grad for t in leaves])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    scores = torch.randn(1, 5, 9, generator=g, requires_grad=True)
+    q_pos = torch.arange(4, 9).view(1, 5)
+    assert pick("topk_indices", "auto", topk_indices_ref, scores) is topk_cpu.topk_indices
+    assert torch.equal(ops.topk_indices(scores, 4, q_pos), topk_indices_ref(scores.detach(), 4, q_pos))
