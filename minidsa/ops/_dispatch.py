@@ -4,8 +4,7 @@ Each op has a PyTorch reference in ``minidsa/ops/<op>/reference.py`` (always ava
 and, where it is a hot path, a Triton kernel beside it in ``minidsa/ops/<op>/<name>_triton.py`` with
 the same signature. The table ``TRITON_KERNELS`` below is the only place that says which kernel backs which op; kernel
 modules are imported the first time they are picked, so importing minidsa never imports triton. ``CPU_FORMS``
-names the ops with a faster plain-PyTorch form for CPU tensors (``<op>/<name>_cpu.py``), which "auto" runs there,
-under autograd too (a CPU form is differentiable wherever its reference is).
+names the ops with a faster plain-PyTorch form for CPU tensors (``<op>/<name>_cpu.py``), which "auto" runs there.
 
 The backend in force comes from ``use_backend(...)`` (a context manager; ``model.set_backend``
 enters it around every forward) or ``set_backend(...)`` (process-wide default), unless an op call
@@ -57,7 +56,6 @@ TRITON_KERNELS: dict[str, tuple[str, str]] = {
 # and result (the same parity tests hold it to the reference): "auto" picks it when no input is on a GPU.
 CPU_FORMS: dict[str, tuple[str, str]] = {
     "topk_indices": ("minidsa.ops.indexer.topk_cpu", "topk_indices"),
-    "attn_res_mix": ("minidsa.ops.attn_res.mix_cpu", "attn_res_mix"),
 }
 
 _default = "auto"
@@ -156,7 +154,7 @@ def pick(op: str, backend: str | None, reference: Callable, *tensors) -> Callabl
     on_gpu = any(getattr(t, "is_cuda", False) for t in tensors)
     if registered and on_gpu and not recording and triton_available():
         return load_kernel(op)
-    if op in CPU_FORMS and not on_gpu:  # chosen by the device alone: grad mode (thread-local) changes no bits
+    if op in CPU_FORMS and not on_gpu and not recording:
         module, name = CPU_FORMS[op]
         return getattr(importlib.import_module(module), name)
     return reference
