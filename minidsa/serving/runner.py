@@ -69,12 +69,7 @@ class ModelRunner:
                             max_len=m.config.max_seq_len, sample=sample, keep=keep)
         self.last_step = step
         try:
-            h = self.embeddings(pieces)
-            if m._workspace is not None:
-                m._workspace.routed[1].zero_()  # this forward's conversion count
-            with ops.use_backend(m.backend):
-                hidden = m.language_model.model(h, step, trace)
-                logits = m.language_model.lm_head(hidden[0, step.logits_indices])
+            logits = self._logits(step, self.embeddings(pieces), trace)
         except BaseException:
             step.rollback()  # the blocks this step reserved go back; nothing was committed
             raise
@@ -96,12 +91,9 @@ class ModelRunner:
             step = prepare_step(cache, sids, counts, m.device, max_len=m.config.max_seq_len,
                                 sample=range(len(counts)))
             try:
-                if m._workspace is not None:
-                    m._workspace.routed[1].zero_()
-                with torch.inference_mode(), ops.use_backend(m.backend):
-                    h = m.language_model.model.embed_tokens(torch.ones(1, sum(counts), dtype=torch.long,
-                                                                       device=m.device))
-                    m.language_model.lm_head(m.language_model.model(h, step, None)[0, step.logits_indices])
+                with torch.inference_mode():
+                    ids = torch.ones(1, sum(counts), dtype=torch.long, device=m.device)
+                    self._logits(step, m.language_model.model.embed_tokens(ids), None)
             finally:
                 step.rollback()
         except OutOfKVBlocksError:
@@ -109,6 +101,15 @@ class ModelRunner:
         finally:
             for sid in reversed(sids):  # the free lists back in their order
                 cache.free(sid)
+
+    def _logits(self, step, h: torch.Tensor, trace: ForwardTrace | None) -> torch.Tensor:
+        """The forward over the step's packed embeddings h [1, N, d] -> the sampled rows' logits (device)."""
+        m = self.model
+        if m._workspace is not None:
+            m._workspace.routed[1].zero_()  # this forward's conversion count
+        with ops.use_backend(m.backend):
+            hidden = m.language_model.model(h, step, trace)
+            return m.language_model.lm_head(hidden[0, step.logits_indices])
 
     def embeddings(self, pieces: list) -> torch.Tensor:
         """[1, N, d]: the token embeddings of every piece, with the media features where a piece covers them."""
