@@ -93,13 +93,13 @@ def use_backend(backend: str | None) -> Iterator[None]:
         _current.reset(token)
 
 
-_TRITON: list[bool] = []  # whether triton is importable, looked up once (torch.compile cannot trace importlib)
+# Whether triton is importable, looked up when this module is imported: torch.compile cannot trace importlib, and
+# a lazy lookup made its first call from inside a compiled decode step in a fresh process.
+_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def triton_available() -> bool:
-    if not _TRITON:
-        _TRITON.append(importlib.util.find_spec("triton") is not None)
-    return _TRITON[0]
+    return _TRITON
 
 
 # op -> its kernel as the custom op torch.ops.minidsa.<op> (ops/_library.py): what a torch.compile trace calls

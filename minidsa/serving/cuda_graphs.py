@@ -113,6 +113,11 @@ class DecodeGraphs:
         self._weights_moved()
         if self.eager:
             return
+        if self.compile:  # lazy state (the expert workspace, say) made outside the trace: Dynamo cannot make it
+            rows = max(self.buckets)
+            ctx = padded_decode_context(self.cache, [], rows, self.max_blocks, self.model.device)
+            with torch.inference_mode(), ops.use_backend(self.model.backend):
+                decode_logits(self.model, torch.zeros(rows, 1, dtype=torch.long, device=self.model.device), ctx)
         for rows in sorted(self.buckets, reverse=True):
             self._capture(rows)
 

@@ -175,3 +175,18 @@ def test_the_start_up_warm_up_leaves_the_cache_and_the_outputs_as_they_were(tiny
     assert engine.cache._free == fresh._free and engine.cache._free_state_slots == fresh._free_state_slots  # in order
     assert engine.cache.sequences() == []
     assert [o.token_ids for o in engine.generate(prompts, params, progress=False)] == want
+
+
+def test_the_compiled_decode_step_makes_lazy_state_before_tracing(tiny_model, monkeypatch):
+    """``compile_decode`` traces the decode step with Dynamo, which cannot enter the lock that guards the lazily made
+    expert workspace: in a fresh GPU process the first trace failed there. ``capture`` makes such state with one
+    eager step before the first compile (the capture itself needs a GPU and is replaced here)."""
+    from minidsa.serving.cuda_graphs import DecodeGraphs
+    model = minidsa.MiniDSA(tiny_model.config)
+    assert model._workspace is None
+    graphs = DecodeGraphs(model, model.new_cache(), 2, compile=True)
+    captured = []
+    monkeypatch.setattr(graphs, "_capture", captured.append)
+    graphs.capture()
+    assert model._workspace is not None and captured == [2, 1]
+
