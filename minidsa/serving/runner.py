@@ -14,12 +14,15 @@ the engine can fail the step's requests and go on.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import ops
 from ..cache import OutOfKVBlocksError, prepare_step
 from ..model.minidsa import MiniDSA
 from ..model.trace import ForwardTrace
+from ..ops.mla.prefill_form import sync_free
 from .cuda_graphs import DecodeGraphs
 from .sampling import sample_next_token
 from .step_graphs import StepGraphs
@@ -77,22 +80,33 @@ class ModelRunner:
         return logits
 
     def warm_up(self, max_tokens: int) -> None:
-        """Run one step on scratch sequences and roll it back: a one-token row beside two prefill pieces of
-        unequal, odd lengths (at most ``max_tokens`` in all), so that the prefill path's Triton kernels are
-        compiled at start-up rather than while the first requests wait (a cold compile costs about a second
-        a kernel). Nothing stays in the cache; skipped where the cache has no room for it."""
+        """Run a few steps on scratch sequences and roll each back, so that the Triton kernels of the steps a
+        workload runs are compiled at start-up rather than while the first requests wait (a cold compile costs
+        about a second a kernel, and a step that meets one stalls every request in it). Each step is a one-token
+        row beside two prefill pieces of unequal, odd lengths, the longer one keeping a KDA state inside it (as
+        the prefix cache's checkpoints do), laid out as a captured step is where the engine has step graphs (its
+        padding, the sparse prefill's capture form). The longer piece is 1,023 tokens, then 2,047: the indexer's
+        top-k compiles one kernel per power of two of the key range, and a 1,024-token prompt's table reaches
+        2,048 keys once it decodes. At most ``max_tokens`` tokens a step; nothing stays in the cache."""
+        cap = min((max_tokens - 1) // 2, self.model.config.max_seq_len - 1)
+        for long in sorted({min(n, cap) | 1 for n in (1023, 2047)}):
+            if long < 3 or self.cache.num_free_state_slots < 2:
+                return
+            self._warm_up_step(([1] if self.cache.num_free_state_slots > 2 else []) + [long, long // 2 | 1])
+
+    def _warm_up_step(self, counts: list[int]) -> None:
         m, cache = self.model, self.cache
-        long = min(1023, (max_tokens - 1) // 2, m.config.max_seq_len - 1) | 1
-        counts = ([1] if cache.num_free_state_slots > 2 else []) + [long, long // 2 | 1]
-        if long < 3 or cache.num_free_state_slots < 2:
-            return
+        chunk = m.config.kda.chunk_size
+        keep = [(len(counts) - 2, chunk * max(1, counts[-2] // 2 // chunk))] if counts[-2] > chunk else []
         sids = [cache.add_sequence() for _ in counts]
+        graphed = self.step_graphs is not None
         try:
+            shape = self.step_graphs.shape_for(sids, counts, len(keep)) if graphed else None
             step = prepare_step(cache, sids, counts, m.device, max_len=m.config.max_seq_len,
-                                sample=range(len(counts)))
+                                sample=range(len(counts)), shape=shape, keep=keep)
             try:
-                with torch.inference_mode():
-                    ids = torch.ones(1, sum(counts), dtype=torch.long, device=m.device)
+                with torch.inference_mode(), sync_free() if graphed else contextlib.nullcontext():
+                    ids = torch.ones(1, step.num_tokens, dtype=torch.long, device=m.device)
                     self._logits(step, m.language_model.model.embed_tokens(ids), None)
             finally:
                 step.rollback()

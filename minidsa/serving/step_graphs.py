@@ -17,8 +17,8 @@ replays. Shapes are rounded up so that few cover a workload:
 The projections and the MoE see the packed tokens (at most 1.5 times the step's), the attention-like ops the
 rectangle of rows (the chunk form skips its padding by whole chunks, the indexer's kernel by key tiles). A
 step whose rectangle would hold more than MAX_PADDING times its prefill tokens (pieces of very different
-lengths) runs eagerly; so does one with media or a trace. A shape is captured when first met (two eager
-warm-up runs, then the capture: about three forwards) and kept; past ``max_graphs`` the least recently used is
+lengths) runs eagerly; so does one with media or a trace. A shape is captured when first met (one eager
+warm-up run, then the capture: about two forwards) and kept; past ``max_graphs`` the least recently used is
 dropped. Capturing only at a shape's ``capture_after``-th step would spare the shapes met once, but a step's
 numerics would then depend on what ran before it (a graph pads rows and takes another sparse prefill form than
 the eager step, so the same request sent twice could part at a near-tie): the default keeps them a function of
@@ -103,7 +103,7 @@ class StepGraphs:
             return True
         self.sightings[shape] = self.sightings.get(shape, 0) + 1
         if shape in self.failed or self.sightings[shape] < self.capture_after:
-            return False  # a shape met once costs one eager forward; a capture costs about three
+            return False  # a shape met once costs one eager forward; a capture costs about two
         if self.eager:
             return True
         start = time.perf_counter()
@@ -206,8 +206,7 @@ class StepGraphs:
             stream = torch.cuda.Stream(dev)
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: autotuning, workspaces, lazy inits, the shared buffers
-                    fwd()
+                fwd()  # warm-up: kernels compiled, workspaces and the shared buffers made (one run does it)
             torch.cuda.current_stream(dev).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             self.pool = self.pool or torch.cuda.graph_pool_handle()

@@ -151,25 +151,43 @@ def test_graphs_capture_again_when_a_weight_moves():
     assert engine.graphs.graphs  # captured again
 
 
+@pytest.mark.parametrize("shaped", [False, True])
 @pytest.mark.parametrize("max_num_seqs", [2, 4])
-def test_the_start_up_warm_up_leaves_the_cache_and_the_outputs_as_they_were(tiny_model, max_num_seqs):
-    """A GPU engine runs ``ModelRunner.warm_up`` at start-up (the prefill path's kernels compiled before the
-    first request); called on a CPU engine, it must leave every block and state slot free and change no output
-    (the engine without it is the reference). With two state slots it runs two prefill pieces, with more a
-    one-token row beside them."""
+def test_the_start_up_warm_up_leaves_the_cache_and_the_outputs_as_they_were(tiny_model, max_num_seqs, shaped,
+                                                                            monkeypatch):
+    """A GPU engine runs ``ModelRunner.warm_up`` at start-up (the kernels of its steps compiled before the first
+    request); called on a CPU engine, it must leave every block and state slot free and change no output (the
+    engine without it is the reference). With two state slots it runs two prefill pieces, with more a one-token
+    row beside them; the longer piece keeps a KDA state, and where the engine has step graphs (run eagerly here)
+    the step is laid out to its graph's shape."""
+    from minidsa.serving import runner as runner_module
+    from minidsa.serving.step_graphs import StepGraphs
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     prompts = ["the pass key is 40271. the pass key is", "abc" * 30]
     want = [o.token_ids for o in minidsa.Engine(tiny_model, max_num_seqs=max_num_seqs).generate(
         prompts, params, progress=False)]
     engine = minidsa.Engine(tiny_model, max_num_seqs=max_num_seqs)
+    if shaped:
+        engine.runner.step_graphs = StepGraphs(tiny_model, engine.cache, max_num_seqs, eager=True)
     blocks, slots = engine.cache.num_free_blocks, engine.cache.num_free_state_slots
-    tokens = []  # the warm-up's forward, seen from the decoder: it must have run, on the tokens it says
+    steps, tokens = [], []  # the warm-up's steps, and its forwards seen from the decoder (they must have run)
+    prepare = runner_module.prepare_step
+    monkeypatch.setattr(runner_module, "prepare_step", lambda *a, **k: steps.append(k) or prepare(*a, **k))
     hook = tiny_model.language_model.model.register_forward_hook(lambda mod, args, out: tokens.append(out.shape[1]))
     try:
         engine.runner.warm_up(engine.max_num_batched_tokens)
     finally:
         hook.remove()
-    assert tokens == [(1 if max_num_seqs > 2 else 0) + 255 + 127]  # tiny: max_seq_len 256, so pieces of 255 and 127
+    monkeypatch.undo()
+    decode = 1 if max_num_seqs > 2 else 0
+    # tiny: max_seq_len 256, so one step of pieces of 255 and 127 tokens; the KDA chunk is 16
+    assert [k["keep"] for k in steps] == [[(decode, 16 * (127 // 16))]]
+    if shaped:
+        shape = steps[0]["shape"]
+        assert (shape.decode_rows, shape.pieces, shape.piece_len, shape.kept) == (decode, 2, 256, 1)
+        assert tokens == [shape.num_tokens]
+    else:
+        assert steps[0]["shape"] is None and tokens == [decode + 255 + 127]
     assert (engine.cache.num_free_blocks, engine.cache.num_free_state_slots) == (blocks, slots)
     fresh = minidsa.Engine(tiny_model, max_num_seqs=max_num_seqs).cache
     assert engine.cache._free == fresh._free and engine.cache._free_state_slots == fresh._free_state_slots  # in order
