@@ -16,11 +16,14 @@ model stacks its fused projections when its weights are placed (model/fused.py),
 move anyway (``model.to``, a parameter given new storage), ``run`` notices it from ``fused.moves()`` and
 captures again rather than replay reads of freed memory.
 
-With ``compile=True`` each bucket's step is first ``torch.compile``d (fullgraph, static shapes: one
-specialisation per bucket) and the compiled step is what the graph captures: Inductor fuses the
-elementwise glue between the kernels, which are custom ops (ops/_library.py) it calls as they are. It
-costs a compile per bucket when the engine starts, and pays where launches dominate a step (small
-batches on a GPU); the logits are the eager step's to rounding.
+With ``compile=True`` each bucket's step is first ``torch.compile``d (fullgraph) and the compiled step is
+what the graph captures: Inductor fuses the elementwise glue between the kernels, which are custom ops
+(ops/_library.py) it calls as they are. The batch size is left to Dynamo's automatic dynamic shapes: the
+largest bucket compiles for its size, the next one once more with the batch dimensions symbolic, and
+every later bucket reuses that code, but for one row, which a size-1 dimension always specialises: three
+compiles at engine start instead of one per bucket (eleven at 64 sequences: minutes on a cold machine).
+It pays where launches dominate a step (small batches on a GPU); the logits are the eager step's to
+rounding.
 """
 
 from __future__ import annotations
@@ -136,13 +139,7 @@ class DecodeGraphs:
         dev = self.model.device
         ids = torch.zeros(rows, 1, dtype=torch.long, device=dev)
         ctx = padded_decode_context(self.cache, [], rows, self.max_blocks, dev)  # every row padding
-        step = lambda: decode_logits(self.model, ids, ctx)
-        if self.compile:
-            ops.register_custom_ops()
-            # one specialisation per bucket, all of the same code: let Dynamo keep every one of them
-            dynamo = torch._dynamo.config
-            dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * len(self.buckets))
-            step = torch.compile(step, fullgraph=True, dynamic=False)
+        step = self.step(ids, ctx)
         with torch.inference_mode(), ops.use_backend(self.model.backend):
             stream = torch.cuda.Stream(dev)
             stream.wait_stream(torch.cuda.current_stream(dev))
@@ -155,6 +152,20 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 logits = step()
         self.graphs[rows] = (graph, ids, ctx, logits)
+
+    def step(self, ids: torch.Tensor, ctx: CacheContext, backend="inductor"):
+        """The decode step of ``ids`` [rows, 1] on ``ctx`` that a graph captures: ``torch.compile``d with
+        ``compile=True`` (by ``backend``; the tests count Dynamo's graphs with a backend of their own)."""
+        step = lambda: decode_logits(self.model, ids, ctx)
+        if not self.compile:
+            return step
+        ops.register_custom_ops()
+        # Automatic dynamic shapes turn the batch dimensions symbolic at the second bucket (module docstring); Dynamo
+        # keys its cache by this lambda's code, shared by every bucket. The limit leaves room should a guard still
+        # split some buckets.
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * len(self.buckets))
+        return torch.compile(step, fullgraph=True, backend=backend)
 
     def fits(self, batch: int) -> bool:
         return batch <= self.buckets[-1]

@@ -208,3 +208,30 @@ def test_the_compiled_decode_step_makes_lazy_state_before_tracing(tiny_model, mo
     graphs.capture()
     assert model._workspace is not None and captured == [2, 1]
 
+
+
+@pytest.mark.slow  # four decode steps of tiny, traced by Dynamo and run in Triton's interpreter: a few minutes
+def test_compiled_decode_buckets_share_one_dynamic_compile(tiny_model):
+    """``compile_decode`` compiles each bucket's step with Dynamo's automatic dynamic shapes: the first bucket for its
+    size, the second again with the batch symbolic, later buckets reusing that, and one row apart (a size-1 dimension
+    always specialises). One static compile per bucket made a cold engine start take minutes. Dynamo's graphs are
+    counted by a backend that runs them as they are (Inductor's code generation is the GPU's part)."""
+    pytest.importorskip("triton")
+    from minidsa.serving.cuda_graphs import DecodeGraphs
+    graphs = DecodeGraphs(tiny_model, tiny_model.new_cache(), 4, compile=True)
+    compiled = []
+
+    def count(gm, example_inputs):
+        compiled.append(len(example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        with torch.inference_mode(), minidsa.ops.use_backend("triton"):
+            for rows in (4, 3, 2, 1):
+                ctx = padded_decode_context(graphs.cache, [], rows, graphs.max_blocks, tiny_model.device)
+                logits = graphs.step(torch.zeros(rows, 1, dtype=torch.long), ctx, backend=count)()
+                assert logits.shape[0] == rows and torch.isfinite(logits).all()
+    finally:
+        torch._dynamo.reset()
+    assert len(compiled) == 3  # 4 rows; 3 rows with the batch symbolic, reused for 2; 1 row
