@@ -169,7 +169,7 @@ def _bench_parser(sub, common) -> None:
                                                                 "(default: run it)")
     b.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     b.add_argument("--compile-decode", action="store_true", help="torch.compile the decode step each CUDA graph "
-                   "captures (CUDA only; a compile per batch bucket at start) (default: off)")
+                   "captures (CUDA only; three compiles at start, the batch symbolic) (default: off)")
 
 
 def _doctor_parser(sub, common) -> None:
