@@ -111,6 +111,8 @@ def run_engine(model: MiniDSA, requests: list[dict], warmup: dict | None = None,
         "prefill_replays": s["step_graph_replays"] - before["step_graph_replays"],
         "shapes_captured": s["step_graph_captures"] - before["step_graph_captures"],
         "capture_seconds": s["step_graph_capture_seconds"] - before["step_graph_capture_seconds"],
+        "step_times": {how: (n - before["step_times"].get(how, (0, 0.0))[0],
+                             t - before["step_times"].get(how, (0, 0.0))[1]) for how, (n, t) in s["step_times"].items()},
     }
 
 
@@ -207,6 +209,9 @@ def format_report(result: dict, title: str = "Serving Benchmark Result") -> str:
               f"{'  of them, steps / graph replays:':<40}{str(r['prefill_steps']) + ' / ' + str(r['prefill_replays']):>10}",
               f"{'  shapes captured meanwhile:':<40}{r['shapes_captured']:>10}",
               f"{'  capturing them (s):':<40}{r['capture_seconds']:>10.2f}"]
+    # the forwards' wall time by how they ran (scheduling, sampling and outputs are the rest of the duration)
+    lines += [f"{f'Forwards, {how} (steps / s):':<40}{f'{n} / {t:.2f}':>10}"
+              for how, (n, t) in sorted(r.get("step_times", {}).items()) if n]
     if "sequential" in r:
         seq = r["sequential"]
         lines += [f"{'Sequential generate() duration (s):':<40}{seq['duration_s']:>10.2f}",

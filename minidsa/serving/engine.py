@@ -367,6 +367,7 @@ class Engine:
             "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens,
             "decode_seconds": self.decode_seconds,
             "prefill_steps": self.prefill_steps, "prefill_seconds": self.prefill_seconds,
+            "step_times": dict(self.runner.step_times),  # how steps ran -> (steps, wall seconds of the forward)
             "memory": dict(self.budget),
         }
 

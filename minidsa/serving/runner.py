@@ -15,6 +15,7 @@ the engine can fail the step's requests and go on.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -40,6 +41,8 @@ class ModelRunner:
             self.graphs.capture()
             self.step_graphs = StepGraphs(model, cache, max_num_seqs, pool=self.graphs.pool)
         self.packed_steps = self.graph_steps = 0
+        # how steps ran ("decode graph", "step graph", "step graph captured", "eager") -> (steps, wall seconds)
+        self.step_times: dict[str, tuple[int, float]] = {}
         self.last_step = None  # the StepContext of the last packed forward (for pictures and checks)
 
     def execute(self, pieces: list, sample: list[int], trace: ForwardTrace | None,
@@ -47,12 +50,23 @@ class ModelRunner:
         """Run ``pieces`` [(request, start, end)] (one per request, decode rows first) as one step. Returns the
         fp32 logits [len(sample), V] of the last token of each piece listed in ``sample``, on the host, and
         the KDA states that ``keep``'s (piece, tokens into it) pairs ask for, [(cache layer, state name,
-        states [>= len(keep), ...])] on the device (``StepContext.kept``)."""
+        states [>= len(keep), ...])] on the device (``StepContext.kept``). ``step_times`` counts the step and
+        its wall time (the logits' copy to the host waits for the GPU) under how it ran."""
+        start, captures = time.perf_counter(), self.step_graphs.captures if self.step_graphs is not None else 0
+        logits, kept, how = self._execute(pieces, sample, trace, keep)
+        if how == "step graph" and self.step_graphs.captures > captures:
+            how = "step graph captured"
+        n, seconds = self.step_times.get(how, (0, 0.0))
+        self.step_times[how] = (n + 1, seconds + time.perf_counter() - start)
+        return logits, kept
+
+    def _execute(self, pieces: list, sample: list[int], trace: ForwardTrace | None,
+                 keep: list[tuple[int, int]]) -> tuple[torch.Tensor, list, str]:
         if self.graphs is not None and trace is None and not keep and self.graphs.fits(len(pieces)) and all(
                 b - a == 1 and not r.has_media_from(a) for r, a, b in pieces):
             logits = self.graphs.run([r.sid for r, _, _ in pieces], [r.tokens(a, b)[0] for r, a, b in pieces])
             self.graph_steps += 1
-            return logits[sample, -1].float().cpu(), []  # one device-to-host copy per step
+            return logits[sample, -1].float().cpu(), [], "decode graph"  # one device-to-host copy per step
         self.packed_steps += 1
         if self.step_graphs is not None and trace is None and not any(r.has_media_from(a) for r, a, _ in pieces):
             sids, counts = [r.sid for r, _, _ in pieces], [b - a for _, a, b in pieces]
@@ -60,9 +74,9 @@ class ModelRunner:
             if shape is not None and self.step_graphs.ready(shape):
                 ids = [t for r, a, b in pieces for t in r.tokens(a, b)]
                 logits, kept = self.step_graphs.run(shape, sids, counts, ids, sample, keep)
-                return logits.float().cpu(), kept
+                return logits.float().cpu(), kept, "step graph"
         logits = self.forward_packed(pieces, sample, trace, keep)
-        return logits.float().cpu(), self.last_step.kept
+        return logits.float().cpu(), self.last_step.kept, "eager"
 
     def forward_packed(self, pieces: list, sample: list[int], trace: ForwardTrace | None,
                        keep: list[tuple[int, int]] = ()) -> torch.Tensor:

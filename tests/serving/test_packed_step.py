@@ -146,7 +146,11 @@ def test_an_engine_step_is_one_forward(model):
     engine = Engine(model, enable_prefix_caching=False)
     engine.generate(["a", "a longer prompt", "the longest prompt of the three"],
                     minidsa.SamplingParams(temperature=0, max_tokens=3), progress=False)
-    assert engine.stats()["packed_steps"] == 3
+    stats = engine.stats()
+    assert stats["packed_steps"] == 3
+    (steps, seconds), = stats["step_times"].values()  # a CPU engine runs every step eagerly
+    assert list(stats["step_times"]) == ["eager"] and steps == 3 and 0 < seconds <= stats["prefill_seconds"] + \
+        stats["decode_seconds"]
 
 
 @pytest.mark.slow  # about 50 s per layer kind in the interpreter
