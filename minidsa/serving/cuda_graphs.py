@@ -117,10 +117,8 @@ class DecodeGraphs:
         if self.eager:
             return
         if self.compile:  # lazy state (the expert workspace, say) made outside the trace: Dynamo cannot make it
-            rows = max(self.buckets)
-            ctx = padded_decode_context(self.cache, [], rows, self.max_blocks, self.model.device)
             with torch.inference_mode(), ops.use_backend(self.model.backend):
-                decode_logits(self.model, torch.zeros(rows, 1, dtype=torch.long, device=self.model.device), ctx)
+                decode_logits(self.model, *self._padding(max(self.buckets)))
         for rows in sorted(self.buckets, reverse=True):
             self._capture(rows)
 
@@ -137,8 +135,7 @@ class DecodeGraphs:
 
     def _capture(self, rows: int) -> None:
         dev = self.model.device
-        ids = torch.zeros(rows, 1, dtype=torch.long, device=dev)
-        ctx = padded_decode_context(self.cache, [], rows, self.max_blocks, dev)  # every row padding
+        ids, ctx = self._padding(rows)
         step = self.step(ids, ctx)
         with torch.inference_mode(), ops.use_backend(self.model.backend):
             stream = torch.cuda.Stream(dev)
@@ -152,6 +149,12 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 logits = step()
         self.graphs[rows] = (graph, ids, ctx, logits)
+
+    def _padding(self, rows: int) -> tuple[torch.Tensor, CacheContext]:
+        """Token ids [rows, 1] and a context whose every row is padding: what a graph is captured on."""
+        dev = self.model.device
+        return (torch.zeros(rows, 1, dtype=torch.long, device=dev),
+                padded_decode_context(self.cache, [], rows, self.max_blocks, dev))
 
     def step(self, ids: torch.Tensor, ctx: CacheContext, backend="inductor"):
         """The decode step of ``ids`` [rows, 1] on ``ctx`` that a graph captures: ``torch.compile``d with

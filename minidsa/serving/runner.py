@@ -19,14 +19,13 @@ import time
 
 import torch
 
-from .. import ops
 from ..cache import OutOfKVBlocksError, prepare_step
 from ..model.minidsa import MiniDSA
 from ..model.trace import ForwardTrace
 from ..ops.mla.prefill_form import sync_free
 from .cuda_graphs import DecodeGraphs
 from .sampling import sample_next_token
-from .step_graphs import StepGraphs
+from .step_graphs import StepGraphs, step_logits
 
 
 class ModelRunner:
@@ -86,7 +85,7 @@ class ModelRunner:
                             max_len=m.config.max_seq_len, sample=sample, keep=keep)
         self.last_step = step
         try:
-            logits = self._logits(step, self.embeddings(pieces), trace)
+            logits = step_logits(m, step, self.embeddings(pieces), trace)
         except BaseException:
             step.rollback()  # the blocks this step reserved go back; nothing was committed
             raise
@@ -121,7 +120,7 @@ class ModelRunner:
             try:
                 with torch.inference_mode(), sync_free() if graphed else contextlib.nullcontext():
                     ids = torch.ones(1, step.num_tokens, dtype=torch.long, device=m.device)
-                    self._logits(step, m.language_model.model.embed_tokens(ids), None)
+                    step_logits(m, step, m.language_model.model.embed_tokens(ids))
             finally:
                 step.rollback()
         except OutOfKVBlocksError:
@@ -129,15 +128,6 @@ class ModelRunner:
         finally:
             for sid in reversed(sids):  # the free lists back in their order
                 cache.free(sid)
-
-    def _logits(self, step, h: torch.Tensor, trace: ForwardTrace | None) -> torch.Tensor:
-        """The forward over the step's packed embeddings h [1, N, d] -> the sampled rows' logits (device)."""
-        m = self.model
-        if m._workspace is not None:
-            m._workspace.routed[1].zero_()  # this forward's conversion count
-        with ops.use_backend(m.backend):
-            hidden = m.language_model.model(h, step, trace)
-            return m.language_model.lm_head(hidden[0, step.logits_indices])
 
     def embeddings(self, pieces: list) -> torch.Tensor:
         """[1, N, d]: the token embeddings of every piece, with the media features where a piece covers them."""

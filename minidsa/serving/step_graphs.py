@@ -59,6 +59,16 @@ def _pow2(n: int, cap: int) -> int:
     return min(1 << max(0, n - 1).bit_length(), cap)
 
 
+def step_logits(model: MiniDSA, step, h: torch.Tensor, trace=None) -> torch.Tensor:
+    """The decoder over a step's packed embeddings h [1, N, d] -> the logits of its sampled rows (device): what
+    an eager packed step, a warm-up and a captured step all run."""
+    if model._workspace is not None:
+        model._workspace.routed[1].zero_()  # this forward's conversion count
+    with ops.use_backend(model.backend):
+        hidden = model.language_model.model(h, step, trace)
+        return model.language_model.lm_head(hidden[0, step.logits_indices])
+
+
 class StepGraphs:
     """Captured steps with prefill rows, one per shape; ``run`` lays a step out to its shape and replays it."""
 
@@ -162,12 +172,7 @@ class StepGraphs:
 
     def _forward(self, step, ids: torch.Tensor) -> torch.Tensor:
         """Embeddings -> decoder -> lm_head of every row's last token (what a graph captures)."""
-        lm, ws = self.model.language_model, self.model._workspace
-        if ws is not None:
-            ws.routed[1].zero_()  # this forward's conversion count
-        with ops.use_backend(self.model.backend):
-            hidden = lm.model(lm.model.embed_tokens(ids).unsqueeze(0), step, None)
-            return lm.lm_head(hidden[0, step.logits_indices])
+        return step_logits(self.model, step, self.model.language_model.model.embed_tokens(ids).unsqueeze(0))
 
     def _buffer(self, key, like: torch.Tensor, rows: int) -> torch.Tensor:
         """The shared output buffer ``key`` with room for ``rows`` (the most any shape may have) or more. A buffer
