@@ -94,7 +94,7 @@ def use_backend(backend: str | None) -> Iterator[None]:
 
 
 # Whether triton is importable, looked up when this module is imported: torch.compile cannot trace importlib, and
-# a lazy lookup made its first call from inside a compiled decode step in a fresh process.
+# the first call may come from inside a compiled step.
 _TRITON = importlib.util.find_spec("triton") is not None
 
 

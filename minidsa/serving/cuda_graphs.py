@@ -21,9 +21,8 @@ what the graph captures: Inductor fuses the elementwise glue between the kernels
 (ops/_library.py) it calls as they are. The batch size is left to Dynamo's automatic dynamic shapes: the
 largest bucket compiles for its size, the next one once more with the batch dimensions symbolic, and
 every later bucket reuses that code, but for one row, which a size-1 dimension always specialises: three
-compiles at engine start instead of one per bucket (eleven at 64 sequences: minutes on a cold machine).
-It pays where launches dominate a step (small batches on a GPU); the logits are the eager step's to
-rounding.
+compiles at engine start, whatever the number of buckets (a cold compile takes minutes). It pays where
+launches dominate a step (small batches on a GPU); the logits are the eager step's to rounding.
 """
 
 from __future__ import annotations

@@ -197,8 +197,8 @@ def test_the_start_up_warm_up_leaves_the_cache_and_the_outputs_as_they_were(tiny
 
 def test_the_compiled_decode_step_makes_lazy_state_before_tracing(tiny_model, monkeypatch):
     """``compile_decode`` traces the decode step with Dynamo, which cannot enter the lock that guards the lazily made
-    expert workspace: in a fresh GPU process the first trace failed there. ``capture`` makes such state with one
-    eager step before the first compile (the capture itself needs a GPU and is replaced here)."""
+    expert workspace, so in a fresh process ``capture`` must make such state with one eager step before the first
+    compile (the capture itself needs a GPU and is replaced here)."""
     from minidsa.serving.cuda_graphs import DecodeGraphs
     model = minidsa.MiniDSA(tiny_model.config)
     assert model._workspace is None
@@ -214,7 +214,7 @@ def test_the_compiled_decode_step_makes_lazy_state_before_tracing(tiny_model, mo
 def test_compiled_decode_buckets_share_one_dynamic_compile(tiny_model):
     """``compile_decode`` compiles each bucket's step with Dynamo's automatic dynamic shapes: the first bucket for its
     size, the second again with the batch symbolic, later buckets reusing that, and one row apart (a size-1 dimension
-    always specialises). One static compile per bucket made a cold engine start take minutes. Dynamo's graphs are
+    always specialises): a compile per bucket would take minutes at a cold engine start. Dynamo's graphs are
     counted by a backend that runs them as they are (Inductor's code generation is the GPU's part)."""
     pytest.importorskip("triton")
     from minidsa.serving.cuda_graphs import DecodeGraphs
