@@ -167,7 +167,12 @@ class DecodeGraphs:
         # split some buckets.
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * len(self.buckets))
-        return torch.compile(step, fullgraph=True, backend=backend)
+        compiled = torch.compile(step, fullgraph=True, backend=backend)
+
+        def fresh():  # Dynamo guards on the staged dict the trace fills: every call must find it empty, as the
+            ctx.staged.clear()  # first did, or each warm-up and capture after it compiles again
+            return compiled()
+        return fresh
 
     def fits(self, batch: int) -> bool:
         return batch <= self.buckets[-1]
