@@ -246,7 +246,9 @@ class Engine:
             at += end - start
         # Checked on that copy, over the real vocabulary only (_sample masks the padding ids to -inf): a NaN
         # would otherwise be sampled as token 0 (greedy) or fail inside torch.multinomial.
-        bad = (~torch.isfinite(last[:, :self.model.tokenizer.vocab_size])).sum(1).tolist() if ends else []
+        real = last[:, :self.model.tokenizer.vocab_size]
+        bad = (~torch.isfinite(real)).sum(1).tolist() if ends else []
+        greedy = real.argmax(1).tolist() if ends else []  # every row's argmax in one call (the first of ties)
         for req in reqs:
             if req.pending_finish:  # its last token was fed only to record that token's selections
                 self._finish(req, req.pending_finish)
@@ -255,7 +257,7 @@ class Engine:
             if bad[k]:
                 failed.append(self._fail_non_finite(group[row][0], bad[k]))
             else:
-                self._sample(group[row][0], last[k])
+                self._sample(group[row][0], last[k], greedy[k])
         if failed and self.raise_errors:
             raise NonFiniteLogitsError(failed[0])
         return reqs
@@ -282,9 +284,9 @@ class Engine:
         if end % self.checkpoint_interval == 0 and end <= len(req.prompt_ids):  # so block end // bs is named
             self.prefix.insert_checkpoint(req.hashes[end // bs - 1], req.sid)
 
-    def _sample(self, req: EngineRequest, logits: torch.Tensor) -> None:
+    def _sample(self, req: EngineRequest, logits: torch.Tensor, argmax: int) -> None:
         p, tok = req.params, self.model.tokenizer
-        token = self.runner.sample(req, logits)
+        token = argmax if p.temperature == 0 else self.runner.sample(req, logits)
         now = time.perf_counter()
         req.output_ids.append(token)
         req.metrics.token_times.append(now)

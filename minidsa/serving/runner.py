@@ -40,7 +40,8 @@ class ModelRunner:
             self.graphs.capture()
             self.step_graphs = StepGraphs(model, cache, max_num_seqs, pool=self.graphs.pool)
         self.packed_steps = self.graph_steps = 0
-        # how steps ran ("decode graph", "step graph", "step graph captured", "eager") -> (steps, wall seconds)
+        # how steps ran ("decode graph", "step graph", "step graph captured", "step shaped, uncaptured", "eager")
+        # -> (steps, wall seconds)
         self.step_times: dict[str, tuple[int, float]] = {}
         self.last_step = None  # the StepContext of the last packed forward (for pictures and checks)
 
@@ -53,7 +54,9 @@ class ModelRunner:
         its wall time (the logits' copy to the host waits for the GPU) under how it ran."""
         start, captures = time.perf_counter(), self.step_graphs.captures if self.step_graphs is not None else 0
         logits, kept, how = self._execute(pieces, sample, trace, keep)
-        if how == "step graph" and self.step_graphs.captures > captures:
+        if how == "step graph" and self.step_graphs.last == "shaped":
+            how = "step shaped, uncaptured"
+        elif how == "step graph" and self.step_graphs.captures > captures:
             how = "step graph captured"
         n, seconds = self.step_times.get(how, (0, 0.0))
         self.step_times[how] = (n + 1, seconds + time.perf_counter() - start)

@@ -17,13 +17,14 @@ replays. Shapes are rounded up so that few cover a workload:
 The projections and the MoE see the packed tokens (at most 1.5 times the step's), the attention-like ops the
 rectangle of rows (the chunk form skips its padding by whole chunks, the indexer's kernel by key tiles). A
 step whose rectangle would hold more than MAX_PADDING times its prefill tokens (pieces of very different
-lengths) runs eagerly; so does one with media or a trace. A shape is captured when first met (one eager
-warm-up run, then the capture: about two forwards) and kept; past ``max_graphs`` the least recently used is
-dropped. Capturing only at a shape's ``capture_after``-th step would spare the shapes met once, but a step's
-numerics would then depend on what ran before it (a graph pads rows and takes another sparse prefill form than
-the eager step, so the same request sent twice could part at a near-tie): the default keeps them a function of
-the step. In a graph the sparse MLA prefill runs its absorbed form: the union form's choice waits for counts
-from the GPU, which a capture cannot hold (ops/mla/prefill_form.py).
+lengths) runs eagerly; so does one with media or a trace. A shape is captured at its ``capture_after``-th step
+(one eager warm-up run, then the capture: about two forwards) and kept; past ``max_graphs`` the least recently
+used is dropped. Before that its steps run shaped but uncaptured: the same layout, the same kernels and the
+same sparse prefill form as the graph (no kernel here sums in an order that varies between runs), so a step's
+numbers do not depend on whether its shape was captured yet, and a shape met once (the first step that admits
+a whole batch of prompts, say) costs one forward instead of a capture's two. In a graph the sparse MLA prefill
+runs its absorbed form: the union form's choice waits for counts from the GPU, which a capture cannot hold
+(ops/mla/prefill_form.py); an uncaptured shaped step runs it too (``sync_free``).
 
 Graphs share one memory pool. A graph's outputs would pin their memory in it, so every graph instead writes
 its logits and its new KDA states into buffers that all graphs share, and holds no output of its own; the
@@ -73,7 +74,7 @@ class StepGraphs:
     """Captured steps with prefill rows, one per shape; ``run`` lays a step out to its shape and replays it."""
 
     def __init__(self, model: MiniDSA, cache: PagedKVCache, max_num_seqs: int, max_graphs: int = 64,
-                 eager: bool = False, pool=None, capture_after: int = 1) -> None:
+                 eager: bool = False, pool=None, capture_after: int = 2) -> None:
         self.model, self.cache, self.eager = model, cache, eager
         self.max_num_seqs, self.max_graphs, self.capture_after = max_num_seqs, max_graphs, capture_after
         # Decode rows beside prefill rows: powers of two (a padding decode row costs one token), so that fewer
@@ -83,7 +84,9 @@ class StepGraphs:
         self.graphs: OrderedDict[StepShape, tuple] = OrderedDict()
         self.pool = pool
         self.shared: dict = {}  # (name, ...) -> the output buffers every graph writes
-        self.replays = self.captures = 0
+        self.replays = self.captures = 0  # graph replays (with ``eager``: shaped runs), captures
+        self.uncaptured = 0  # shaped runs of shapes not yet captured
+        self.last = None  # how the last ``run`` ran: "replay" or "shaped" (uncaptured, or ``eager``)
         self.capture_seconds = 0.0  # host time spent capturing (warm-up forwards, capture, instantiation)
         self.failed: dict[StepShape, str] = {}  # shapes whose capture failed -> why
         self.sightings: dict[StepShape, int] = {}  # steps of each shape not yet captured
@@ -107,15 +110,16 @@ class StepGraphs:
         return shape
 
     def ready(self, shape: StepShape) -> bool:
-        """Whether a step of ``shape`` can replay (captured now if need be). A capture that fails (an op that
-        waits for the GPU, say) is reported once and its shape runs eagerly from then on."""
-        if shape in self.graphs:
+        """Whether a step of ``shape`` runs shaped (``run``): captured now at the shape's ``capture_after``-th step,
+        uncaptured before it. A capture that fails (an op that waits for the GPU, say) is reported once and its
+        shape runs as a plain eager step from then on."""
+        if shape in self.graphs or self.eager:
             return True
+        if shape in self.failed:
+            return False
         self.sightings[shape] = self.sightings.get(shape, 0) + 1
-        if shape in self.failed or self.sightings[shape] < self.capture_after:
-            return False  # a shape met once costs one eager forward; a capture costs about two
-        if self.eager:
-            return True
+        if self.sightings[shape] < self.capture_after:
+            return True  # one shaped forward now; a capture costs about two
         start = time.perf_counter()
         try:
             self._capture(shape)
@@ -134,17 +138,23 @@ class StepGraphs:
         KDA states ``keep`` asks for: ``StepContext.kept``, valid until the next replay). ``shape``:
         ``shape_for``'s, ``ready``."""
         m = self.model
-        if self.eager:
+        if self.eager or shape not in self.graphs:
             step = prepare_step(self.cache, seq_ids, num_tokens, m.device, m.config.max_seq_len, sample, shape,
                                 keep=keep)
             try:
-                logits = self._forward(step, self._ids(step, ids).to(m.device))
+                with torch.inference_mode(), sync_free():  # the graph's sparse prefill form
+                    logits = self._forward(step, self._ids(step, ids).to(m.device))
             except BaseException:
                 step.rollback()
                 raise
             step.publish()
-            self.replays += 1
+            self.last = "shaped"
+            if self.eager:
+                self.replays += 1
+            else:
+                self.uncaptured += 1
             return logits[step.sampled], step.kept
+        self.last = "replay"
         self.graphs.move_to_end(shape)
         graph, template, static_ids, staged, kept, logits = self.graphs[shape]
         step = prepare_step(self.cache, seq_ids, num_tokens, m.device, m.config.max_seq_len, sample, shape,

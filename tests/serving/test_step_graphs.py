@@ -102,11 +102,25 @@ def test_shapes_round_up_to_few_sizes(model):
     assert graphs.decode_buckets == [0, 1, 2, 4, 8]
 
 
-def test_a_shape_is_captured_when_met_or_at_its_capture_after_th_step(model):
+def test_a_shape_is_captured_at_its_capture_after_th_step_and_runs_shaped_before(model, monkeypatch):
     shape = StepShape(1, 1, 16, 2)
-    for after, want in ((1, [True, True, True]), (2, [False, True, True])):
-        graphs = StepGraphs(model, model.new_cache(), 8, eager=True, capture_after=after)  # eager: run shaped
-        assert [graphs.ready(shape) for _ in range(3)] == want
+    for after in (1, 2, 3):
+        graphs = StepGraphs(model, model.new_cache(), 8, capture_after=after)
+        captured = []
+        monkeypatch.setattr(graphs, "_capture", lambda s: captured.append(graphs.sightings[s]) or
+                            graphs.graphs.__setitem__(s, None))
+        assert [graphs.ready(shape) for _ in range(4)] == [True] * 4 and captured == [after]
+
+
+def test_a_shape_whose_capture_fails_runs_eagerly_from_then_on(model, monkeypatch):
+    graphs, shape = StepGraphs(model, model.new_cache(), 8), StepShape(1, 1, 16, 2)
+
+    def fails(s):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(graphs, "_capture", fails)
+    with pytest.warns(UserWarning, match="no CUDA graph"):
+        assert [graphs.ready(shape) for _ in range(3)] == [True, False, False]
+    assert "not permitted" in graphs.failed[shape]
 
 
 def test_the_engine_through_step_graphs_gives_its_own_outputs(model):
@@ -117,12 +131,14 @@ def test_the_engine_through_step_graphs_gives_its_own_outputs(model):
                "the first prompt and then some more"]
     params = minidsa.SamplingParams(temperature=0, max_tokens=6)
     want = [o.text for o in Engine(model, max_num_batched_tokens=64).generate(prompts, params, progress=False)]
-    engine = Engine(model, max_num_batched_tokens=64)
-    engine.runner.step_graphs = StepGraphs(model, engine.cache, engine.scheduler.max_num_seqs, eager=True,
-                                           capture_after=1)
-    got = [o.text for o in engine.generate(prompts, params, progress=False)]
-    assert got == want
-    assert engine.runner.step_graphs.replays > 0
+    for eager in (True, False):  # shaped as an eager StepGraphs runs them, and as shapes not yet captured
+        engine = Engine(model, max_num_batched_tokens=64)
+        engine.runner.step_graphs = graphs = StepGraphs(model, engine.cache, engine.scheduler.max_num_seqs,
+                                                        eager=eager, capture_after=10**9)
+        got = [o.text for o in engine.generate(prompts, params, progress=False)]
+        assert got == want
+        assert (graphs.replays if eager else graphs.uncaptured) > 0 and graphs.captures == 0
+        assert engine.runner.step_times["step shaped, uncaptured"][0] > 0
 
 
 def test_states_kept_inside_pieces_equal_the_prefixes_alone(model):
@@ -153,16 +169,17 @@ def test_states_kept_inside_pieces_equal_the_prefixes_alone(model):
 def test_a_replayed_step_equals_the_eager_shaped_step_bit_for_bit():
     """Two different steps of one shape through one captured graph, against the same steps run eagerly with the
     same kernels (the absorbed sparse prefill, as in the graph): logits, KDA states and the states kept inside
-    a piece identical, so the metadata of the second step really replaced the first's."""
+    a piece identical, so the metadata of the second step really replaced the first's. The same with the shape
+    captured at its second step: the first runs shaped and uncaptured, and nothing tells the two apart."""
     from minidsa.ops.mla.prefill_form import sync_free
     torch.manual_seed(0)
     model = minidsa.MiniDSA(tiny_config(dtype="float32"), device="cuda").set_backend("triton")
     # (history, piece lengths): one shape (2 pieces of at most 24, 32 prefill tokens on the axis, one table width)
     steps = [([6, 0, 0], [1, 20, 9]), ([30, 3, 0], [1, 17, 9])]
     results, shapes = [], {}
-    for graphed in (True, False):
+    for graphed, after in ((True, 1), (True, 2), (False, 1)):
         cache = model.new_cache()
-        graphs = StepGraphs(model, cache, 4, eager=not graphed, capture_after=1)
+        graphs = StepGraphs(model, cache, 4, eager=not graphed, capture_after=after)
         sids = [cache.add_sequence() for _ in range(3)]
         out = []
         for history, lengths in steps:
@@ -184,9 +201,11 @@ def test_a_replayed_step_equals_the_eager_shaped_step_bit_for_bit():
                 out += [states[:1].clone() for _, _, states in kept]
             out += [cache.state[0][name][cache.state_slots(sids)].clone() for name in cache.state[0]]
         results.append(out)
-        assert graphs.replays == 2 and (graphs.captures == 1) == graphed
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+        assert (graphs.replays, graphs.captures, graphs.uncaptured) == ((3 - after, 1, after - 1) if graphed else
+                                                                        (2, 0, 0))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels on a shaped step (a GPU; the CPU tests run "
