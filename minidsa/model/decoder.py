@@ -37,10 +37,11 @@ def mix_sources(sources: torch.Tensor | list[torch.Tensor], norm: RMSNorm, proj:
 
 def _add_to(sources: torch.Tensor, n: int, x: torch.Tensor) -> torch.Tensor:
     """sources[n] += x [B, T, d] (upcast). In place, unless autograd records: a mixer's backward needs the
-    sources it read as they were."""
+    sources it read as they were. (``sources[n] += x`` would add, then copy the sum onto itself: Python
+    assigns an augmented item back, one more kernel per sub-layer.)"""
     if torch.is_grad_enabled():
         return sources.index_add(0, torch.tensor([n], device=sources.device), cast(x, sources.dtype).unsqueeze(0))
-    sources[n] += x
+    sources[n].add_(x)
     return sources
 
 
@@ -79,11 +80,11 @@ class DecoderLayer(nn.Module):
         return mix_sources(sources, self.mlp_res_norm, self.mlp_res_proj, f"{self.layer_idx}.ffn", trace)
 
     def attention(self, h: torch.Tensor, ctx: CacheContext | None, trace: ForwardTrace | None) -> torch.Tensor:
-        return self.self_attn(self.input_layernorm(cast(h, self.compute_dtype)), ctx, trace)
+        return self.self_attn(self.input_layernorm(h, self.compute_dtype), ctx, trace)
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         ffn = self.block_sparse_moe if self.is_moe else self.mlp
-        return ffn(self.post_attention_layernorm(cast(h, self.compute_dtype)))
+        return ffn(self.post_attention_layernorm(h, self.compute_dtype))
 
 
 class TextDecoder(nn.Module):
@@ -123,7 +124,7 @@ class TextDecoder(nn.Module):
             sources = _add_to(sources, n, layer.attention(h, ctx, trace))
             sources = _add_to(sources, n, layer.feed_forward(layer.mix_ffn(sources[: n + 1], trace)))
         out = mix_sources(sources[: n + 1], self.output_attn_res_norm, self.output_attn_res_proj, "out", trace)
-        return self.norm(cast(out, self.compute_dtype))
+        return self.norm(out, self.compute_dtype)
 
     def _forward_two_phase(self, partial: torch.Tensor, ctx, trace) -> torch.Tensor:
         """The same function as ``forward``, scheduled as in the AttnRes paper's inference: when a block
@@ -157,7 +158,7 @@ class TextDecoder(nn.Module):
             h = merge(2 * j + 1, partial, layer.mlp_res_norm, layer.mlp_res_proj, f"{l}.ffn")
             partial = partial + cast(layer.feed_forward(h), acc)
         out = mix_sources(blocks + [partial], self.output_attn_res_norm, self.output_attn_res_proj, "out", trace)
-        return self.norm(cast(out, self.compute_dtype))
+        return self.norm(out, self.compute_dtype)
 
     def _block_scores(self, stacked: torch.Tensor, group) -> torch.Tensor:
         """Phase 1: the 2 mixers of every layer in ``group`` scored against the stored blocks -> [2*len, N, B, T]."""

@@ -36,12 +36,11 @@ class _SituGluFn(torch.autograd.Function):
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 4.0, beta_up: float = 25.0) -> torch.Tensor:
     """Elementwise on gate, up [..., F] -> [..., F]; computed in fp32 (fp64 kept), returned in gate's dtype."""
-    acc = acc_dtype(gate)
-    g, u = cast(gate, acc), cast(up, acc)
-    if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad):
-        h = _SituGluFn.apply(g, u, beta_gate, beta_up)
-    else:  # inference: the op (one fused pass on a GPU, where the routed experts' kernels apply the same helper)
-        h = ops.situ_glu(g, u, beta_gate, beta_up)
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        acc = acc_dtype(gate)
+        h = _SituGluFn.apply(cast(gate, acc), cast(up, acc), beta_gate, beta_up)
+    else:  # inference: the op, which upcasts as it reads (one fused pass on a GPU, no separate casts)
+        h = ops.situ_glu(gate, up, beta_gate, beta_up)
     return cast(h, gate.dtype)
 
 

@@ -189,7 +189,7 @@ class LatentMoE(nn.Module):
 
     def combine(self, y_lat: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The routed experts' latent sum y_lat [N, latent] and the shared expert's projections -> [N, d]."""
-        normed = self.routed_expert_norm(cast(y_lat, dtype))
+        normed = self.routed_expert_norm(y_lat, dtype)
         shared = self.shared_experts
         if self._one_product(normed):
             h = situ_glu(gate, up, shared.beta_gate, shared.beta_up)

@@ -16,5 +16,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``dtype``: the norm of x cast to it, in it (an fp32 residual into a bf16 layer: one pass, not two)."""
+        return ops.rms_norm(x, self.weight, self.eps, dtype)

@@ -229,7 +229,8 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: flo
     return pick("moe_route", backend, moe_route_ref, logits)(logits, bias, top_k, scaling)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None, *,
+             backend: str | None = None) -> torch.Tensor:
     """RMSNorm: x [..., D], weight [D] -> x / sqrt(mean(x^2) + eps) * weight [..., D] in x's dtype, computed
-    in fp32 (fp64 kept). See ops/norm/reference.py."""
-    return pick("rms_norm", backend, rms_norm_ref, x, weight)(x, weight, eps)
+    in fp32 (fp64 kept); with ``dtype``, of x cast to it, in it. See ops/norm/reference.py."""
+    return pick("rms_norm", backend, rms_norm_ref, x, weight)(x, weight, eps, dtype)

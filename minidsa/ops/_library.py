@@ -54,7 +54,7 @@ SCHEMAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "attn_res_mix": ("(Tensor sources, Tensor query, Tensor norm_weight, float eps=1e-05, bool return_weights=False) "
                      "-> (Tensor, Tensor)", ()),
     "short_conv": ("(Tensor x, Tensor weight, Tensor state, Tensor? lengths=None) -> (Tensor, Tensor)", ()),
-    "rms_norm": ("(Tensor x, Tensor weight, float eps) -> Tensor", ()),
+    "rms_norm": ("(Tensor x, Tensor weight, float eps, ScalarType? dtype=None) -> Tensor", ()),
 }
 
 
@@ -100,7 +100,7 @@ FAKES: dict[str, Callable] = {
     "attn_res_mix": lambda sources, query, norm_weight, eps=1e-5, return_weights=False: (
         _new(sources, sources.shape[1:]), _new(sources, sources.shape[:-1])),
     "short_conv": lambda x, weight, state, lengths=None: (_new(x, x.shape), _new(x, state.shape)),
-    "rms_norm": lambda x, weight, eps: x.new_empty(x.shape),
+    "rms_norm": lambda x, weight, eps, dtype=None: x.new_empty(x.shape, dtype=dtype or x.dtype),
 }
 
 

@@ -39,8 +39,8 @@ OTHER_KERNELS = {
         (dict(W=4, WP=4, BT=32, BC=128, HAS_LEN=has_len, **one), {"x_ptr": "*bf16", "len_ptr": "*i64"})
         for has_len in (True, False) for one in ({}, {"T": 1})]},
     "minidsa.ops.norm.rms_triton": {"_rms_norm_kernel": [
-        (dict(BLOCK_D=block, ROWS=rows, **one), {"x_ptr": "*bf16", "y_ptr": "*bf16"})
-        for block, rows in ((8192, 1), (128, 32)) for one in ({}, {"n_rows": 1})]},
+        (dict(BLOCK_D=block, ROWS=rows, ROUND=rnd, **one), {"x_ptr": "*fp32" if rnd else "*bf16", "y_ptr": "*bf16"})
+        for block, rows in ((8192, 1), (128, 32)) for one in ({}, {"n_rows": 1}) for rnd in (False, True)]},
 }
 
 

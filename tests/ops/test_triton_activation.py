@@ -47,6 +47,23 @@ def test_non_contiguous_and_empty_inputs():
     assert kern.situ_glu(g[:0], u[:0], 4.0, 25.0).shape == (0, 40)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slices_of_one_fused_output_are_read_in_place(dtype, monkeypatch):
+    """gate and up as the two halves of one [B, T, 2F] projection (odd F, bf16 as a model gives them): read
+    through their row strides, with no copy made (``Tensor.contiguous`` not called), equal to the reference
+    on the same slices."""
+    fused = inputs((2, 5, 2 * 61))[0].to(dtype)
+    g, u = fused[..., :61], fused[..., 61:] / 3
+    want = ref.situ_glu_ref(g, u, 4.0, 25.0)
+    copies = []
+    real = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda t, *a, **k: copies.append(t.shape) or real(t, *a, **k))
+    got = kern.situ_glu(g, u, 4.0, 25.0)
+    monkeypatch.undo()
+    assert copies == [] and got.shape == (2, 5, 61) and got.is_contiguous()
+    close(got, want)
+
+
 def test_shape_mismatch_is_rejected_like_the_reference():
     g, u, _ = inputs((4, 5))
     for fn in (ref.situ_glu_ref, kern.situ_glu):

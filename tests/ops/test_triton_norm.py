@@ -41,6 +41,18 @@ def test_rms_norm_bf16_in_bf16_out_within_one_rounding():
     assert bool(((y.float() - want.float()).abs() <= ulp).all())
 
 
+@pytest.mark.parametrize("lead,d", [((63,), 60), ((2, 7), 33)])
+def test_rms_norm_of_an_fp32_residual_cast_on_the_way(lead, d):
+    """``dtype``: the norm of x cast to bf16, in bf16, in one pass: bit for bit the kernel on the cast input
+    (the same rounding of x, then the same arithmetic), and the reference's contract."""
+    x, w = inputs(lead, d, torch.float32)
+    x[..., :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.0])  # ties: to the even neighbour
+    y = kern.rms_norm(x, w, 1e-5, torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, kern.rms_norm(x.to(torch.bfloat16), w, 1e-5))
+    assert torch.equal(rms_norm_ref(x, w, 1e-5, torch.bfloat16), rms_norm_ref(x.to(torch.bfloat16), w, 1e-5))
+    assert ops.rms_norm(x, w, 1e-5, torch.bfloat16, backend="torch").dtype == torch.bfloat16
+
+
 def test_rms_norm_of_a_strided_view_and_empty_rows():
     x, w = inputs((9,), 80, torch.float32)
     view = x[:, :60]  # the latent part of a wider projection, as MLA's kv_a_layernorm reads it

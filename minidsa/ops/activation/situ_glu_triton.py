@@ -5,7 +5,8 @@ gradients, recomputing tanh and sigmoid in registers. In plain torch the same ba
 full-size elementwise passes, so on a GPU (where a training step's SiTU-GLU tensors are the largest
 activations) the fused pass is what makes recomputation cheaper than keeping intermediates. tanh is
 built from exp (``_tanh``; relative error ~1e-7), so results agree with the references to fp32 rounding,
-not bitwise. Inputs are flattened: any shape, any float dtype, outputs fp32. The jit helpers ``_tanh``
+not bitwise. Inputs of any shape and float dtype, read in place where their rows are dense (a slice of
+a fused projection's output); outputs fp32 and contiguous. The jit helpers ``_tanh``
 and ``_situ_glu`` are also what the routed-expert kernels (``ops/moe_experts``) apply in registers.
 """
 
@@ -40,11 +41,14 @@ def _situ_glu(g, u, beta_gate, beta_up):
 
 
 @triton.jit
-def _fwd_kernel(g_ptr, u_ptr, h_ptr, n, beta_gate, beta_up, BLOCK: tl.constexpr):
+def _fwd_kernel(g_ptr, u_ptr, h_ptr, n, F, stride_g, stride_u, beta_gate, beta_up, BLOCK: tl.constexpr):
+    """h [n / F, F] contiguous from g and u read as rows of F with their own row strides (slices of one fused
+    projection's output need no copy)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
-    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    row, col = offs // F, offs % F
+    g = tl.load(g_ptr + row * stride_g + col, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + col, mask=ok, other=0.0).to(tl.float32)
     tl.store(h_ptr + offs, _situ_glu(g, u, beta_gate, beta_up), mask=ok)
 
 
@@ -67,6 +71,18 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [..., F] as [R, F] rows without a copy where its last dimension is dense and the others merge (a
+    slice of a wider output, say); a copy otherwise."""
+    F = t.shape[-1] if t.dim() else 1
+    if t.dim() and t.stride(-1) == 1:
+        try:
+            return t.view(-1, F)
+        except RuntimeError:  # the leading dimensions do not merge into one row stride
+            pass
+    return t.contiguous().view(-1, F)
+
+
 def situ_glu(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
     """The contract of ``situ_glu_ref``: g, u [...] -> h [...] fp32."""
     _check(g, u)
@@ -76,8 +92,9 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float)
     n = h.numel()
     if n:
         block = BLOCK["cuda" if g.is_cuda else "cpu"]
-        _fwd_kernel[(triton.cdiv(n, block),)](_flat(g), _flat(u), h.view(-1), n, float(beta_gate), float(beta_up),
-                                             BLOCK=block)
+        g2, u2 = _rows(g), _rows(u)
+        _fwd_kernel[(triton.cdiv(n, block),)](g2, u2, h.view(-1), n, g2.shape[1], g2.stride(0), u2.stride(0),
+                                             float(beta_gate), float(beta_up), BLOCK=block)
     return h
 
 
