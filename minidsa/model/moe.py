@@ -213,17 +213,14 @@ class LatentMoE(nn.Module):
         """Affinities s [N, E] of the chosen experts ids [N, top_k], renormalised and scaled -> [N, top_k]."""
         return ops.route_weights(s, ids, self.routed_scaling_factor)
 
-    def conversion_plan(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids [N, top_k] -> (experts int64 [n], number routed: an int or a device scalar), n = min(N * top_k, E).
+    def conversion_plan(self, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ids, weights [N, top_k] -> (experts int64 [n], gates [n, N], number routed: a device scalar),
+        n = min(N * top_k, E) (``ops.moe_plan``).
 
         The routed experts come first in ascending id order, then unrouted placeholders; n is known
-        from the shape alone, so planning needs no host sync. One token (a decode step of one sequence)
-        routes to top_k distinct experts: they are the whole plan."""
-        if ids.shape[0] == 1:
-            return ids[0].sort().values, ids.shape[1]
-        routed = torch.zeros(self.num_experts, dtype=torch.bool, device=ids.device).index_fill_(0, ids.reshape(-1), True)
-        order = torch.sort((~routed).to(torch.int8), stable=True).indices
-        return order[: min(ids.numel(), self.num_experts)], routed.sum()
+        from the shape alone, so planning needs no host sync. gates[j, t] is the weight token t gives
+        experts[j] (0 = not routed): the expert ops run dense over the slots."""
+        return ops.moe_plan(ids, weights, self.num_experts)
 
     def _slots(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """FP8 elements and scales whose slots 0..m-1 hold ``experts`` [m]: the shared workspace after
@@ -263,15 +260,15 @@ class LatentMoE(nn.Module):
             # (no plan to sort or routing matrix to build: two fewer launches in a decode step).
             return ops.expert_mlp_mxfp4(z, self.experts_packed, self.experts_scale, ids[0],
                                         cast(weights.view(-1, 1), acc), self.beta_gate, self.beta_up)
-        experts, num_routed = self.conversion_plan(ids)
+        experts, gates, num_routed = self.conversion_plan(ids, weights)  # gates [m, N], 0 = not routed
         if on_host(ids) and not torch.compiler.is_compiling():
-            experts = experts[: int(num_routed)]  # a sync costs nothing here: skip converting the placeholders
+            # a sync costs nothing here: skip converting the placeholders
+            experts, gates = experts[: int(num_routed)], gates[: int(num_routed)]
         if direct:
             # A decode-sized batch reads each routed expert's weights about once: decoding them where the
             # product uses them (matrix-vector for one token, tensor-core tiles shared by an expert's tokens
             # above) reads a fifth of the bytes of converting into the workspace and reading that back
             # (docs/design.md §17).
-            gates = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * weights).sum(-1)  # [m, N], 0 = not routed
             return ops.expert_mlp_mxfp4(z, self.experts_packed, self.experts_scale, experts, cast(gates, acc),
                                         self.beta_gate, self.beta_up)
         if self.offline is None:
@@ -280,10 +277,9 @@ class LatentMoE(nn.Module):
         y_lat = None  # [N, latent]: the rounds' outputs summed (one round unless the batch exceeds the workspace)
         for start in range(0, experts.numel(), step):
             batch = experts[start: start + step]
-            gates = ((ids.unsqueeze(0) == batch.view(-1, 1, 1)) * weights).sum(-1)  # [m, N], 0 = not routed
             # at most top_k pairs per token: the kernel's buffers sized without reading the count back
-            part = ops.expert_mlp_fp8(z, *self._slots(batch), cast(gates, acc), self.beta_gate, self.beta_up,
-                                      ids.numel())
+            part = ops.expert_mlp_fp8(z, *self._slots(batch), cast(gates[start: start + step], acc), self.beta_gate,
+                                      self.beta_up, ids.numel())
             y_lat = part if y_lat is None else y_lat + part
         return y_lat
 

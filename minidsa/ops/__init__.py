@@ -31,7 +31,7 @@ from .kv_store.reference import store_kv_ref
 from .linear.reference import linear_ref, linear_sum_ref
 from .mla.reference import PREFILL_TILE, decompress_kv, sparse_mla_decode_ref, sparse_mla_prefill_ref
 from .moe_experts.reference import expert_mlp_fp8_ref, expert_mlp_mxfp4_ref, mxfp4_to_fp8_ref
-from .moe_router.reference import moe_route_ref, route_weights
+from .moe_router.reference import moe_plan_ref, moe_route_ref, route_weights
 from .norm.reference import rms_norm_ref
 from .paging import gather_positions, paged_slots
 
@@ -42,7 +42,7 @@ __all__ = ["BACKENDS", "TRITON_KERNELS", "REFERENCES", "acc_dtype", "cast", "cur
            "sparse_mla_prefill", "decompress_kv", "paged_slots", "gather_positions", "PREFILL_TILE",
            "kda_recurrent", "kda_chunk", "attn_res_mix", "attn_res_block_scores", "attn_res_merge",
            "mxfp4_to_fp8", "expert_mlp_fp8", "expert_mlp_mxfp4", "situ_glu", "situ_glu_backward",
-           "linear", "linear_sum", "moe_route", "route_weights", "kda_decode", "kda_step_inputs", "causal_conv",
+           "linear", "linear_sum", "moe_route", "moe_plan", "route_weights", "kda_decode", "kda_step_inputs", "causal_conv",
            "conv_states_at", "short_conv", "rms_norm"]
 
 # op name -> its PyTorch reference; a Triton kernel registered under the same name must share its signature.
@@ -53,7 +53,8 @@ REFERENCES = {
     "kda_recurrent": kda_recurrent_ref, "kda_chunk": kda_chunk_ref, "attn_res_mix": attn_res_mix_ref,
     "mxfp4_to_fp8": mxfp4_to_fp8_ref, "expert_mlp_fp8": expert_mlp_fp8_ref, "expert_mlp_mxfp4": expert_mlp_mxfp4_ref,
     "situ_glu": situ_glu_ref, "situ_glu_backward": situ_glu_backward_ref, "linear": linear_ref, "linear_sum": linear_sum_ref,
-    "moe_route": moe_route_ref, "kda_decode": kda_decode_ref, "short_conv": short_conv_ref, "rms_norm": rms_norm_ref,
+    "moe_route": moe_route_ref, "moe_plan": moe_plan_ref, "kda_decode": kda_decode_ref, "short_conv": short_conv_ref,
+    "rms_norm": rms_norm_ref,
 }
 
 
@@ -227,6 +228,13 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: flo
     """The router's choice: logits [N, E], selection bias [E] -> (expert ids int64 [N, top_k], weights fp32
     [N, top_k]); ids by descending sigmoid(logits) + bias, ties -> lower id, weights from sigmoid alone."""
     return pick("moe_route", backend, moe_route_ref, logits)(logits, bias, top_k, scaling)
+
+
+def moe_plan(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, *,
+             backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routed experts as the slots of one expert batch: ids, weights [N, top_k] -> (experts int64 [m],
+    gates fp32 [m, N], number routed int64 []), m = min(N * top_k, E). See ops/moe_router/reference.py."""
+    return pick("moe_plan", backend, moe_plan_ref, ids, weights)(ids, weights, num_experts)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None, *,

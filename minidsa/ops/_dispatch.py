@@ -46,6 +46,7 @@ TRITON_KERNELS: dict[str, tuple[str, str]] = {
     "linear": ("minidsa.ops.linear.gemv_triton", "linear"),
     "linear_sum": ("minidsa.ops.linear.gemv_triton", "linear_sum"),
     "moe_route": ("minidsa.ops.moe_router.route_triton", "moe_route"),
+    "moe_plan": ("minidsa.ops.moe_router.plan_triton", "moe_plan"),
     "situ_glu_backward": ("minidsa.ops.activation.situ_glu_triton", "situ_glu_backward"),
     "attn_res_mix": ("minidsa.ops.attn_res.mix_triton", "attn_res_mix"),
     "short_conv": ("minidsa.ops.kda.conv_triton", "short_conv"),

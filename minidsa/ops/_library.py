@@ -48,6 +48,7 @@ SCHEMAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "linear": ("(Tensor x, Tensor weight) -> Tensor", ()),
     "linear_sum": ("(Tensor x1, Tensor w1, Tensor x2, Tensor w2) -> Tensor", ()),
     "moe_route": ("(Tensor logits, Tensor bias, int top_k, float scaling) -> (Tensor, Tensor)", ()),
+    "moe_plan": ("(Tensor ids, Tensor weights, int num_experts) -> (Tensor, Tensor, Tensor)", ()),
     "situ_glu_backward": ("(Tensor g, Tensor u, Tensor grad, float beta_gate, float beta_up) -> (Tensor, Tensor)",
                           ()),
     # called with return_weights=True by ops.attn_res_mix, so the result is always the pair
@@ -96,6 +97,9 @@ FAKES: dict[str, Callable] = {
     "linear_sum": lambda x1, w1, x2, w2: x1.new_empty((*x1.shape[:-1], w1.shape[0])),
     "moe_route": lambda logits, bias, top_k, scaling: (_new(logits, (logits.shape[0], top_k), torch.int64),
                                                        _new(logits, (logits.shape[0], top_k))),
+    "moe_plan": lambda ids, weights, num_experts: (
+        _new(ids, (min(ids.numel(), num_experts),), torch.int64),
+        _new(weights, (min(ids.numel(), num_experts), ids.shape[0])), _new(ids, (), torch.int64)),
     "situ_glu_backward": lambda g, u, grad, beta_gate, beta_up: (_new(g, g.shape), _new(g, g.shape)),
     "attn_res_mix": lambda sources, query, norm_weight, eps=1e-5, return_weights=False: (
         _new(sources, sources.shape[1:]), _new(sources, sources.shape[:-1])),

@@ -23,7 +23,7 @@ def routed_inputs(moe, x):
     logits, z, _, _ = moe.input_proj(x)  # the layer's one product for the router and the down projection
     ids, weights = moe.choose(logits.to(acc))
     z = z.to(acc)
-    experts, _ = moe.conversion_plan(ids)
+    experts, _, _ = moe.conversion_plan(ids, weights)
     gates = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * weights).sum(-1)
     return z, experts, gates
 

@@ -309,7 +309,7 @@ def test_kernel_reproduces_the_tiny_layer():
         hook.remove()
         ids, weights = moe.route(x)
         z = moe.routed_expert_down_proj(x)
-        experts, _ = moe.conversion_plan(ids)
+        experts, _, _ = moe.conversion_plan(ids, weights)
         gates = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * weights).sum(-1)
     on = lambda t: t.to(DEV)  # noqa: E731
     got = mlp.expert_mlp_mxfp4(on(z), on(moe.experts_packed), on(moe.experts_scale), on(experts), on(gates),

@@ -36,3 +36,43 @@ def test_route_ties_go_to_the_lower_id():
 def test_bad_top_k_is_named():
     with pytest.raises(ValueError, match="top_k=9"):
         ops.moe_route(torch.zeros(2, 8), torch.zeros(8), 9, 1.0)
+
+
+def routing(N, E, k, seed=0):
+    """ids [N, k] (distinct per row) and their weights, as the router makes them."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    return ids, torch.rand(N, k, generator=g) + 0.01
+
+
+@pytest.mark.parametrize("N,E,k", [(1, 64, 8), (7, 60, 6), (33, 32, 1), (3, 5, 4), (40, 64, 8)])
+def test_plan_matches_reference(N, E, k):
+    """Slots (routed ascending, then placeholders), gates and the count: exactly the reference's, on odd
+    expert counts, a batch routing to every expert (3 x 4 pairs over 5) and one using a few."""
+    from minidsa.ops.moe_router.plan_triton import moe_plan
+    ids, w = routing(N, E, k, seed=N + E)
+    got = moe_plan(ids.to(kernel_device()), w.to(kernel_device()), E)
+    want = ops.moe_plan(ids, w, E, backend="torch")
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b)
+    m = min(N * k, E)
+    assert want[0].shape == (m,) and want[1].shape == (m, N) and int(want[2]) == len(ids.unique())
+    # each token's weights sit in the rows of its experts, nothing else: the gates are the routing itself
+    rows = {int(e): j for j, e in enumerate(want[0])}
+    dense = torch.zeros(m, N)
+    for t in range(N):
+        for e, x in zip(ids[t].tolist(), w[t].tolist()):
+            dense[rows[e], t] = x
+    assert torch.equal(want[1], dense)
+
+
+def test_plan_of_another_rank_s_experts_mapped_to_zero():
+    """Expert parallelism: a row's other-rank experts come as id 0 with weight 0, beside a real expert 0."""
+    from minidsa.ops.moe_router.plan_triton import moe_plan
+    ids = torch.tensor([[0, 0, 3], [2, 0, 0]])
+    w = torch.tensor([[0.5, 0.0, 0.25], [0.75, 0.0, 0.0]])
+    got = moe_plan(ids.to(kernel_device()), w.to(kernel_device()), 6)
+    assert got[0].tolist() == [0, 2, 3, 1, 4, 5] and int(got[2]) == 3
+    assert got[1].cpu().tolist() == [[0.5, 0.0], [0.0, 0.75], [0.25, 0.0]] + [[0.0, 0.0]] * 3
+    for a, b in zip(got, ops.moe_plan(ids, w, 6, backend="torch")):
+        assert torch.equal(a.cpu(), b)

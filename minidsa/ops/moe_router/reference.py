@@ -41,3 +41,35 @@ def moe_route_ref(logits: torch.Tensor, bias: torch.Tensor, top_k: int,
     biased = s + cast(bias, s.dtype)
     ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :top_k]
     return ids, route_weights(s, ids, scaling)
+
+
+def check_plan(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> tuple[int, int]:
+    """(N, top_k) after checking ``moe_plan``'s arguments."""
+    N, K = check_tensor("ids", ids, ndim=2, integer=True)
+    check_tensor("weights", weights, shape=(N, K), floating=True)
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts = {num_experts!r} must be a positive int")
+    return N, K
+
+
+def moe_plan_ref(ids: torch.Tensor, weights: torch.Tensor,
+                 num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The experts a layer's tokens were routed to, as the slots of one expert batch, and their gates.
+
+    Args:
+        ids: integer [N, top_k] chosen experts, in [0, num_experts). A row repeats an id only with weight 0
+            (under expert parallelism the other ranks' experts come as expert 0 with weight 0).
+        weights: [N, top_k] their routing weights (``moe_route``'s).
+        num_experts: E.
+    Returns:
+        experts: int64 [m], m = min(N * top_k, E), known from the shapes alone (no host sync): every routed
+            expert in ascending id order, then unrouted ones in ascending order as placeholders;
+        gates: [m, N] fp32 (fp64 for fp64 weights): the weight token n gives experts[j], 0 where none;
+        num_routed: int64 [], how many of the m slots hold routed experts.
+    """
+    check_plan(ids, weights, num_experts)
+    routed = torch.zeros(num_experts, dtype=torch.bool, device=ids.device).index_fill_(0, ids.reshape(-1), True)
+    order = torch.sort((~routed).to(torch.int8), stable=True).indices
+    experts = order[: min(ids.numel(), num_experts)]
+    gates = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * weights).sum(-1)  # one nonzero term at most
+    return experts, cast(gates, acc_dtype(weights)), routed.sum()

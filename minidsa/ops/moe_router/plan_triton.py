@@ -1,0 +1,71 @@
+"""Triton kernel of ``moe_plan``: the contract of ``moe_plan_ref`` in ``minidsa/ops/moe_router/reference.py``.
+
+In plain torch the plan is nine launches (a mask, a sort, the count, then the gates matrix as a compare, a
+product and a sum over a [m, N, top_k] temporary), a decode step's largest group of launches after the
+projections. One program does it all for a decode-sized call: the routed mask by comparing the ids with
+every expert lane in chunks, each expert's slot by prefix sums over the mask (routed first, then the
+rest, both ascending), then the gates tile by tile, each gate the weight of the one id that names its
+slot. No atomics, no sort. Above ``MAX_PAIRS`` (token, expert) pairs the single program would run too long
+and the reference's launches are large ones: the reference runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import check_plan, moe_plan_ref
+
+MAX_PAIRS = 2048  # 256 decode rows of top-8 routing; a prefill call above it runs the reference
+
+
+@triton.jit(do_not_specialize=["N"])
+def _plan_kernel(ids_ptr, w_ptr, experts_ptr, gates_ptr, count_ptr, slot_ptr, N, E, M, TOP_K: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    lanes = tl.arange(0, BLOCK_E)
+    routed = tl.zeros([BLOCK_E], tl.int32)
+    for start in range(0, N * TOP_K, BLOCK_P):
+        p = start + tl.arange(0, BLOCK_P)
+        ids = tl.load(ids_ptr + p, mask=p < N * TOP_K, other=-1)
+        routed = tl.maximum(routed, tl.max((ids[:, None] == lanes[None, :]).to(tl.int32), axis=0))
+    real = lanes < E
+    routed = tl.where(real, routed, 0)
+    rest = tl.where(real, 1 - routed, 0)
+    n_routed = tl.sum(routed, axis=0)
+    slot = tl.where(routed == 1, tl.cumsum(routed, axis=0) - 1, n_routed + tl.cumsum(rest, axis=0) - 1)
+    tl.store(experts_ptr + slot, lanes.to(tl.int64), mask=real & (slot < M))
+    tl.store(count_ptr, n_routed.to(tl.int64))
+    tl.store(slot_ptr + lanes, slot, mask=real)  # each expert's slot, read back below by id
+    tl.debug_barrier()
+    for n0 in range(0, N, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        for m0 in range(0, M, BLOCK_M):
+            j = m0 + tl.arange(0, BLOCK_M)
+            g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k in tl.static_range(TOP_K):
+                e = tl.load(ids_ptr + n * TOP_K + k, mask=n < N, other=0)
+                w = tl.load(w_ptr + n * TOP_K + k, mask=n < N, other=0.0).to(tl.float32)
+                s = tl.load(slot_ptr + e, mask=n < N, other=-1)
+                g += tl.where(j[:, None] == s[None, :], w[None, :], 0.0)
+            tl.store(gates_ptr + j[:, None] * N + n[None, :], g, mask=(j < M)[:, None] & (n < N)[None, :])
+
+
+def moe_plan(ids: torch.Tensor, weights: torch.Tensor,
+             num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The contract of ``moe_plan_ref``: (experts int64 [m], gates fp32 [m, N], num_routed int64 [])."""
+    N, K = check_plan(ids, weights, num_experts)
+    if weights.dtype == torch.float64 or N * K > MAX_PAIRS or N * K == 0:
+        return moe_plan_ref(ids, weights, num_experts)
+    M = min(N * K, num_experts)
+    dev = ids.device
+    experts = torch.empty(M, dtype=torch.int64, device=dev)
+    gates = torch.empty(M, N, dtype=torch.float32, device=dev)
+    count = torch.empty((), dtype=torch.int64, device=dev)
+    slots = torch.empty(num_experts, dtype=torch.int32, device=dev)  # scratch: each expert's slot
+    block_e = triton.next_power_of_2(num_experts)
+    _plan_kernel[(1,)](ids.contiguous(), weights.contiguous(), experts, gates, count, slots, N, num_experts, M,
+                       TOP_K=K, BLOCK_E=block_e, BLOCK_P=max(1, min(64, 8192 // block_e)),
+                       BLOCK_M=min(64, triton.next_power_of_2(M)), BLOCK_N=min(32, triton.next_power_of_2(N)),
+                       num_warps=4)
+    return experts, gates, count
