@@ -176,8 +176,7 @@ class KimiDeltaAttention(nn.Module):
     def output(self, o: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """o [B, T, H, K] from the recurrence, x [B, T, d] the layer input -> W_o[RMSNorm_head(o) * sigmoid(W_g x)]
         (``gate``: W_g x when already computed)."""
-        B, T, _ = x.shape
-        gate = torch.sigmoid(cast(self.g_proj(x) if gate is None else gate, acc_dtype(x)))
-        o = self.o_norm(o).reshape(B, T, self.num_heads * self.head_dim) * gate
-        out = ops.linear(cast(o, self.o_proj.weight.dtype), self.o_proj.weight)
+        gate = self.g_proj(x) if gate is None else gate
+        o = ops.output_gate(o, gate, self.o_norm.weight, self.o_norm.eps, self.o_proj.weight.dtype)
+        out = ops.linear(o, self.o_proj.weight)
         return out if self.parallel is None else self.parallel.tp_all_reduce(out)  # this rank's heads: partial

@@ -79,7 +79,7 @@ class GatedMLA(nn.Module):
             q=q.view(B, T, self.num_heads, self.dn + self.dr),
             kv_latent=self.kv_a_layernorm(kv[..., : self.r]),  # [B, T, r]
             k_pe=kv[..., self.r:],  # [B, T, dr]
-            gate=torch.sigmoid(cast(g, acc_dtype(x))),  # [B, T, H*dv], elementwise output gate
+            gate=g,  # [B, T, H*dv]: the output gate's pre-activation
             q_idx=self.indexer.head_queries(q_idx), w_idx=self.indexer.head_weights(w_idx),
             **self.indexer.key_planes(k_idx),
         )
@@ -94,10 +94,9 @@ class GatedMLA(nn.Module):
         return w[:, : self.dn], w[:, self.dn:]
 
     def _finish(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """o [B, T, H, dv] (fp32), gate [B, T, H*dv] -> W_o(o * gate) [B, T, d]."""
-        B, T = o.shape[:2]
-        o = o.reshape(B, T, -1) * cast(gate, o.dtype)
-        out = ops.linear(cast(o, self.o_proj.weight.dtype), self.o_proj.weight)
+        """o [B, T, H, dv] (fp32), gate [B, T, H*dv] (pre-activation) -> W_o(o * sigmoid(gate)) [B, T, d]."""
+        o = ops.output_gate(o, gate, None, 1e-6, self.o_proj.weight.dtype)
+        out = ops.linear(o, self.o_proj.weight)
         return out if self.parallel is None else self.parallel.tp_all_reduce(out)  # this rank's heads: partial
 
     # ---------------------------------------------------------------- entry point

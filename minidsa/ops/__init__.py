@@ -17,6 +17,7 @@ from ._dispatch import BACKENDS, TRITON_KERNELS, current_backend, pick, register
 from .activation.reference import situ_glu_backward_ref, situ_glu_ref
 from .attention.reference import gather_rows, indices_to_mask, masked_dense_attention, sparse_attention_ref
 from .attn_res.reference import attn_res_block_scores, attn_res_merge, attn_res_mix_ref
+from .gate.reference import output_gate_ref
 from .indexer.reference import index_scores_ref, paged_index_scores_ref, topk_indices_ref
 from .kda.reference import (
     causal_conv,
@@ -43,7 +44,7 @@ __all__ = ["BACKENDS", "TRITON_KERNELS", "REFERENCES", "acc_dtype", "cast", "cur
            "kda_recurrent", "kda_chunk", "attn_res_mix", "attn_res_block_scores", "attn_res_merge",
            "mxfp4_to_fp8", "expert_mlp_fp8", "expert_mlp_mxfp4", "situ_glu", "situ_glu_backward",
            "linear", "linear_sum", "moe_route", "moe_plan", "route_weights", "kda_decode", "kda_step_inputs", "causal_conv",
-           "conv_states_at", "short_conv", "rms_norm"]
+           "conv_states_at", "short_conv", "rms_norm", "output_gate"]
 
 # op name -> its PyTorch reference; a Triton kernel registered under the same name must share its signature.
 REFERENCES = {
@@ -54,7 +55,7 @@ REFERENCES = {
     "mxfp4_to_fp8": mxfp4_to_fp8_ref, "expert_mlp_fp8": expert_mlp_fp8_ref, "expert_mlp_mxfp4": expert_mlp_mxfp4_ref,
     "situ_glu": situ_glu_ref, "situ_glu_backward": situ_glu_backward_ref, "linear": linear_ref, "linear_sum": linear_sum_ref,
     "moe_route": moe_route_ref, "moe_plan": moe_plan_ref, "kda_decode": kda_decode_ref, "short_conv": short_conv_ref,
-    "rms_norm": rms_norm_ref,
+    "rms_norm": rms_norm_ref, "output_gate": output_gate_ref,
 }
 
 
@@ -242,3 +243,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dty
     """RMSNorm: x [..., D], weight [D] -> x / sqrt(mean(x^2) + eps) * weight [..., D] in x's dtype, computed
     in fp32 (fp64 kept); with ``dtype``, of x cast to it, in it. See ops/norm/reference.py."""
     return pick("rms_norm", backend, rms_norm_ref, x, weight)(x, weight, eps, dtype)
+
+
+def output_gate(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None, eps: float, dtype: torch.dtype, *,
+                backend: str | None = None) -> torch.Tensor:
+    """An attention layer's output gate: o [..., H, K], gate [..., H*K], weight [K] (KDA's per-head RMSNorm) or
+    None (MLA) -> norm(o) * sigmoid(gate) [..., H*K] in ``dtype``. See ops/gate/reference.py."""
+    return pick("output_gate", backend, output_gate_ref, o, gate, *([] if weight is None else [weight]))(
+        o, gate, weight, eps, dtype)

@@ -51,6 +51,7 @@ TRITON_KERNELS: dict[str, tuple[str, str]] = {
     "attn_res_mix": ("minidsa.ops.attn_res.mix_triton", "attn_res_mix"),
     "short_conv": ("minidsa.ops.kda.conv_triton", "short_conv"),
     "rms_norm": ("minidsa.ops.norm.rms_triton", "rms_norm"),
+    "output_gate": ("minidsa.ops.gate.gate_triton", "output_gate"),
 }
 
 # op -> (module, function) of a faster plain-PyTorch form for CPU tensors, with the reference's signature

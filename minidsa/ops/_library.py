@@ -56,6 +56,7 @@ SCHEMAS: dict[str, tuple[str, tuple[str, ...]]] = {
                      "-> (Tensor, Tensor)", ()),
     "short_conv": ("(Tensor x, Tensor weight, Tensor state, Tensor? lengths=None) -> (Tensor, Tensor)", ()),
     "rms_norm": ("(Tensor x, Tensor weight, float eps, ScalarType? dtype=None) -> Tensor", ()),
+    "output_gate": ("(Tensor o, Tensor gate, Tensor? weight, float eps, ScalarType dtype) -> Tensor", ()),
 }
 
 
@@ -105,6 +106,7 @@ FAKES: dict[str, Callable] = {
         _new(sources, sources.shape[1:]), _new(sources, sources.shape[:-1])),
     "short_conv": lambda x, weight, state, lengths=None: (_new(x, x.shape), _new(x, state.shape)),
     "rms_norm": lambda x, weight, eps, dtype=None: x.new_empty(x.shape, dtype=dtype or x.dtype),
+    "output_gate": lambda o, gate, weight, eps, dtype: gate.new_empty(gate.shape, dtype=dtype),
 }
 
 
