@@ -24,10 +24,11 @@ from .kda.reference import (
     conv_states_at,
     kda_chunk_ref,
     kda_decode_ref,
+    kda_inputs_ref,
     kda_recurrent_ref,
-    kda_step_inputs,
     short_conv_ref,
 )
+from .kda.reference import kda_step_inputs as kda_step_inputs_ref
 from .kv_store.reference import store_kv_ref
 from .linear.reference import linear_ref, linear_sum_ref
 from .mla.reference import PREFILL_TILE, decompress_kv, sparse_mla_decode_ref, sparse_mla_prefill_ref
@@ -55,7 +56,7 @@ REFERENCES = {
     "mxfp4_to_fp8": mxfp4_to_fp8_ref, "expert_mlp_fp8": expert_mlp_fp8_ref, "expert_mlp_mxfp4": expert_mlp_mxfp4_ref,
     "situ_glu": situ_glu_ref, "situ_glu_backward": situ_glu_backward_ref, "linear": linear_ref, "linear_sum": linear_sum_ref,
     "moe_route": moe_route_ref, "moe_plan": moe_plan_ref, "kda_decode": kda_decode_ref, "short_conv": short_conv_ref,
-    "rms_norm": rms_norm_ref, "output_gate": output_gate_ref,
+    "rms_norm": rms_norm_ref, "output_gate": output_gate_ref, "kda_inputs": kda_inputs_ref,
 }
 
 
@@ -251,3 +252,15 @@ def output_gate(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None
     None (MLA) -> norm(o) * sigmoid(gate) [..., H*K] in ``dtype``. See ops/gate/reference.py."""
     return pick("output_gate", backend, output_gate_ref, o, gate, *([] if weight is None else [weight]))(
         o, gate, weight, eps, dtype)
+
+
+def kda_step_inputs(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                    lower_bound: float, *, backend: str | None = None):
+    """KDA's per-token inputs from the short convs' SiLU outputs: qkv [..., 3, H, K], z [..., H*K] (W_fb W_fa x),
+    b [..., H] -> (q, k (L2-normalised per head), v [..., H, K], g [..., H, K] (log-decay), beta [..., H]) in
+    the accumulation dtype; v is qkv's view. The op is ``kda_inputs`` (ops/kda/reference.py)."""
+    fn = pick("kda_inputs", backend, kda_inputs_ref, qkv, z, b)
+    if fn is kda_inputs_ref:
+        return kda_step_inputs_ref(qkv, z, b, A_log, dt_bias, lower_bound)  # the formula, v included
+    q, k, g, beta = fn(qkv, z, b, A_log, dt_bias, lower_bound)
+    return q, k, qkv[..., 2, :, :], g, beta

@@ -52,6 +52,7 @@ TRITON_KERNELS: dict[str, tuple[str, str]] = {
     "short_conv": ("minidsa.ops.kda.conv_triton", "short_conv"),
     "rms_norm": ("minidsa.ops.norm.rms_triton", "rms_norm"),
     "output_gate": ("minidsa.ops.gate.gate_triton", "output_gate"),
+    "kda_inputs": ("minidsa.ops.kda.inputs_triton", "kda_inputs"),
 }
 
 # op -> (module, function) of a faster plain-PyTorch form for CPU tensors, with the reference's signature

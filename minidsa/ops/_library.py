@@ -57,6 +57,8 @@ SCHEMAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "short_conv": ("(Tensor x, Tensor weight, Tensor state, Tensor? lengths=None) -> (Tensor, Tensor)", ()),
     "rms_norm": ("(Tensor x, Tensor weight, float eps, ScalarType? dtype=None) -> Tensor", ()),
     "output_gate": ("(Tensor o, Tensor gate, Tensor? weight, float eps, ScalarType dtype) -> Tensor", ()),
+    "kda_inputs": ("(Tensor qkv, Tensor z, Tensor b, Tensor A_log, Tensor dt_bias, float lower_bound) "
+                   "-> (Tensor, Tensor, Tensor, Tensor)", ()),
 }
 
 
@@ -107,6 +109,8 @@ FAKES: dict[str, Callable] = {
     "short_conv": lambda x, weight, state, lengths=None: (_new(x, x.shape), _new(x, state.shape)),
     "rms_norm": lambda x, weight, eps, dtype=None: x.new_empty(x.shape, dtype=dtype or x.dtype),
     "output_gate": lambda o, gate, weight, eps, dtype: gate.new_empty(gate.shape, dtype=dtype),
+    "kda_inputs": lambda qkv, z, b, A_log, dt_bias, lower_bound: (
+        *(_new(qkv, qkv.shape[:-3] + qkv.shape[-2:]) for _ in range(3)), _new(qkv, b.shape)),
 }
 
 

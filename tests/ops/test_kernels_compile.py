@@ -41,7 +41,17 @@ OTHER_KERNELS = {
     "minidsa.ops.norm.rms_triton": {"_rms_norm_kernel": [
         (dict(BLOCK_D=block, ROWS=rows, ROUND=rnd, **one), {"x_ptr": "*fp32" if rnd else "*bf16", "y_ptr": "*bf16"})
         for block, rows in ((8192, 1), (128, 32)) for one in ({}, {"n_rows": 1}) for rnd in (False, True)]},
+    "minidsa.ops.activation.situ_glu_triton": {"_fwd_kernel": [
+        (dict(BLOCK=2048), {"g_ptr": "*bf16", "u_ptr": "*bf16"})]},
+    "minidsa.ops.moe_router.plan_triton": {"_plan_kernel": [
+        (dict(TOP_K=8, BLOCK_E=64, BLOCK_P=64, BLOCK_M=64, BLOCK_N=32),
+         {"ids_ptr": "*i64", "experts_ptr": "*i64", "count_ptr": "*i64", "slot_ptr": "*i32"})]},
+    "minidsa.ops.gate.gate_triton": {"_gate_kernel": [
+        (dict(NORM=norm, RNE=True, ROWS=64, BLOCK_K=64), {"g_ptr": "*bf16", "y_ptr": "*bf16"}) for norm in (True, False)]},
+    "minidsa.ops.kda.inputs_triton": {"_inputs_kernel": [
+        (dict(ROWS=64, BLOCK_K=64), {"z_ptr": "*bf16", "b_ptr": "*bf16"})]},
 }
+FLOATS = ("eps", "lower_bound", "beta_gate", "beta_up")  # the scalar arguments passed as Python floats
 
 
 def compile_other(module: str, name: str, consts: dict, types: dict) -> bytes:
@@ -52,7 +62,7 @@ def compile_other(module: str, name: str, consts: dict, types: dict) -> bytes:
     from triton.compiler import ASTSource
     fn = getattr(importlib.import_module(module), name)
     signature = {arg: "constexpr" if arg in consts else types.get(arg, "*fp32") if arg.endswith("_ptr") else
-                 "fp32" if arg == "eps" else "i32" for arg in fn.arg_names}
+                 "fp32" if arg in FLOATS else "i32" for arg in fn.arg_names}
     source = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 

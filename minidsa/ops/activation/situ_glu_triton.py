@@ -34,6 +34,13 @@ def _tanh(x):
 
 
 @triton.jit
+def _sigmoid(x):
+    """1 / (1 + e^-x) from e^-|x|, which cannot overflow (the gates of ``ops/gate`` and ``ops/kda``)."""
+    e = tl.exp(-tl.abs(x))
+    return tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+@triton.jit
 def _situ_glu(g, u, beta_gate, beta_up):
     """beta_gate * tanh(g / beta_gate) * sigmoid(g) * beta_up * tanh(u / beta_up) (minidsa.model.ffn.situ_glu)."""
     sig = 1.0 / (1.0 + tl.exp(-g))

@@ -1,8 +1,8 @@
 """Triton kernel of ``output_gate``: the contract of ``output_gate_ref`` in ``minidsa/ops/gate/reference.py``.
 
 A program takes ROWS (token, head) rows of K values: the norm's mean of squares in registers, the gate read
-through its own row stride (a slice of the layer's fused input projection needs no copy), the sigmoid as
-``1 / (1 + exp(-g))`` in fp32, and a bf16 result rounded by the bits (ties to even, as torch rounds; the
+through its own row stride (a slice of the layer's fused input projection needs no copy), the sigmoid in
+fp32 from e^-|g| (no overflow), and a bf16 result rounded by the bits (ties to even, as torch rounds; the
 interpreter's ``.to`` truncates). Five launches of a decode step's layer become one; the values agree with
 the reference to fp32 rounding (exp's last bits, the order of the norm's sum), not bitwise.
 """
@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..activation.situ_glu_triton import _sigmoid
 from ..norm.rms_triton import _bf16_rne
 from .reference import check_output_gate, output_gate_ref
 
@@ -31,7 +32,7 @@ def _gate_kernel(o_ptr, g_ptr, w_ptr, y_ptr, n_rows, H, K, stride_g, eps, NORM: 
         x = x * inv[:, None] * tl.load(w_ptr + c, mask=c < K, other=0.0).to(tl.float32)[None, :]
     row, head = i // H, i % H
     g = tl.load(g_ptr + row[:, None] * stride_g + head[:, None] * K + c[None, :], mask=ok, other=0.0).to(tl.float32)
-    y = x * (1.0 / (1.0 + tl.exp(-g)))
+    y = x * _sigmoid(g)
     if RNE:
         y = _bf16_rne(y)
     tl.store(y_ptr + i[:, None] * K + c[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)

@@ -320,6 +320,26 @@ def kda_step_inputs(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: 
     return q, k, qkv[..., 2, :, :], g, torch.sigmoid(cast(b, acc))
 
 
+def check_inputs(qkv, z, b) -> tuple[int, int]:
+    """(H, K) after checking ``kda_inputs``'s arguments."""
+    shape = check_tensor("qkv", qkv, floating=True)
+    if len(shape) < 3 or shape[-3] != 3:
+        raise ValueError(f"qkv must be [..., 3, H, K] (q, k, v), got shape {tuple(shape)}")
+    H, K = shape[-2:]
+    check_tensor("z", z, shape=(*shape[:-3], H * K), floating=True)
+    check_tensor("b", b, shape=(*shape[:-3], H), floating=True)
+    return H, K
+
+
+def kda_inputs_ref(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                   lower_bound: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kda_step_inputs`` as one op: (q, k, g [..., H, K], beta [..., H]), the same values; v, a view of qkv,
+    is not among its results (an op's results own their memory)."""
+    check_inputs(qkv, z, b)
+    q, k, _, g, beta = kda_step_inputs(qkv, z, b, A_log, dt_bias, lower_bound)
+    return q, k, g, beta
+
+
 def check_decode(projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, conv_pool, state_pool,
                  slots) -> tuple[int, int, int, int]:
     """(B, H, K, W) after checking the shapes (T = 1; value heads = key heads, K = V, as in the model)."""
