@@ -137,9 +137,10 @@ class KimiDeltaAttention(nn.Module):
         qkv, conv = ops.short_conv(inputs, self.conv_weight.tensor(), state["conv"], lengths)
         P, T = qkv.shape[:2]
         qkv = qkv.view(P, T, 3, self.num_heads, self.head_dim)
-        z = cast(self.decay_up(f_a[:, first:])[0], acc)  # the decay's up-projection over the prefill tokens only
-        q, k, v, g, beta = ops.kda_step_inputs(qkv, step.pad(z), step.pad(cast(b[:, first:], acc)), self.A_log,
-                                               self.dt_bias, self.lower_bound)
+        z = self.decay_up(f_a[:, first:])[0]  # the decay's up-projection over the prefill tokens only
+        # z and b padded in the model's dtype: the op upcasts them as it reads
+        q, k, v, g, beta = ops.kda_step_inputs(qkv, step.pad(z), step.pad(b[:, first:]), self.A_log, self.dt_bias,
+                                               self.lower_bound)
         o, recurrent, *kept = ops.kda_chunk(q, k, v, g, beta, None, state["recurrent"], self.chunk_size, step.keep,
                                             lengths)
         ctx.stage_state(self.cache_layer, "recurrent", recurrent)
