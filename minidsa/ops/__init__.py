@@ -28,7 +28,6 @@ from .kda.reference import (
     kda_recurrent_ref,
     short_conv_ref,
 )
-from .kda.reference import kda_step_inputs as kda_step_inputs_ref
 from .kv_store.reference import store_kv_ref
 from .linear.reference import linear_ref, linear_sum_ref
 from .mla.reference import PREFILL_TILE, decompress_kv, sparse_mla_decode_ref, sparse_mla_prefill_ref
@@ -259,8 +258,5 @@ def kda_step_inputs(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: 
     """KDA's per-token inputs from the short convs' SiLU outputs: qkv [..., 3, H, K], z [..., H*K] (W_fb W_fa x),
     b [..., H] -> (q, k (L2-normalised per head), v [..., H, K], g [..., H, K] (log-decay), beta [..., H]) in
     the accumulation dtype; v is qkv's view. The op is ``kda_inputs`` (ops/kda/reference.py)."""
-    fn = pick("kda_inputs", backend, kda_inputs_ref, qkv, z, b)
-    if fn is kda_inputs_ref:
-        return kda_step_inputs_ref(qkv, z, b, A_log, dt_bias, lower_bound)  # the formula, v included
-    q, k, g, beta = fn(qkv, z, b, A_log, dt_bias, lower_bound)
+    q, k, g, beta = pick("kda_inputs", backend, kda_inputs_ref, qkv, z, b)(qkv, z, b, A_log, dt_bias, lower_bound)
     return q, k, qkv[..., 2, :, :], g, beta
