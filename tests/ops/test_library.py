@@ -61,6 +61,7 @@ def test_fakes_match_what_the_ops_return(monkeypatch):
     seen = {op for op, _, _ in calls}
     assert {"situ_glu", "situ_glu_backward", "store_kv", "paged_index_scores", "topk_indices", "sparse_mla_decode",
             "sparse_mla_prefill", "kda_recurrent", "kda_chunk", "mxfp4_to_fp8", "expert_mlp_fp8",
-            "expert_mlp_mxfp4", "linear", "moe_route", "kda_decode"} <= seen
+            "expert_mlp_mxfp4", "linear", "moe_route", "kda_decode", "moe_plan", "output_gate", "kda_inputs",
+            "rms_norm"} <= seen
     for op, args, out in calls:
         assert _meta(FAKES[op](*args)) == _meta(out), op
