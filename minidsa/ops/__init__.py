@@ -43,7 +43,8 @@ __all__ = ["BACKENDS", "TRITON_KERNELS", "REFERENCES", "acc_dtype", "cast", "cur
            "sparse_mla_prefill", "decompress_kv", "paged_slots", "gather_positions", "PREFILL_TILE",
            "kda_recurrent", "kda_chunk", "attn_res_mix", "attn_res_block_scores", "attn_res_merge",
            "mxfp4_to_fp8", "expert_mlp_fp8", "expert_mlp_mxfp4", "situ_glu", "situ_glu_backward",
-           "linear", "linear_sum", "moe_route", "moe_plan", "route_weights", "kda_decode", "kda_step_inputs", "causal_conv",
+           "linear", "linear_sum", "moe_route", "moe_plan", "route_weights", "kda_decode", "kda_step_inputs",
+           "kda_inputs", "causal_conv",
            "conv_states_at", "short_conv", "rms_norm", "output_gate"]
 
 # op name -> its PyTorch reference; a Triton kernel registered under the same name must share its signature.
@@ -258,5 +259,11 @@ def kda_step_inputs(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: 
     """KDA's per-token inputs from the short convs' SiLU outputs: qkv [..., 3, H, K], z [..., H*K] (W_fb W_fa x),
     b [..., H] -> (q, k (L2-normalised per head), v [..., H, K], g [..., H, K] (log-decay), beta [..., H]) in
     the accumulation dtype; v is qkv's view. The op is ``kda_inputs`` (ops/kda/reference.py)."""
-    q, k, g, beta = pick("kda_inputs", backend, kda_inputs_ref, qkv, z, b)(qkv, z, b, A_log, dt_bias, lower_bound)
+    q, k, g, beta = kda_inputs(qkv, z, b, A_log, dt_bias, lower_bound, backend=backend)
     return q, k, qkv[..., 2, :, :], g, beta
+
+
+def kda_inputs(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+               lower_bound: float, *, backend: str | None = None):
+    """``kda_step_inputs`` without v, as one op: (q, k, g [..., H, K], beta [..., H]). See ops/kda/reference.py."""
+    return pick("kda_inputs", backend, kda_inputs_ref, qkv, z, b)(qkv, z, b, A_log, dt_bias, lower_bound)
