@@ -38,10 +38,9 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 4.0, beta_
     """Elementwise on gate, up [..., F] -> [..., F]; computed in fp32 (fp64 kept), returned in gate's dtype."""
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         acc = acc_dtype(gate)
-        h = _SituGluFn.apply(cast(gate, acc), cast(up, acc), beta_gate, beta_up)
-    else:  # inference: the op, which upcasts as it reads (one fused pass on a GPU, no separate casts)
-        h = ops.situ_glu(gate, up, beta_gate, beta_up)
-    return cast(h, gate.dtype)
+        return cast(_SituGluFn.apply(cast(gate, acc), cast(up, acc), beta_gate, beta_up), gate.dtype)
+    # inference: the op, which upcasts as it reads and rounds as it writes (one pass on a GPU, no casts)
+    return ops.situ_glu(gate, up, beta_gate, beta_up, gate.dtype)
 
 
 class SituGluMLP(nn.Module):

@@ -201,10 +201,10 @@ def expert_mlp_mxfp4(z: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
         z, packed, scales, experts, gates, beta_gate, beta_up)
 
 
-def situ_glu(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float, *,
+def situ_glu(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float, dtype: torch.dtype | None = None, *,
              backend: str | None = None) -> torch.Tensor:
-    """SiTU-GLU, elementwise: g, u [...] -> h [...] fp32 (training's forward; see ``minidsa.ffn.situ_glu``)."""
-    return pick("situ_glu", backend, situ_glu_ref, g, u)(g, u, beta_gate, beta_up)
+    """SiTU-GLU, elementwise: g, u [...] -> h [...] fp32, or rounded to ``dtype`` (see ``minidsa.ffn.situ_glu``)."""
+    return pick("situ_glu", backend, situ_glu_ref, g, u)(g, u, beta_gate, beta_up, dtype)
 
 
 def situ_glu_backward(g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor, beta_gate: float, beta_up: float, *,

@@ -44,7 +44,7 @@ SCHEMAS: dict[str, tuple[str, tuple[str, ...]]] = {
                        "float beta_up, int max_pairs=0) -> Tensor", ()),
     "expert_mlp_mxfp4": ("(Tensor z, Tensor packed, Tensor scales, Tensor experts, Tensor gates, "
                          "float beta_gate, float beta_up) -> Tensor", ()),
-    "situ_glu": ("(Tensor g, Tensor u, float beta_gate, float beta_up) -> Tensor", ()),
+    "situ_glu": ("(Tensor g, Tensor u, float beta_gate, float beta_up, ScalarType? dtype=None) -> Tensor", ()),
     "linear": ("(Tensor x, Tensor weight) -> Tensor", ()),
     "linear_sum": ("(Tensor x1, Tensor w1, Tensor x2, Tensor w2) -> Tensor", ()),
     "moe_route": ("(Tensor logits, Tensor bias, int top_k, float scaling) -> (Tensor, Tensor)", ()),
@@ -95,7 +95,7 @@ FAKES: dict[str, Callable] = {
     "mxfp4_to_fp8": lambda packed, scales, experts, out_elements, out_scales: None,
     "expert_mlp_fp8": lambda z, elements, scales, gates, beta_gate, beta_up, max_pairs=0: _new(z, z.shape),
     "expert_mlp_mxfp4": lambda z, packed, scales, experts, gates, beta_gate, beta_up: _new(z, z.shape),
-    "situ_glu": lambda g, u, beta_gate, beta_up: _new(g, g.shape),
+    "situ_glu": lambda g, u, beta_gate, beta_up, dtype=None: _new(g, g.shape, dtype),
     "linear": lambda x, weight: x.new_empty((*x.shape[:-1], weight.shape[0])),
     "linear_sum": lambda x1, w1, x2, w2: x1.new_empty((*x1.shape[:-1], w1.shape[0])),
     "moe_route": lambda logits, bias, top_k, scaling: (_new(logits, (logits.shape[0], top_k), torch.int64),

@@ -42,7 +42,8 @@ OTHER_KERNELS = {
         (dict(BLOCK_D=block, ROWS=rows, ROUND=rnd, **one), {"x_ptr": "*fp32" if rnd else "*bf16", "y_ptr": "*bf16"})
         for block, rows in ((8192, 1), (128, 32)) for one in ({}, {"n_rows": 1}) for rnd in (False, True)]},
     "minidsa.ops.activation.situ_glu_triton": {"_fwd_kernel": [
-        (dict(BLOCK=2048), {"g_ptr": "*bf16", "u_ptr": "*bf16"})]},
+        (dict(BLOCK=2048, RNE=rne), {"g_ptr": "*bf16", "u_ptr": "*bf16", "h_ptr": "*bf16" if rne else "*fp32"})
+        for rne in (True, False)]},
     "minidsa.ops.moe_router.plan_triton": {"_plan_kernel": [
         (dict(TOP_K=8, BLOCK_E=64, BLOCK_P=64, BLOCK_M=64, BLOCK_N=32),
          {"ids_ptr": "*i64", "experts_ptr": "*i64", "count_ptr": "*i64", "slot_ptr": "*i32"})]},

@@ -64,6 +64,16 @@ def test_slices_of_one_fused_output_are_read_in_place(dtype, monkeypatch):
     close(got, want)
 
 
+def test_a_bf16_result_is_the_fp32_one_rounded_to_nearest_even():
+    """``dtype``: the same fp32 values rounded once as torch rounds them (the interpreter's own cast would
+    truncate), and the reference's contract within that one rounding."""
+    g, u, _ = inputs((7, 61))
+    got = kern.situ_glu(g, u, 4.0, 25.0, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, kern.situ_glu(g, u, 4.0, 25.0).to(torch.bfloat16))
+    want = ref.situ_glu_ref(g, u, 4.0, 25.0, torch.bfloat16).float()
+    assert bool(((got.float() - want).abs() <= want.abs().clamp_min(1e-30) * 2.0 ** -7).all())
+
+
 def test_shape_mismatch_is_rejected_like_the_reference():
     g, u, _ = inputs((4, 5))
     for fn in (ref.situ_glu_ref, kern.situ_glu):

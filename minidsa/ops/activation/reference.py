@@ -28,11 +28,14 @@ def situ_glu_values(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up:
     return (beta_gate * torch.tanh(g / beta_gate) * torch.sigmoid(g)) * (beta_up * torch.tanh(u / beta_up))
 
 
-def situ_glu_ref(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
-    """g, u [...] -> h [...] in fp32 (fp64 if g or u is)."""
+def situ_glu_ref(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """g, u [...] -> h [...] in fp32 (fp64 if g or u is), computed so; ``dtype``: h rounded to it once at the end
+    (the product that reads h wants the model's dtype)."""
     _check(g, u)
     acc = acc_dtype(g, u)
-    return situ_glu_values(cast(g, acc), cast(u, acc), beta_gate, beta_up)
+    h = situ_glu_values(cast(g, acc), cast(u, acc), beta_gate, beta_up)
+    return h if dtype is None else cast(h, dtype)
 
 
 def situ_glu_backward_ref(g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor, beta_gate: float,

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..norm.rms_triton import _bf16_rne
 from .reference import _check, situ_glu_backward_ref, situ_glu_ref
 
 BLOCK = {"cuda": 2048, "cpu": 64}
@@ -48,7 +49,8 @@ def _situ_glu(g, u, beta_gate, beta_up):
 
 
 @triton.jit
-def _fwd_kernel(g_ptr, u_ptr, h_ptr, n, F, stride_g, stride_u, beta_gate, beta_up, BLOCK: tl.constexpr):
+def _fwd_kernel(g_ptr, u_ptr, h_ptr, n, F, stride_g, stride_u, beta_gate, beta_up, RNE: tl.constexpr,
+                BLOCK: tl.constexpr):
     """h [n / F, F] contiguous from g and u read as rows of F with their own row strides (slices of one fused
     projection's output need no copy)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -56,7 +58,10 @@ def _fwd_kernel(g_ptr, u_ptr, h_ptr, n, F, stride_g, stride_u, beta_gate, beta_u
     row, col = offs // F, offs % F
     g = tl.load(g_ptr + row * stride_g + col, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + col, mask=ok, other=0.0).to(tl.float32)
-    tl.store(h_ptr + offs, _situ_glu(g, u, beta_gate, beta_up), mask=ok)
+    h = _situ_glu(g, u, beta_gate, beta_up)
+    if RNE:  # a bf16 result rounded as torch rounds (ties to even): the interpreter's .to truncates
+        h = _bf16_rne(h)
+    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -90,18 +95,20 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1, F)
 
 
-def situ_glu(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
-    """The contract of ``situ_glu_ref``: g, u [...] -> h [...] fp32."""
+def situ_glu(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The contract of ``situ_glu_ref``: g, u [...] -> h [...] fp32, or in ``dtype``."""
     _check(g, u)
-    if torch.float64 in (g.dtype, u.dtype):
-        return situ_glu_ref(g, u, beta_gate, beta_up)
-    h = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+    if torch.float64 in (g.dtype, u.dtype, dtype):
+        return situ_glu_ref(g, u, beta_gate, beta_up, dtype)
+    h = torch.empty(g.shape, dtype=dtype or torch.float32, device=g.device)
     n = h.numel()
     if n:
         block = BLOCK["cuda" if g.is_cuda else "cpu"]
         g2, u2 = _rows(g), _rows(u)
         _fwd_kernel[(triton.cdiv(n, block),)](g2, u2, h.view(-1), n, g2.shape[1], g2.stride(0), u2.stride(0),
-                                             float(beta_gate), float(beta_up), BLOCK=block)
+                                             float(beta_gate), float(beta_up), RNE=h.dtype == torch.bfloat16,
+                                             BLOCK=block)
     return h
 
 
