@@ -20,7 +20,8 @@ from .reference import check_plan, moe_plan_ref
 MAX_PAIRS = 2048  # 256 decode rows of top-8 routing; a prefill call above it runs the reference
 
 
-@triton.jit(do_not_specialize=["N"])
+# N and M = min(N * top_k, E) change with the batch: not specialised (no variant compiled mid-run)
+@triton.jit(do_not_specialize=["N", "M"])
 def _plan_kernel(ids_ptr, w_ptr, experts_ptr, gates_ptr, count_ptr, slot_ptr, N, E, M, TOP_K: tl.constexpr,
                  BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     lanes = tl.arange(0, BLOCK_E)
