@@ -262,8 +262,8 @@ class LatentMoE(nn.Module):
                                         cast(weights.view(-1, 1), acc), self.beta_gate, self.beta_up)
         experts, gates, num_routed = self.conversion_plan(ids, weights)  # gates [m, N], 0 = not routed
         if on_host(ids) and not torch.compiler.is_compiling():
-            # a sync costs nothing here: skip converting the placeholders
-            experts, gates = experts[: int(num_routed)], gates[: int(num_routed)]
+            routed = int(num_routed)  # a sync costs nothing here: skip converting the placeholders
+            experts, gates = experts[:routed], gates[:routed]
         if direct:
             # A decode-sized batch reads each routed expert's weights about once: decoding them where the
             # product uses them (matrix-vector for one token, tensor-core tiles shared by an expert's tokens

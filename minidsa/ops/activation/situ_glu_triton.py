@@ -83,16 +83,12 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t [..., F] as [R, F] rows without a copy where its last dimension is dense and the others merge (a
-    slice of a wider output, say); a copy otherwise."""
-    F = t.shape[-1] if t.dim() else 1
-    if t.dim() and t.stride(-1) == 1:
-        try:
-            return t.view(-1, F)
-        except RuntimeError:  # the leading dimensions do not merge into one row stride
-            pass
-    return t.contiguous().view(-1, F)
+def _rows(t: torch.Tensor, F: int) -> torch.Tensor:
+    """t [..., F] as [R, F] rows with a row stride and dense columns: a view where the leading dimensions merge
+    (a slice of a wider output, say), a copy otherwise. The elementwise kernels here and in ``ops/gate`` and
+    ``ops/kda`` read their inputs so."""
+    r = t.reshape(-1, F)
+    return r if r.stride(-1) == 1 or F == 1 else r.contiguous()
 
 
 def situ_glu(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float,
@@ -105,7 +101,8 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float,
     n = h.numel()
     if n:
         block = BLOCK["cuda" if g.is_cuda else "cpu"]
-        g2, u2 = _rows(g), _rows(u)
+        F = g.shape[-1] if g.dim() else 1
+        g2, u2 = _rows(g, F), _rows(u, F)
         _fwd_kernel[(triton.cdiv(n, block),)](g2, u2, h.view(-1), n, g2.shape[1], g2.stride(0), u2.stride(0),
                                              float(beta_gate), float(beta_up), RNE=h.dtype == torch.bfloat16,
                                              BLOCK=block)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..activation.situ_glu_triton import _sigmoid
+from ..activation.situ_glu_triton import _rows, _sigmoid
 from ..norm.rms_triton import _bf16_rne
 from .reference import check_output_gate, output_gate_ref
 
@@ -48,12 +48,7 @@ def output_gate(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None
     n = o.numel() // K if K else 0
     if n == 0:
         return y
-    rows = o.reshape(-1, K)
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
-    g = gate.reshape(-1, H * K) if gate.dim() else gate.reshape(1, -1)
-    if g.stride(-1) != 1:
-        g = g.contiguous()
+    rows, g = o.reshape(-1, K).contiguous(), _rows(gate, H * K)
     block_k = triton.next_power_of_2(K)
     per = max(1, _TILE // block_k) if o.is_cuda else 1  # the interpreter: one row a program
     _gate_kernel[(triton.cdiv(n, per),)](rows, g, rows if weight is None else weight.contiguous(), y, n, H, K,

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..activation.situ_glu_triton import _sigmoid
+from ..activation.situ_glu_triton import _rows, _sigmoid
 from .reference import L2_EPS, check_inputs, kda_inputs_ref
 
 _TILE = 4096  # elements per program and tensor (ROWS x BLOCK_K)
@@ -54,9 +54,7 @@ def kda_inputs(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: torch
     if n == 0:
         return q, k, g, beta
     qkv = qkv if qkv.is_contiguous() else qkv.contiguous()
-    z2, b2 = z.reshape(-1, H * K), b.reshape(-1, H)
-    z2 = z2 if z2.stride(-1) == 1 else z2.contiguous()
-    b2 = b2 if b2.stride(-1) == 1 else b2.contiguous()
+    z2, b2 = _rows(z, H * K), _rows(b, H)
     block_k = triton.next_power_of_2(K)
     per = max(1, _TILE // block_k) if qkv.is_cuda else 1  # the interpreter: one row a program
     _inputs_kernel[(triton.cdiv(n, per),)](qkv, z2, b2, A_log.contiguous(), dt_bias.contiguous(), q, k, g, beta, n,
