@@ -91,7 +91,13 @@ class LightningIndexer(nn.Module):
         """W_qI c_q [B, T, H_I * D_I] -> q_I [B, T, H_I, D_I] in the deployment numerics."""
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         q, scale = self._numerics(q)
-        return q if scale is None else dequantize_fp8(q, scale)
+        if scale is None:
+            return q
+        q = dequantize_fp8(q, scale)
+        # An e4m3 value times a power of two is exact in bf16, so bf16 holds the same q: the score kernel then
+        # runs its dots on the tensor cores, where fp32 operands would take the FMA units (the same products,
+        # summed in fp32 either way). Under autograd q stays fp32, so that its gradient is not rounded.
+        return q if torch.is_grad_enabled() else q.to(torch.bfloat16)
 
     def head_weights(self, w: torch.Tensor) -> torch.Tensor:
         """W_w x [B, T, H_I] (fp32) -> the head weights w, scaled by H_I^-0.5."""
