@@ -131,7 +131,9 @@ def paged_index_scores_ref(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Te
     keys = gather_slots(key_plane, slots).to(acc_dtype(q, w))
     if key_scale_plane is not None:
         keys = keys * gather_slots(key_scale_plane, slots).to(keys.dtype)
-    if q_pos is not None and on_host(q_pos) and q_pos.numel():  # a padded batch: the scores that can survive only
+    # A padded batch of prompts: only the scores that can survive, row by row. Not for one query a row (decode), where
+    # a row's loop costs more than the keys it skips.
+    if q_pos is not None and on_host(q_pos) and q_pos.numel() and q_pos.shape[1] > 1:
         scores = q.new_zeros((B, q.shape[1], MB * bs), dtype=keys.dtype)
         for b, (n, hi) in enumerate(_live_extent(q_pos)):  # -inf below for every pair left out
             scores[b, :n, :hi] = index_scores_ref(q[b:b + 1, :n], keys[b:b + 1, :hi], w[b:b + 1, :n], scale)[0]
