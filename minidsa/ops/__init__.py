@@ -44,8 +44,7 @@ __all__ = ["BACKENDS", "TRITON_KERNELS", "REFERENCES", "acc_dtype", "cast", "cur
            "kda_recurrent", "kda_chunk", "attn_res_mix", "attn_res_block_scores", "attn_res_merge",
            "mxfp4_to_fp8", "expert_mlp_fp8", "expert_mlp_mxfp4", "situ_glu", "situ_glu_backward",
            "linear", "linear_sum", "moe_route", "moe_plan", "route_weights", "kda_decode", "kda_step_inputs",
-           "kda_inputs", "causal_conv",
-           "conv_states_at", "short_conv", "rms_norm", "output_gate"]
+           "kda_inputs", "causal_conv", "conv_states_at", "short_conv", "rms_norm", "output_gate"]
 
 # op name -> its PyTorch reference; a Triton kernel registered under the same name must share its signature.
 REFERENCES = {
