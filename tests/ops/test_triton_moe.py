@@ -360,3 +360,22 @@ def test_a_pair_bound_sizes_the_compact_layout_without_reading_back(experts_stor
     if DEV == "cpu":  # on a GPU the assertion stops the device for good: the process (this test run) is over
         with pytest.raises(RuntimeError, match="more routed pairs than max_pairs"):
             mlp._launch_mlp(z, els, scs, None, gates, 4.0, 25.0, L, I, dense=False, max_pairs=pairs - 1)
+
+
+def test_the_tile_list_walks_each_slots_tokens_once(experts_store):
+    """The compact layout's grid is one list of token tiles, slot by slot: an empty slot first, a slot of two
+    tiles, the placeholder (none), a slot of one; the grid holds a bound on the list, and programs past its end
+    do nothing. The MLP over it equals the reference."""
+    N = 19
+    z, experts, gates, els, scs = case(experts_store, N, seed=3)
+    gates[0] = 0.0
+    gates[1] = torch.rand(N, device=DEV) + 0.1  # every token: two tiles of 16 (the interpreter's BLOCK_T)
+    gates[3] = 0.0
+    gates[3, [2, 7, 18]] = 0.5
+    block_t = mlp._config(DEV != "cpu", False)["BLOCK_T"]
+    *_, tile_end, pairs, tiles = mlp._compact(gates, block_t)
+    per_slot = [0, -(-N // block_t), 0, 1]
+    assert tile_end.tolist() == [sum(per_slot[:j + 1]) for j in range(4)] and pairs == N + 3
+    assert sum(per_slot) <= tiles <= -(-pairs // block_t) + 4
+    got = mlp._launch_mlp(z, els, scs, None, gates, 4.0, 25.0, L, I, dense=False)
+    torch.testing.assert_close(got, live_reference(z, experts_store, experts, gates), **TOL)

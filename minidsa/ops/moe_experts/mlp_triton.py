@@ -30,9 +30,13 @@ placeholder slots (docs/design.md §14) cost a few gate loads. Two pair layouts,
   (docs/design.md §14).
 - compact (prefill): each slot's routed tokens are listed in ascending order (rank = cumsum of the
   routed mask, offsets = cumsum of the counts, a scatter of token ids), and token tiles walk those
-  lists, so compute scales with the routed pairs, not with slots x tokens. The buffers are sized by
-  the number of routed pairs and the grid by the longest list: both are read back together (one
-  host sync per call; decode batches within the dense limits never take this path).
+  lists, so compute scales with the routed pairs, not with slots x tokens. The tiles of all slots form
+  one list (vLLM's fused MoE aligns its sorted tokens to blocks the same way): grid axis 0 holds a bound
+  on its length, pairs / BLOCK_T + slots, where a grid of slots x token tiles of the longest list would
+  launch mostly empty programs (with N tokens over m slots, top-k each: m N / BLOCK_T programs for
+  about k N / BLOCK_T tiles of work). The buffers are sized by the caller's bound on the routed pairs
+  (N * top_k, no host sync) or by the count read back (one host sync; decode batches within the dense
+  limits never take this path).
 
 *Precision.* Accumulation is fp32. On the GPU each weight tile is cast to bf16 (exact: e4m3 has
 3 mantissa bits) and the fp32 activations are split into ``hi = bf16(x)``, ``lo = bf16(x - hi)``;
@@ -112,7 +116,25 @@ def _x_planes(x_ptr, x_row, live, K, k0, BK: tl.constexpr):
 
 # ---------------------------------------------------------------------------------------- MLP passes
 @triton.jit
-def _pairs(slot, tile, gates_ptr, count_ptr, offset_ptr, token_ptr, N, DENSE: tl.constexpr,
+def _program_tile(tile_end_ptr, m, DENSE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(slot, token tile, has work) of a tiled program. Dense: the grid's axes 2 and 0. Compact: program p of
+    axis 0 takes the p-th entry of the tile list, every slot's token tiles in slot order (tile_end [m]: their
+    inclusive running sum), so the grid holds the routed pairs' tiles rather than slots x token tiles; a
+    program past the list's end has none."""
+    if DENSE:
+        return tl.program_id(2), tl.program_id(0), True
+    p = tl.program_id(0)
+    j = tl.arange(0, BLOCK_M)
+    ends = tl.load(tile_end_ptr + j, mask=j < m, other=2147483647)
+    slot = tl.sum((ends <= p).to(tl.int32), axis=0)  # slots whose tiles all come before p
+    has = slot < m
+    slot = tl.minimum(slot, m - 1)
+    start = tl.where(slot > 0, tl.load(tile_end_ptr + tl.maximum(slot - 1, 0)), 0)
+    return slot, p - start, has
+
+
+@triton.jit
+def _pairs(slot, tile, has, gates_ptr, count_ptr, offset_ptr, token_ptr, N, DENSE: tl.constexpr,
            BLOCK_T: tl.constexpr):
     """The token lanes of a program: (pair row int64, token, gate fp32, live) [BLOCK_T] each."""
     j = tile * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -121,7 +143,7 @@ def _pairs(slot, tile, gates_ptr, count_ptr, offset_ptr, token_ptr, N, DENSE: tl
         token = j
         pair = slot.to(tl.int64) * N + j
     else:  # the slot's routed tokens, listed from its offset
-        inside = j < tl.load(count_ptr + slot)
+        inside = j < tl.where(has, tl.load(count_ptr + slot), 0)
         pair = tl.load(offset_ptr + slot).to(tl.int64) + j
         token = tl.load(token_ptr + pair, mask=inside, other=0)
     gate = tl.load(gates_ptr + slot.to(tl.int64) * N + token, mask=inside, other=0.0).to(tl.float32)
@@ -140,10 +162,10 @@ def _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP: tl.conste
 
 # N (tokens) is left unspecialised in the three passes: a new token count (prompt length, batch) compiles
 # no new variant; it only masks token rows and scales offsets.
-@triton.jit(do_not_specialize=["N"])
-def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_ptr, token_ptr, h_ptr,
-               N, L, I, sw_e, sw_m, ss_e, ss_m, beta_gate, beta_up,
-               MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, DOTS: tl.constexpr,
+@triton.jit(do_not_specialize=["m", "N"])
+def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_ptr, token_ptr, tile_end_ptr, h_ptr,
+               m, N, L, I, sw_e, sw_m, ss_e, ss_m, beta_gate, beta_up,
+               MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, DOTS: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GEMV: tl.constexpr,
                PTX: tl.constexpr, RB: tl.constexpr, GA: tl.constexpr, GB: tl.constexpr,
                HC: tl.constexpr):
@@ -165,8 +187,9 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_pt
             h = _situ_glu(g, u, beta_gate, beta_up) * gate
             tl.store(h_ptr + slot.to(tl.int64) * I + rows, h, mask=row_ok)
         return
-    pair, token, gate, live = _pairs(slot, tl.program_id(0), gates_ptr, count_ptr, offset_ptr, token_ptr, N,
-                                     DENSE, BLOCK_T)
+    slot, tile, has = _program_tile(tile_end_ptr, m, DENSE, BLOCK_M)
+    pair, token, gate, live = _pairs(slot, tile, has, gates_ptr, count_ptr, offset_ptr, token_ptr, N, DENSE,
+                                     BLOCK_T)
     if tl.max(live.to(tl.int32), axis=0) > 0:  # no routed token here: read no weight at all
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < I
@@ -189,10 +212,11 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_pt
         tl.store(h_ptr + pair[None, :] * I + rows[:, None], h, mask=row_ok[:, None] & live[None, :])
 
 
-@triton.jit(do_not_specialize=["N"])
-def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_ptr, token_ptr, part_ptr,
-                 N, L, I, sw_e, sw_m, ss_e, ss_m,
+@triton.jit(do_not_specialize=["m", "N"])
+def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_ptr, token_ptr, tile_end_ptr,
+                 part_ptr, m, N, L, I, sw_e, sw_m, ss_e, ss_m,
                  MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, DOTS: tl.constexpr,
+                 BLOCK_M: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GEMV: tl.constexpr,
                PTX: tl.constexpr, RB: tl.constexpr, GA: tl.constexpr, GB: tl.constexpr,
                HC: tl.constexpr):
@@ -212,8 +236,9 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_
                               BLOCK_K)
             tl.store(part_ptr + slot.to(tl.int64) * L + rows, part, mask=row_ok)
         return
-    pair, token, gate, live = _pairs(slot, tl.program_id(0), gates_ptr, count_ptr, offset_ptr, token_ptr, N,
-                                     DENSE, BLOCK_T)
+    slot, tile, has = _program_tile(tile_end_ptr, m, DENSE, BLOCK_M)
+    pair, token, gate, live = _pairs(slot, tile, has, gates_ptr, count_ptr, offset_ptr, token_ptr, N, DENSE,
+                                     BLOCK_T)
     if tl.max(live.to(tl.int32), axis=0) > 0:
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < L
@@ -267,12 +292,12 @@ def _config(on_gpu: bool, dense: bool, N: int = 1) -> dict:
     return dict(BLOCK_T=64, BLOCK_R=128, BLOCK_K=64, num_warps=8, num_stages=3, BLOCK_S=16, BLOCK_L=256)
 
 
-def _compact(gates: torch.Tensor, max_pairs: int = 0) -> tuple[torch.Tensor, ...]:
-    """Per-slot lists of routed tokens: (rank int32 [m, N] inclusive, count int32 [m], offset int32 [m],
-    token int32 [pairs + 1], pairs, the longest list). With ``max_pairs`` (a bound the caller knows, N * top_k)
-    the buffers are sized by it and the grid by N, and nothing is read back: the programs past a slot's list
-    return at once, and a bound below the true count stops the device with an assertion. Without it the two
-    numbers are read back (one host synchronisation) to size both exactly."""
+def _compact(gates: torch.Tensor, block_t: int, max_pairs: int = 0) -> tuple:
+    """Per-slot lists of routed tokens and the token tiles that walk them: (rank int32 [m, N] inclusive, count
+    int32 [m], offset int32 [m], token int32 [pairs + 1], tile_end int32 [m] (inclusive running sum of the
+    slots' tiles of ``block_t`` tokens), pairs, a bound on the tiles). With ``max_pairs`` (a bound the caller
+    knows, N * top_k) the buffers are sized by it and nothing is read back: a bound below the true count stops
+    the device with an assertion. Without it the pair count is read back (one host synchronisation)."""
     m, N = gates.shape
     routed = gates != 0
     rank = torch.cumsum(routed, 1, dtype=torch.int32)
@@ -280,13 +305,16 @@ def _compact(gates: torch.Tensor, max_pairs: int = 0) -> tuple[torch.Tensor, ...
     offset = torch.cumsum(count, 0, dtype=torch.int32) - count
     if max_pairs > 0:
         torch._assert_async(count.sum() <= max_pairs, "expert_mlp_fp8: more routed pairs than max_pairs")
-        pairs, longest = max_pairs, N
+        pairs = max_pairs
     else:
-        pairs, longest = torch.stack([count.sum(), count.max()]).tolist()
+        pairs = int(count.sum())
     dest = torch.where(routed, offset[:, None] + rank - 1, pairs).view(-1).long()  # unrouted -> a spare row
     tokens = torch.arange(N, dtype=torch.int32, device=gates.device).expand(m, N).reshape(-1)
     token = torch.empty(pairs + 1, dtype=torch.int32, device=gates.device).scatter_(0, dest, tokens)
-    return rank, count, offset, token, pairs, longest
+    tile_end = torch.cumsum(torch.div(count + (block_t - 1), block_t, rounding_mode="floor"), 0, dtype=torch.int32)
+    # sum over slots of ceil(count / block_t) <= pairs / block_t + m, and never more than every slot's N tokens
+    tiles = min(triton.cdiv(pairs, block_t) + m, m * triton.cdiv(N, block_t))
+    return rank, count, offset, token, tile_end, pairs, tiles
 
 
 def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool | None = None,
@@ -306,30 +334,34 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
     z_bf16 = z.dtype == torch.bfloat16
     z, gates = (z if z_bf16 else z.float()).contiguous(), gates.float().contiguous()
     if dense:
-        rank = count = offset = token = gates  # unused pointers
-        pairs, longest = m * N, N
+        rank = count = offset = token = tile_end = gates  # unused pointers
+        pairs = m * N
+        tiles = triton.cdiv(N, cfg["BLOCK_T"])  # per slot (grid axis 2)
     else:
-        rank, count, offset, token, pairs, longest = _compact(gates, max_pairs)
+        rank, count, offset, token, tile_end, pairs, tiles = _compact(gates, cfg["BLOCK_T"], max_pairs)
         if pairs == 0:  # no token routed anywhere
             return out.zero_()
     h = torch.empty(pairs, I, dtype=torch.float32, device=z.device)
     part = torch.empty(pairs, L, dtype=torch.float32, device=z.device)
-    shared = (w, s, gates if experts is None else experts.contiguous(), gates, count, offset, token)
-    strides = (N, L, I, w.stride(0), w.stride(1), s.stride(0), s.stride(1))
+    shared = (w, s, gates if experts is None else experts.contiguous(), gates, count, offset, token, tile_end)
+    strides = (m, N, L, I, w.stride(0), w.stride(1), s.stride(0), s.stride(1))
     meta = dict(MXFP4=w.dtype == torch.uint8, HAS_MAP=experts is not None, DENSE=dense, DOTS=2 if on_gpu else 0,
-                BLOCK_T=cfg["BLOCK_T"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+                BLOCK_M=triton.next_power_of_2(m), BLOCK_T=cfg["BLOCK_T"], BLOCK_R=cfg["BLOCK_R"],
+                BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
     if on_gpu:
         meta["num_stages"] = cfg["num_stages"]
     # matrix-vector products for one token (MXFP4: up to MXFP4_GEMV_MAX_TOKENS), tensor-core tiles above
     meta["GEMV"] = dense and (N == 1 or (w.dtype == torch.uint8 and N <= MXFP4_GEMV_MAX_TOKENS))
     meta["PTX"] = on_gpu and triton.runtime.driver.active.get_current_target().backend == "cuda"
-    # token tiles per slot; the MXFP4 matrix-vector programs walk all of a slot's tokens themselves
-    tiles = 1 if meta["GEMV"] and meta["MXFP4"] else max(1, triton.cdiv(longest, cfg["BLOCK_T"]))
+    # dense: token tiles per slot (the MXFP4 matrix-vector programs walk all of a slot's tokens themselves) x
+    # slots; compact: the tile list's bound on one axis
+    tiles = 1 if meta["GEMV"] and meta["MXFP4"] else tiles
+    slots = m if dense else 1
     meta, parts_up, parts_down = _gemv_meta(meta, on_gpu, L, I, m)
     up_meta = dict(meta, DOTS=(1 if z_bf16 else 2) if on_gpu else 0)
-    _up_kernel[(tiles, triton.cdiv(I, meta["BLOCK_R"]), m)](z, *shared, h, *strides, float(beta_gate),
-                                                            float(beta_up), **up_meta, **parts_up)
-    _down_kernel[(tiles, triton.cdiv(L, meta["BLOCK_R"]), m)](h, *shared, part, *strides, **meta, **parts_down)
+    _up_kernel[(tiles, triton.cdiv(I, meta["BLOCK_R"]), slots)](z, *shared, h, *strides, float(beta_gate),
+                                                                float(beta_up), **up_meta, **parts_up)
+    _down_kernel[(tiles, triton.cdiv(L, meta["BLOCK_R"]), slots)](h, *shared, part, *strides, **meta, **parts_down)
     _combine_kernel[(N, triton.cdiv(L, cfg["BLOCK_L"]))](part, gates, rank, offset, out, m, N, L, DENSE=dense,
                                                          BLOCK_S=cfg["BLOCK_S"], BLOCK_L=cfg["BLOCK_L"])
     return out
