@@ -129,7 +129,7 @@ def _program_tile(tile_end_ptr, m, DENSE: tl.constexpr, BLOCK_M: tl.constexpr):
     slot = tl.sum((ends <= p).to(tl.int32), axis=0)  # slots whose tiles all come before p
     has = slot < m
     slot = tl.minimum(slot, m - 1)
-    start = tl.where(slot > 0, tl.load(tile_end_ptr + tl.maximum(slot - 1, 0)), 0)
+    start = tl.where(slot > 0, tl.load(tile_end_ptr + tl.maximum(slot - 1, 0)), 0).to(tl.int32)
     return slot, p - start, has
 
 
