@@ -289,8 +289,7 @@ def _config(on_gpu: bool, dense: bool, N: int = 1) -> dict:
     if dense:
         return dict(BLOCK_T=32 if 16 < N <= 32 else 16, BLOCK_R=64, BLOCK_K=128, num_warps=4, num_stages=3,
                     BLOCK_S=16, BLOCK_L=256)
-    # prefill (H100, small's shapes, 4,096 tokens: 128 x 64 tiles of 4 warps 8 % faster than 64 x 128 of 8; equal
-    # at 1,024: docs/benchmarks.md)
+    # prefill: the fastest shape of a sweep on the H100 at small's shapes (docs/benchmarks.md)
     return dict(BLOCK_T=128, BLOCK_R=64, BLOCK_K=64, num_warps=4, num_stages=3, BLOCK_S=16, BLOCK_L=256)
 
 
@@ -347,8 +346,10 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
     part = torch.empty(pairs, L, dtype=torch.float32, device=z.device)
     shared = (w, s, gates if experts is None else experts.contiguous(), gates, count, offset, token, tile_end)
     strides = (m, N, L, I, w.stride(0), w.stride(1), s.stride(0), s.stride(1))
+    # BLOCK_M, the tile list's search width, is 1 where the dense layout ignores it: a decode batch's slot count
+    # (min(N * top_k, E)) then compiles no new variant
     meta = dict(MXFP4=w.dtype == torch.uint8, HAS_MAP=experts is not None, DENSE=dense, DOTS=2 if on_gpu else 0,
-                BLOCK_M=triton.next_power_of_2(m), BLOCK_T=cfg["BLOCK_T"], BLOCK_R=cfg["BLOCK_R"],
+                BLOCK_M=1 if dense else triton.next_power_of_2(m), BLOCK_T=cfg["BLOCK_T"], BLOCK_R=cfg["BLOCK_R"],
                 BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
     if on_gpu:
         meta["num_stages"] = cfg["num_stages"]
