@@ -29,8 +29,7 @@ def _dot_one(w, x_t, acc, DOTS: tl.constexpr):
 
 
 @triton.jit
-def _planes_no_decode(w_ptr, s, rows, row_ok, K, k0, MXFP4: tl.constexpr, PTX: tl.constexpr, ROWS: tl.constexpr,
-                      BK: tl.constexpr):
+def _planes_no_decode(w_ptr, s, rows, row_ok, K, k0, PTX: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
     c = k0 // 2 + tl.arange(0, BK // 2)
     ok = row_ok[:, None] & (c < K // 2)[None, :]
     b = tl.load(w_ptr + rows[:, None] * (K // 2) + c[None, :], mask=ok, other=0).to(tl.bfloat16)

@@ -117,8 +117,8 @@ def test_fp8_and_mxfp4_mlps_match_the_reference(experts_store, N, dense, monkeyp
     assert got_fp8.dtype == torch.float32 and torch.isfinite(got_fp8).all(), "the unrouted NaN slot was read"
     torch.testing.assert_close(got_fp8, want, **TOL)
     torch.testing.assert_close(got_mx, want, **TOL)
-    if dense is False:  # bitwise-identical weights through the same tensor-core passes and planes: identical
-        assert torch.equal(got_fp8, got_mx)
+    # (the tensor-core passes take an MXFP4 tile as its even and odd planes and an FP8 tile whole: the same
+    # products, summed in another order, so the two agree to rounding, not bit for bit)
     # (at decode sizes the MXFP4 MLP is a matrix-vector product per routed pair that sums each 32-code
     # group before its scale; the FP8 one scales each product, in a tensor-core pass for several tokens)
 

@@ -13,8 +13,8 @@ scales them in bf16 (bf16 has fp32's exponent range, and a 2-bit mantissa times 
 A tensor-core tile is used as two *planes*, its even and its odd elements along K: a packed byte holds one
 element of each (low nibble = even), so the two planes decode from the bytes in place, where putting the
 elements back in order would cost a shuffle of every register (the product W @ x then sums the planes'
-products: W[:, 0::2] @ x[0::2] + W[:, 1::2] @ x[1::2]). FP8 tiles take the same planes, so both formats
-run the same products in the same order.
+products: W[:, 0::2] @ x[0::2] + W[:, 1::2] @ x[1::2]). FP8 tiles need no planes (their bytes are their
+elements): ``_weight_tile`` gives them whole.
 """
 
 from __future__ import annotations
@@ -133,48 +133,40 @@ def _group_scales(s_ptr, rows, row_ok, KG, k0, ROWS: tl.constexpr, BK: tl.conste
 
 @triton.jit
 def _scaled(v, s, SHIFT: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
-    """One plane v [ROWS, BK // 2] of a tile times its group scales s (codes [ROWS, BK // 32]): 16 plane
+    """One plane v [ROWS, BK // 2] of an MXFP4 tile times its group scales s (codes [ROWS, BK // 32]): 16 plane
     elements per group."""
     return tl.reshape(tl.reshape(v, (ROWS, BK // 32, 16)) * _e8m0(s, SHIFT)[:, :, None], (ROWS, BK // 2))
 
 
 @triton.jit
-def _weight_planes(w_ptr, s, rows, row_ok, K, k0, MXFP4: tl.constexpr, PTX: tl.constexpr, ROWS: tl.constexpr,
-                   BK: tl.constexpr):
-    """The (even, odd) planes, [ROWS, BK // 2] each (fp32; bf16 from the PTX), of the tile at rows ``rows``, columns k0..k0+BK of
-    one row-major [*, K] expert matrix (K a multiple of 32), with its group scales s already loaded
-    (``_group_scales``): a loop loads the next tile's a step ahead, because the compiler's pipelining does
-    not prefetch these few-byte uint8 loads. PTX: decode MXFP4 with _E2M1_PLANES_PTX (the GPU; its bf16
-    values are the fp32 ones exactly, which the tensor-core products take as bf16 anyway)."""
-    if MXFP4:
-        c = k0 // 2 + tl.arange(0, BK // 2)
-        row_bytes = K // 32 * 16  # K / 2, written so that the compiler sees a multiple of 16 (vector loads)
-        ok = row_ok[:, None] & (c < row_bytes)[None, :]
-        b = tl.load(w_ptr + rows[:, None] * row_bytes + c[None, :], mask=ok, other=0)
-        if PTX:  # bf16 planes, scaled in the PTX (16 bytes, 32 elements, per group)
-            b = tl.reshape(b, (ROWS, BK // 32, 16))
-            sc = tl.broadcast_to(_e8m0_bf16(s)[:, :, None], (ROWS, BK // 32, 16))
-            even, odd = tl.inline_asm_elementwise(_E2M1_PLANES_PTX, "=r,=r,=r,=r,r,r,r", [b, sc],
-                                                  dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-            even, odd = tl.reshape(even, (ROWS, BK // 2)), tl.reshape(odd, (ROWS, BK // 2))
-        else:
-            b = b.to(tl.int32)
-            even, odd = _scaled(_e2m1_fp16(b), s, 14, ROWS, BK), _scaled(_e2m1_fp16(b >> 4), s, 14, ROWS, BK)
+def _weight_planes(w_ptr, s, rows, row_ok, K, k0, PTX: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
+    """The (even, odd) planes, [ROWS, BK // 2] each (fp32; bf16 from the PTX), of the MXFP4 tile at rows ``rows``,
+    columns k0..k0+BK of one row-major [*, K] expert matrix (K a multiple of 32), with its group scales s already
+    loaded (``_group_scales``): a loop loads the next tile's a step ahead, because the compiler's pipelining does
+    not prefetch these few-byte uint8 loads. PTX: decode with _E2M1_PLANES_PTX (the GPU; its bf16 values are the
+    fp32 ones exactly, which the tensor-core products take as bf16 anyway)."""
+    c = k0 // 2 + tl.arange(0, BK // 2)
+    row_bytes = K // 32 * 16  # K / 2, written so that the compiler sees a multiple of 16 (vector loads)
+    ok = row_ok[:, None] & (c < row_bytes)[None, :]
+    b = tl.load(w_ptr + rows[:, None] * row_bytes + c[None, :], mask=ok, other=0)
+    if PTX:  # bf16 planes, scaled in the PTX (16 bytes, 32 elements, per group)
+        b = tl.reshape(b, (ROWS, BK // 32, 16))
+        sc = tl.broadcast_to(_e8m0_bf16(s)[:, :, None], (ROWS, BK // 32, 16))
+        even, odd = tl.inline_asm_elementwise(_E2M1_PLANES_PTX, "=r,=r,=r,=r,r,r,r", [b, sc],
+                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        even, odd = tl.reshape(even, (ROWS, BK // 2)), tl.reshape(odd, (ROWS, BK // 2))
     else:
-        k = k0 + tl.arange(0, BK)
-        ok = row_ok[:, None] & (k < K)[None, :]
-        v = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=ok, other=0.0).to(tl.float32)
-        even, odd = tl.split(tl.reshape(v, (ROWS, BK // 2, 2)))
-        even, odd = _scaled(even, s, 0, ROWS, BK), _scaled(odd, s, 0, ROWS, BK)
+        b = b.to(tl.int32)
+        even, odd = _scaled(_e2m1_fp16(b), s, 14, ROWS, BK), _scaled(_e2m1_fp16(b >> 4), s, 14, ROWS, BK)
     return even, odd
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, rows, row_ok, K, k0, ROWS: tl.constexpr, BK: tl.constexpr):
+def _weight_tile(w_ptr, s, rows, row_ok, K, k0, ROWS: tl.constexpr, BK: tl.constexpr):
     """fp32 [ROWS, BK] tile (rows ``rows``, columns k0..k0+BK) of one row-major [*, K] FP8 expert matrix, in
-    element order (the matrix-vector path)."""
+    element order, times its group scales s (``_group_scales``). An FP8 tile needs no planes: its bytes are its
+    elements, so a tensor-core pass takes it in one K-wide product."""
     k = k0 + tl.arange(0, BK)
     ok = row_ok[:, None] & (k < K)[None, :]
     v = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=ok, other=0.0).to(tl.float32)
-    s = _group_scales(s_ptr, rows, row_ok, K // 32, k0, ROWS, BK)
     return tl.reshape(tl.reshape(v, (ROWS, BK // 32, 32)) * _e8m0(s, 0)[:, :, None], (ROWS, BK))

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ..activation.situ_glu_triton import _situ_glu
-from .dequant_triton import _E2M1_PTX, _e2m1_fp16, _e8m0, _weight_tile
+from .dequant_triton import _E2M1_PTX, _e2m1_fp16, _e8m0, _group_scales, _weight_tile
 
 # Decode tiles of the matrix-vector path: FP8 (one token): rows per program, K per step, warps; MXFP4
 # (every decode size): a program computes BLOCK_R rows, RB at a time, each over the whole K (see
@@ -56,7 +56,8 @@ def _gemv_rows(w_ptr, s_ptr, rows, row_ok, K, x_ptr, ROWS: tl.constexpr, BK: tl.
     acc = tl.zeros((ROWS, BK), tl.float32)
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
-        acc += _weight_tile(w_ptr, s_ptr, rows, row_ok, K, k0, ROWS, BK) * _f32(x_ptr + k, k < K)[None, :]
+        s = _group_scales(s_ptr, rows, row_ok, K // 32, k0, ROWS, BK)
+        acc += _weight_tile(w_ptr, s, rows, row_ok, K, k0, ROWS, BK) * _f32(x_ptr + k, k < K)[None, :]
     return tl.sum(acc, axis=1)
 
 

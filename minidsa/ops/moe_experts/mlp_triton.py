@@ -5,12 +5,13 @@ workspace slots and ``expert_mlp_mxfp4`` straight from MXFP4 storage. Same signa
 
 Three launches, grouped over all slots, no Python loop over experts and no atomics:
 
-1. *up*: grid ``(token tile, block of BLOCK_R rows of I, slot)``. A program walks L in BLOCK_K steps,
-   dequantises a [BLOCK_R, BLOCK_K] tile of w1 and of w3 in registers as its even and odd planes along K
-   (``dequant_triton.py``), and accumulates ``g, u [BLOCK_R, BLOCK_T] += W @ z^T`` in fp32 (one product
-   per plane) (weights are the dot's M: 64-128 rows; a
-   token tile short of BLOCK_T is padded by masked lanes). It then applies SiTU-GLU and the gate and
-   writes ``h = gate * SiTU-GLU(g, u)`` [BLOCK_T, BLOCK_R] rows.
+1. *up*: grid ``(token tile, block of BLOCK_R rows of I, slot)`` (compact: ``(tile list entry, rows, 1)``).
+   A program walks L in BLOCK_K steps, dequantises a [BLOCK_R, BLOCK_K] tile of w1 and of w3 in
+   registers (MXFP4 as its even and odd planes along K, which its packed bytes decode into; FP8
+   whole: ``dequant_triton.py``), and accumulates ``g, u [BLOCK_R, BLOCK_T] += W @ z^T`` in fp32
+   (one product per plane, or one per FP8 tile; weights are the dot's M, 64-128 rows; a token tile
+   short of BLOCK_T is padded by masked lanes). It then applies SiTU-GLU and the gate and writes
+   ``h = gate * SiTU-GLU(g, u)`` [BLOCK_T, BLOCK_R] rows.
 2. *down*: grid ``(token tile, block of BLOCK_R rows of L, slot)``: ``part = h @ W2^T`` per
    (slot, token) pair, written to a per-pair buffer [pairs, L].
 3. *combine*: one program per (token, BLOCK_L columns) sums its pairs' rows over the slots in a
@@ -65,7 +66,7 @@ import triton.language as tl
 
 from ..activation.situ_glu_triton import _situ_glu
 from .convert_triton import _require_rows_contiguous
-from .dequant_triton import _group_scales, _weight_planes
+from .dequant_triton import _group_scales, _weight_planes, _weight_tile
 from .matvec_triton import _down_decode, _gemv_meta, _gemv_rows, _up_decode
 from .reference import check_fp8_mlp, check_mxfp4_mlp, expert_mlp_fp8_ref, expert_mlp_mxfp4_ref
 
@@ -114,6 +115,15 @@ def _x_planes(x_ptr, x_row, live, K, k0, BK: tl.constexpr):
     return tl.trans(even), tl.trans(odd)
 
 
+@triton.jit
+def _x_tile(x_ptr, x_row, live, K, k0, BK: tl.constexpr):
+    """Rows x_row [T] of an fp32 [*, K] activation matrix at columns k0..k0+BK, transposed: [BK, T] fp32, zero
+    for dead lanes and past K (the FP8 tiles' operand, in element order)."""
+    k = k0 + tl.arange(0, BK)
+    x = tl.load(x_ptr + x_row[:, None] * K + k[None, :], mask=live[:, None] & (k < K)[None, :], other=0.0)
+    return tl.trans(x.to(tl.float32))
+
+
 # ---------------------------------------------------------------------------------------- MLP passes
 @triton.jit
 def _program_tile(tile_end_ptr, m, DENSE: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -160,6 +170,22 @@ def _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP: tl.conste
     return w_ptr + e * sw_e, s_ptr + e * ss_e
 
 
+@triton.jit
+def _up_step(w1, w3, sg, su, z_ptr, token, live, L, k0, acc_g, acc_u, rows, row_ok, MXFP4: tl.constexpr,
+             PTX: tl.constexpr, DOTS: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
+    """One BK step of the up pass: (acc_g, acc_u) + (W1, W3)[rows, k0:k0 + BK] @ z[token, k0:k0 + BK]^T, the
+    tiles' group scales sg, su already loaded. MXFP4 tiles as the planes their packed bytes decode into; FP8 whole."""
+    if MXFP4:
+        z_t = _x_planes(z_ptr, token, live, L, k0, BK)
+        acc_g = _dot_planes(_weight_planes(w1, sg, rows, row_ok, L, k0, PTX, ROWS, BK), z_t, acc_g, DOTS)
+        acc_u = _dot_planes(_weight_planes(w3, su, rows, row_ok, L, k0, PTX, ROWS, BK), z_t, acc_u, DOTS)
+    else:
+        z_t = _x_tile(z_ptr, token, live, L, k0, BK)
+        acc_g = _dot(_weight_tile(w1, sg, rows, row_ok, L, k0, ROWS, BK), z_t, acc_g, DOTS)
+        acc_u = _dot(_weight_tile(w3, su, rows, row_ok, L, k0, ROWS, BK), z_t, acc_u, DOTS)
+    return acc_g, acc_u
+
+
 # N (tokens) is left unspecialised in the three passes: a new token count (prompt length, batch) compiles
 # no new variant; it only masks token rows and scales offsets.
 @triton.jit(do_not_specialize=["m", "N"])
@@ -202,11 +228,8 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_pt
             # the next step's group scales now (the compiler does not prefetch these uint8 loads)
             sg_next = _group_scales(s1, rows, row_ok, L // 32, k0 + BLOCK_K, BLOCK_R, BLOCK_K)
             su_next = _group_scales(s1 + ss_m, rows, row_ok, L // 32, k0 + BLOCK_K, BLOCK_R, BLOCK_K)
-            z_t = _x_planes(z_ptr, token, live, L, k0, BLOCK_K)
-            acc_g = _dot_planes(_weight_planes(w1, sg, rows, row_ok, L, k0, MXFP4, PTX, BLOCK_R, BLOCK_K), z_t,
-                                acc_g, DOTS)
-            acc_u = _dot_planes(_weight_planes(w1 + sw_m, su, rows, row_ok, L, k0, MXFP4, PTX, BLOCK_R, BLOCK_K),
-                                z_t, acc_u, DOTS)
+            acc_g, acc_u = _up_step(w1, w1 + sw_m, sg, su, z_ptr, token, live, L, k0, acc_g, acc_u, rows, row_ok,
+                                    MXFP4, PTX, DOTS, BLOCK_R, BLOCK_K)
             sg, su = sg_next, su_next
         h = _situ_glu(acc_g, acc_u, beta_gate, beta_up) * gate[None, :]
         tl.store(h_ptr + pair[None, :] * I + rows[:, None], h, mask=row_ok[:, None] & live[None, :])
@@ -248,9 +271,13 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_
         sc = _group_scales(s2, rows, row_ok, I // 32, 0, BLOCK_R, BLOCK_K)
         for k0 in range(0, I, BLOCK_K):
             sc_next = _group_scales(s2, rows, row_ok, I // 32, k0 + BLOCK_K, BLOCK_R, BLOCK_K)
-            h_t = _x_planes(h_ptr, pair, live, I, k0, BLOCK_K)
-            w2 = _weight_planes(w1 + 2 * sw_m, sc, rows, row_ok, I, k0, MXFP4, PTX, BLOCK_R, BLOCK_K)
-            acc = _dot_planes(w2, h_t, acc, DOTS)
+            if MXFP4:
+                h_t = _x_planes(h_ptr, pair, live, I, k0, BLOCK_K)
+                w2 = _weight_planes(w1 + 2 * sw_m, sc, rows, row_ok, I, k0, PTX, BLOCK_R, BLOCK_K)
+                acc = _dot_planes(w2, h_t, acc, DOTS)
+            else:
+                acc = _dot(_weight_tile(w1 + 2 * sw_m, sc, rows, row_ok, I, k0, BLOCK_R, BLOCK_K),
+                           _x_tile(h_ptr, pair, live, I, k0, BLOCK_K), acc, DOTS)
             sc = sc_next
         tl.store(part_ptr + pair[None, :] * L + rows[:, None], acc, mask=row_ok[:, None] & live[None, :])
 
