@@ -23,8 +23,9 @@ used is dropped. Before that its steps run shaped but uncaptured: the same layou
 same sparse prefill form as the graph (no kernel here sums in an order that varies between runs), so a step's
 numbers do not depend on whether its shape was captured yet, and a shape met once (the first step that admits
 a whole batch of prompts, say) costs one forward instead of a capture's two. In a graph the sparse MLA prefill
-runs its absorbed form: the union form's choice waits for counts from the GPU, which a capture cannot hold
-(ops/mla/prefill_form.py); an uncaptured shaped step runs it too (``sync_free``).
+runs the form its shapes choose (the union form for tables within top-k, else the absorbed form): the cost model's
+choice waits for counts from the GPU, which a capture cannot hold (ops/mla/prefill_form.py); an uncaptured
+shaped step chooses the same way (``sync_free``).
 
 Graphs share one memory pool. A graph's outputs would pin their memory in it, so every graph instead writes
 its logits and its new KDA states into buffers that all graphs share, and holds no output of its own; the

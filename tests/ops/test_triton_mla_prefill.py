@@ -59,6 +59,24 @@ def test_each_form_matches_the_reference(form, monkeypatch):
     assert torch.equal(out, mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale))  # run to run
 
 
+def test_a_table_within_top_k_takes_the_union_form_reading_nothing_back(monkeypatch):
+    """A block table that reaches no further than top-k (a prompt shorter than top-k): inside sync_free(), as a
+    captured step runs it, the union form with buffers sized from the shapes, no count read back; equal to the
+    reference. A wider table there takes the absorbed form."""
+    monkeypatch.setattr(pf, "FORM", "auto")
+    q, kv, pe, table, idx, w, scale = prefill_case(B=1, T=30, K=36, contexts=(30,))  # 9 blocks of 4
+    assert table.shape[1] * kv.shape[1] <= idx.shape[-1]
+    calls, attend, absorbed = [], pa.attend, mp.sparse_mla_prefill_absorbed
+    monkeypatch.setattr(pa, "attend", lambda *a: calls.append("union") or attend(*a))
+    monkeypatch.setattr(mp, "sparse_mla_prefill_absorbed", lambda *a: calls.append("absorbed") or absorbed(*a))
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda *a: pytest.fail("a count was read back"))
+    with pf.sync_free():
+        got = mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
+        mp.sparse_mla_prefill(q, kv, pe, table, idx[..., :table.shape[1] * kv.shape[1] - 1], w, scale)
+    assert calls == ["union", "absorbed"]
+    torch.testing.assert_close(got, sparse_mla_prefill_ref(q, kv, pe, table, idx, w, scale), **FP32_TOL)
+
+
 def test_int64_offsets_give_the_same_result(monkeypatch):
     """The int64 addressing that tensors of 2^31 elements take, forced on a small case: bitwise the same."""
     monkeypatch.setattr(pf, "FORM", "union")

@@ -16,8 +16,10 @@ unions and the decompression (about 5 % of that form's time at T = 32k).
 benchmarks); any other value raises at the first decision. Pure Python: nothing here launches a kernel.
 
 The union form's choice waits for the unions' counts (a host synchronisation), which a CUDA graph cannot
-capture. Inside ``sync_free()`` (the step graphs' warm-ups and captures, serving/step_graphs.py) the absorbed
-form runs, chosen from nothing but the call itself; it needs no count.
+capture. Inside ``sync_free()`` (the step graphs' warm-ups and captures, serving/step_graphs.py) the form is
+chosen from nothing but the call's shapes: the union form where the block table reaches no further than top-k
+(a tile's union is then at most top-k positions, and its buffers are sized from the shapes), else the absorbed
+form, which needs no count.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ _SYNC_FREE = contextvars.ContextVar("minidsa_prefill_sync_free", default=False)
 
 @contextlib.contextmanager
 def sync_free():
-    """Within: every sparse MLA prefill runs the absorbed form (no host synchronisation)."""
+    """Within: every sparse MLA prefill runs a form chosen without a host synchronisation (the module's text)."""
     token = _SYNC_FREE.set(True)
     try:
         yield

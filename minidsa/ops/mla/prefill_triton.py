@@ -83,31 +83,39 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     args = (q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
     if torch.float64 in (q.dtype, kv_latent_plane.dtype, k_pe_plane.dtype, kv_b_weight.dtype):
         return sparse_mla_prefill_ref(*args)
-    if B * T == 0 or indices.shape[-1] == 0 or prefill_form.FORM == "absorbed" or prefill_form.must_not_sync():
-        return sparse_mla_prefill_absorbed(*args)
     bs, on_gpu = kv_latent_plane.shape[1], q.device.type == "cuda"
+    reach = block_table.shape[1] * bs
+    # A table that reaches no further than top-k (prompts shorter than top-k): a tile's union holds at most
+    # top-k positions, so the union form is never costlier than the absorbed one with full selections (and
+    # the indexer selects all a query sees: its best case). Its buffers follow from the shapes: no read-back.
+    whole = 0 < reach <= indices.shape[-1] and prefill_form.FORM != "absorbed"
+    if B * T == 0 or indices.shape[-1] == 0 or prefill_form.FORM == "absorbed" or (
+            prefill_form.must_not_sync() and not whole):
+        return sparse_mla_prefill_absorbed(*args)
     BLOCK_M, BLOCK_N, num_warps, num_stages = prefill_attn_triton.tile_config(on_gpu, kv_b_weight.element_size())
     idx, table = indices.to(torch.int32), block_table.to(torch.int32)
     # S bounds every position the op marks, ORs and decompresses. A table that reaches at most twice the
-    # prompt (a prefill without a long prefix) sets it, with no host sync before the union build. A wider
-    # one (a long prefix, or a table made for a longer sequence: 128k positions for a 1k prompt) costs a
-    # sync for the highest selection instead, so that the work follows the selections and not the table
-    # (the sync costs time: the GPU drains while the host waits).
-    reach = table.shape[1] * bs
-    S = reach if reach <= 2 * T else min(int(idx.max()) + 1, reach)
+    # prompt (a prefill without a long prefix) or at most top-k sets it, with no host sync before the union
+    # build. A wider one (a long prefix, or a table made for a longer sequence: 128k positions for a 1k prompt)
+    # costs a sync for the highest selection instead, so that the work follows the selections and not the
+    # table (the sync costs time: the GPU drains while the host waits).
+    S = reach if reach <= 2 * T or whole else min(int(idx.max()) + 1, reach)
     if S <= 0:  # no block, or nothing selected anywhere: the absorbed form returns zeros
         return sparse_mla_prefill_absorbed(*args)
     bits, n_valid = bitmaps(idx, table, bs, B, T, S, on_gpu)
     union, count, mask_off, stats = tile_unions(bits, n_valid, B, T, S, BLOCK_M, on_gpu)
-    work = _fetch_later(stats)
+    work = None if whole else _fetch_later(stats)
     # Queued before the host waits for the counts: the GPU decompresses while the host wakes up and launches
     # the masks (wasted when the absorbed form wins).
     kv, k_pe = _decompress(kv_latent_plane, k_pe_plane, table[:, :triton.cdiv(S, bs)], kv_b_weight, B, H)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    pairs, selected, total = work()  # waits for the counts' copy alone
     gluon = prefill_attn_triton.gluon_attends(q, kv, k_pe, dn, scale, BLOCK_M)  # the union kernel sets its cost
-    if not prefill_form.use_union_form(pairs, selected, H, gluon):
-        return sparse_mla_prefill_absorbed(*args)
+    if whole:  # the masks' words: at most ceil(S / 32) per query of every tile
+        total = B * triton.cdiv(T, BLOCK_M) * BLOCK_M * triton.cdiv(S, 32)
+    else:
+        pairs, selected, total = work()  # waits for the counts' copy alone
+        if not prefill_form.use_union_form(pairs, selected, H, gluon):
+            return sparse_mla_prefill_absorbed(*args)
     mask = tile_masks(bits, union, count, mask_off, total, T, BLOCK_M, on_gpu)
     del bits  # 4 bytes per query and 32 positions, no longer needed: free them before attention runs
     out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
