@@ -26,6 +26,7 @@ import minidsa  # noqa: E402
 from minidsa.formats import mxfp4  # noqa: E402
 from minidsa.ops.moe_experts import convert_triton as convert  # noqa: E402
 from minidsa.ops.moe_experts import dequant_triton as dequant  # noqa: E402
+from minidsa.ops.moe_experts import lists_triton as lists  # noqa: E402
 from minidsa.ops.moe_experts import matvec_triton as matvec  # noqa: E402
 from minidsa.ops.moe_experts import mlp_triton as mlp  # noqa: E402
 from minidsa.ops.moe_experts import reference as ref  # noqa: E402
@@ -109,7 +110,7 @@ def test_fp8_and_mxfp4_mlps_match_the_reference(experts_store, N, dense, monkeyp
     # N = 5 fits one token tile of the dense pair layout; N = 19 takes two tiles, dense (a decode batch:
     # it must not compact, which reads the pair counts back to the host) or compact (prefill).
     if dense is None:
-        monkeypatch.setattr(mlp, "_compact", lambda *a: pytest.fail("a decode-sized call synchronised"))
+        monkeypatch.setattr(mlp, "compact_lists", lambda *a: pytest.fail("a decode-sized call synchronised"))
     z, experts, gates, els, scs = case(experts_store, N)
     want = live_reference(z, experts_store, experts, gates)
     got_fp8 = mlp._launch_mlp(z, els, scs, None, gates, 4.0, 25.0, L, I, dense=dense)
@@ -373,9 +374,28 @@ def test_the_tile_list_walks_each_slots_tokens_once(experts_store):
     gates[3] = 0.0
     gates[3, [2, 7, 18]] = 0.5
     block_t = mlp._config(DEV != "cpu", False)["BLOCK_T"]
-    *_, tile_end, pairs, tiles = mlp._compact(gates, block_t)
+    *_, tile_end, pairs, tiles = lists.compact_lists(gates, block_t)
     per_slot = [0, -(-N // block_t), 0, 1]
     assert tile_end.tolist() == [sum(per_slot[:j + 1]) for j in range(4)] and pairs == N + 3
     assert sum(per_slot) <= tiles <= -(-pairs // block_t) + 4
     got = mlp._launch_mlp(z, els, scs, None, gates, 4.0, 25.0, L, I, dense=False)
     torch.testing.assert_close(got, live_reference(z, experts_store, experts, gates), **TOL)
+
+
+@pytest.mark.parametrize("m,N,density", [(4, 19, 0.5), (5, 70, 0.3), (64, 300, 8 / 64), (3, 33, 0.0)])
+def test_the_lists_are_the_torch_expressions(m, N, density):
+    """The three list-building launches against the expressions they replace: ranks (inclusive running counts per
+    slot), counts, offsets, the tile list's ends and every routed token at its place in its slot's list."""
+    g = torch.Generator().manual_seed(m + N)
+    gates = (torch.rand(m, N, generator=g) * (torch.rand(m, N, generator=g) < density)).to(DEV)
+    rank, count, offset, token, tile_end, pairs, tiles = lists.compact_lists(gates, 16)
+    routed = (gates != 0).cpu()
+    want_rank = torch.cumsum(routed, 1, dtype=torch.int32)
+    want_count = want_rank[:, -1]
+    want_offset = torch.cumsum(want_count, 0, dtype=torch.int32) - want_count
+    assert torch.equal(rank.cpu(), want_rank) and torch.equal(count.cpu(), want_count)
+    assert torch.equal(offset.cpu(), want_offset) and pairs == int(routed.sum())
+    assert tile_end.tolist() == torch.cumsum((want_count + 15) // 16, 0).tolist()
+    for j in range(m):
+        listed = token[int(want_offset[j]): int(want_offset[j]) + int(want_count[j])].cpu()
+        assert listed.tolist() == routed[j].nonzero().view(-1).tolist()

@@ -46,10 +46,15 @@ def routing(N, E, k, seed=0):
 
 
 @pytest.mark.parametrize("N,E,k", [(1, 64, 8), (7, 60, 6), (33, 32, 1), (3, 5, 4), (40, 64, 8)])
-def test_plan_matches_reference(N, E, k):
+@pytest.mark.parametrize("launches", ["one", "three"])
+def test_plan_matches_reference(N, E, k, launches, monkeypatch):
     """Slots (routed ascending, then placeholders), gates and the count: exactly the reference's, on odd
-    expert counts, a batch routing to every expert (3 x 4 pairs over 5) and one using a few."""
+    expert counts, a batch routing to every expert (3 x 4 pairs over 5) and one using a few; by the
+    decode-sized single program and by the prefill-sized three launches."""
+    from minidsa.ops.moe_router import plan_triton
     from minidsa.ops.moe_router.plan_triton import moe_plan
+    if launches == "three":
+        monkeypatch.setattr(plan_triton, "MAX_PAIRS", 0)
     ids, w = routing(N, E, k, seed=N + E)
     got = moe_plan(ids.to(kernel_device()), w.to(kernel_device()), E)
     want = ops.moe_plan(ids, w, E, backend="torch")
@@ -66,9 +71,13 @@ def test_plan_matches_reference(N, E, k):
     assert torch.equal(want[1], dense)
 
 
-def test_plan_of_another_rank_s_experts_mapped_to_zero():
+@pytest.mark.parametrize("launches", ["one", "three"])
+def test_plan_of_another_rank_s_experts_mapped_to_zero(launches, monkeypatch):
     """Expert parallelism: a row's other-rank experts come as id 0 with weight 0, beside a real expert 0."""
+    from minidsa.ops.moe_router import plan_triton
     from minidsa.ops.moe_router.plan_triton import moe_plan
+    if launches == "three":
+        monkeypatch.setattr(plan_triton, "MAX_PAIRS", 0)
     ids = torch.tensor([[0, 0, 3], [2, 0, 0]])
     w = torch.tensor([[0.5, 0.0, 0.25], [0.75, 0.0, 0.0]])
     got = moe_plan(ids.to(kernel_device()), w.to(kernel_device()), 6)

@@ -29,9 +29,9 @@ placeholder slots (docs/design.md §14) cost a few gate loads. Two pair layouts,
   tiles (or, MXFP4, one walk over the slot's routed tokens), so little is to be gained from
   compaction, and no host sync is needed, which a decode step cannot afford in every MoE layer
   (docs/design.md §14).
-- compact (prefill): each slot's routed tokens are listed in ascending order (rank = cumsum of the
-  routed mask, offsets = cumsum of the counts, a scatter of token ids), and token tiles walk those
-  lists, so compute scales with the routed pairs, not with slots x tokens. The tiles of all slots form
+- compact (prefill): each slot's routed tokens are listed in ascending order (``lists_triton.py``, three
+  launches: rank = running count of the routed mask, offsets = running sum of the counts), and token
+  tiles walk those lists, so compute scales with the routed pairs, not with slots x tokens. The tiles of all slots form
   one list (vLLM's fused MoE aligns its sorted tokens to blocks the same way): grid axis 0 holds a bound
   on its length, pairs / BLOCK_T + slots, where a grid of slots x token tiles of the longest list would
   launch mostly empty programs (with N tokens over m slots, top-k each: m N / BLOCK_T programs for
@@ -67,6 +67,7 @@ import triton.language as tl
 from ..activation.situ_glu_triton import _situ_glu
 from .convert_triton import _require_rows_contiguous
 from .dequant_triton import _group_scales, _weight_planes, _weight_tile
+from .lists_triton import compact_lists
 from .matvec_triton import _down_decode, _gemv_meta, _gemv_rows, _up_decode
 from .reference import check_fp8_mlp, check_mxfp4_mlp, expert_mlp_fp8_ref, expert_mlp_mxfp4_ref
 
@@ -320,31 +321,6 @@ def _config(on_gpu: bool, dense: bool, N: int = 1) -> dict:
     return dict(BLOCK_T=128, BLOCK_R=64, BLOCK_K=64, num_warps=4, num_stages=3, BLOCK_S=16, BLOCK_L=256)
 
 
-def _compact(gates: torch.Tensor, block_t: int, max_pairs: int = 0) -> tuple:
-    """Per-slot lists of routed tokens and the token tiles that walk them: (rank int32 [m, N] inclusive, count
-    int32 [m], offset int32 [m], token int32 [pairs + 1], tile_end int32 [m] (inclusive running sum of the
-    slots' tiles of ``block_t`` tokens), pairs, a bound on the tiles). With ``max_pairs`` (a bound the caller
-    knows, N * top_k) the buffers are sized by it and nothing is read back: a bound below the true count stops
-    the device with an assertion. Without it the pair count is read back (one host synchronisation)."""
-    m, N = gates.shape
-    routed = gates != 0
-    rank = torch.cumsum(routed, 1, dtype=torch.int32)
-    count = rank[:, -1].contiguous()
-    offset = torch.cumsum(count, 0, dtype=torch.int32) - count
-    if max_pairs > 0:
-        torch._assert_async(count.sum() <= max_pairs, "expert_mlp_fp8: more routed pairs than max_pairs")
-        pairs = max_pairs
-    else:
-        pairs = int(count.sum())
-    dest = torch.where(routed, offset[:, None] + rank - 1, pairs).view(-1).long()  # unrouted -> a spare row
-    tokens = torch.arange(N, dtype=torch.int32, device=gates.device).expand(m, N).reshape(-1)
-    token = torch.empty(pairs + 1, dtype=torch.int32, device=gates.device).scatter_(0, dest, tokens)
-    tile_end = torch.cumsum(torch.div(count + (block_t - 1), block_t, rounding_mode="floor"), 0, dtype=torch.int32)
-    # sum over slots of ceil(count / block_t) <= pairs / block_t + m, and never more than every slot's N tokens
-    tiles = min(triton.cdiv(pairs, block_t) + m, m * triton.cdiv(N, block_t))
-    return rank, count, offset, token, tile_end, pairs, tiles
-
-
 def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool | None = None,
                 max_pairs: int = 0) -> torch.Tensor:
     """The three passes; ``experts`` None means slot j is storage row j (the FP8 workspace)."""
@@ -366,7 +342,7 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
         pairs = m * N
         tiles = triton.cdiv(N, cfg["BLOCK_T"])  # per slot (grid axis 2)
     else:
-        rank, count, offset, token, tile_end, pairs, tiles = _compact(gates, cfg["BLOCK_T"], max_pairs)
+        rank, count, offset, token, tile_end, pairs, tiles = compact_lists(gates, cfg["BLOCK_T"], max_pairs)
         if pairs == 0:  # no token routed anywhere
             return out.zero_()
     h = torch.empty(pairs, I, dtype=torch.float32, device=z.device)

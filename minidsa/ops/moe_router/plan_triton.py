@@ -5,8 +5,9 @@ product and a sum over a [m, N, top_k] temporary), a decode step's largest group
 projections. One program does it all for a decode-sized call: the routed mask by comparing the ids with
 every expert lane in chunks, each expert's slot by prefix sums over the mask (routed first, then the
 rest, both ascending), then the gates tile by tile, each gate the weight of the one id that names its
-slot. No atomics, no sort. Above ``MAX_PAIRS`` (token, expert) pairs the single program would run too long
-and the reference's launches are large ones: the reference runs.
+slot. No atomics, no sort. Above ``MAX_PAIRS`` (token, expert) pairs the single program would run too long:
+a prefill's plan takes three launches of the same steps, the routed mask per block of tokens, one program
+for the slots, the gates per block of tokens.
 """
 
 from __future__ import annotations
@@ -20,16 +21,10 @@ from .reference import check_plan, moe_plan_ref
 MAX_PAIRS = 2048  # 256 decode rows of top-8 routing; a prefill call above it runs the reference
 
 
-# N and M = min(N * top_k, E) change with the batch: not specialised (no variant compiled mid-run)
-@triton.jit(do_not_specialize=["N", "M"])
-def _plan_kernel(ids_ptr, w_ptr, experts_ptr, gates_ptr, count_ptr, slot_ptr, N, E, M, TOP_K: tl.constexpr,
-                 BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    lanes = tl.arange(0, BLOCK_E)
-    routed = tl.zeros([BLOCK_E], tl.int32)
-    for start in range(0, N * TOP_K, BLOCK_P):
-        p = start + tl.arange(0, BLOCK_P)
-        ids = tl.load(ids_ptr + p, mask=p < N * TOP_K, other=-1)
-        routed = tl.maximum(routed, tl.max((ids[:, None] == lanes[None, :]).to(tl.int32), axis=0))
+@triton.jit
+def _slot_map(routed, lanes, E, experts_ptr, count_ptr, slot_ptr, M):
+    """From the routed mask [BLOCK_E] over expert lanes: each expert's slot (routed first, then the rest, both
+    ascending), the slots' experts and the routed count."""
     real = lanes < E
     routed = tl.where(real, routed, 0)
     rest = tl.where(real, 1 - routed, 0)
@@ -37,26 +32,77 @@ def _plan_kernel(ids_ptr, w_ptr, experts_ptr, gates_ptr, count_ptr, slot_ptr, N,
     slot = tl.where(routed == 1, tl.cumsum(routed, axis=0) - 1, n_routed + tl.cumsum(rest, axis=0) - 1)
     tl.store(experts_ptr + slot, lanes.to(tl.int64), mask=real & (slot < M))
     tl.store(count_ptr, n_routed.to(tl.int64))
-    tl.store(slot_ptr + lanes, slot, mask=real)  # each expert's slot, read back below by id
+    tl.store(slot_ptr + lanes, slot, mask=real)  # each expert's slot, read back by id for the gates
+
+
+@triton.jit
+def _gates_block(ids_ptr, w_ptr, slot_ptr, gates_ptr, n0, N, M, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """gates[:, n0:n0 + BLOCK_N]: each gate the weight of the one id of its token that names its slot."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    for m0 in range(0, M, BLOCK_M):
+        j = m0 + tl.arange(0, BLOCK_M)
+        g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in tl.static_range(TOP_K):
+            e = tl.load(ids_ptr + n * TOP_K + k, mask=n < N, other=0)
+            w = tl.load(w_ptr + n * TOP_K + k, mask=n < N, other=0.0).to(tl.float32)
+            s = tl.load(slot_ptr + e, mask=n < N, other=-1)
+            g += tl.where(j[:, None] == s[None, :], w[None, :], 0.0)
+        tl.store(gates_ptr + j[:, None] * N + n[None, :], g, mask=(j < M)[:, None] & (n < N)[None, :])
+
+
+# N and M = min(N * top_k, E) change with the batch: not specialised (no variant compiled mid-run)
+@triton.jit(do_not_specialize=["N", "M"])
+def _plan_kernel(ids_ptr, w_ptr, experts_ptr, gates_ptr, count_ptr, slot_ptr, N, E, M, TOP_K: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A decode-sized plan in one program."""
+    lanes = tl.arange(0, BLOCK_E)
+    routed = tl.zeros([BLOCK_E], tl.int32)
+    for start in range(0, N * TOP_K, BLOCK_P):
+        p = start + tl.arange(0, BLOCK_P)
+        ids = tl.load(ids_ptr + p, mask=p < N * TOP_K, other=-1)
+        routed = tl.maximum(routed, tl.max((ids[:, None] == lanes[None, :]).to(tl.int32), axis=0))
+    _slot_map(routed, lanes, E, experts_ptr, count_ptr, slot_ptr, M)
     tl.debug_barrier()
     for n0 in range(0, N, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        for m0 in range(0, M, BLOCK_M):
-            j = m0 + tl.arange(0, BLOCK_M)
-            g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for k in tl.static_range(TOP_K):
-                e = tl.load(ids_ptr + n * TOP_K + k, mask=n < N, other=0)
-                w = tl.load(w_ptr + n * TOP_K + k, mask=n < N, other=0.0).to(tl.float32)
-                s = tl.load(slot_ptr + e, mask=n < N, other=-1)
-                g += tl.where(j[:, None] == s[None, :], w[None, :], 0.0)
-            tl.store(gates_ptr + j[:, None] * N + n[None, :], g, mask=(j < M)[:, None] & (n < N)[None, :])
+        _gates_block(ids_ptr, w_ptr, slot_ptr, gates_ptr, n0, N, M, TOP_K, BLOCK_M, BLOCK_N)
+
+
+# A prefill-sized plan in three launches: per block of tokens the experts it names; one program for the slots;
+# per block of tokens its gates.
+@triton.jit(do_not_specialize=["N"])
+def _block_routed_kernel(ids_ptr, routed_ptr, N, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    b = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK_E)
+    n = b * BLOCK_N + tl.arange(0, BLOCK_N)
+    hit = tl.zeros([BLOCK_E], tl.int32)
+    for k in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + n * TOP_K + k, mask=n < N, other=-1)
+        hit = tl.maximum(hit, tl.max((e[:, None] == lanes[None, :]).to(tl.int32), axis=0))
+    tl.store(routed_ptr + b * BLOCK_E + lanes, hit)
+
+
+@triton.jit(do_not_specialize=["n_blocks", "M"])
+def _slots_kernel(routed_ptr, experts_ptr, count_ptr, slot_ptr, n_blocks, E, M, BLOCK_E: tl.constexpr):
+    lanes = tl.arange(0, BLOCK_E)
+    routed = tl.zeros([BLOCK_E], tl.int32)
+    for b in range(0, n_blocks):
+        routed = tl.maximum(routed, tl.load(routed_ptr + b * BLOCK_E + lanes))
+    _slot_map(routed, lanes, E, experts_ptr, count_ptr, slot_ptr, M)
+
+
+@triton.jit(do_not_specialize=["N", "M"])
+def _gates_kernel(ids_ptr, w_ptr, slot_ptr, gates_ptr, N, M, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    _gates_block(ids_ptr, w_ptr, slot_ptr, gates_ptr, tl.program_id(0) * BLOCK_N, N, M, TOP_K, BLOCK_M, BLOCK_N)
 
 
 def moe_plan(ids: torch.Tensor, weights: torch.Tensor,
              num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The contract of ``moe_plan_ref``: (experts int64 [m], gates fp32 [m, N], num_routed int64 [])."""
     N, K = check_plan(ids, weights, num_experts)
-    if weights.dtype == torch.float64 or N * K > MAX_PAIRS or N * K == 0:
+    if weights.dtype == torch.float64 or N * K == 0:
         return moe_plan_ref(ids, weights, num_experts)
     M = min(N * K, num_experts)
     dev = ids.device
@@ -65,8 +111,17 @@ def moe_plan(ids: torch.Tensor, weights: torch.Tensor,
     count = torch.empty((), dtype=torch.int64, device=dev)
     slots = torch.empty(num_experts, dtype=torch.int32, device=dev)  # scratch: each expert's slot
     block_e = triton.next_power_of_2(num_experts)
-    _plan_kernel[(1,)](ids.contiguous(), weights.contiguous(), experts, gates, count, slots, N, num_experts, M,
-                       TOP_K=K, BLOCK_E=block_e, BLOCK_P=max(1, min(64, 8192 // block_e)),
-                       BLOCK_M=min(64, triton.next_power_of_2(M)), BLOCK_N=min(32, triton.next_power_of_2(N)),
-                       num_warps=4)
+    ids, weights = ids.contiguous(), weights.contiguous()
+    block_m = min(64, triton.next_power_of_2(M))
+    if N * K <= MAX_PAIRS:
+        _plan_kernel[(1,)](ids, weights, experts, gates, count, slots, N, num_experts, M, TOP_K=K, BLOCK_E=block_e,
+                           BLOCK_P=max(1, min(64, 8192 // block_e)), BLOCK_M=block_m,
+                           BLOCK_N=min(32, triton.next_power_of_2(N)), num_warps=4)
+        return experts, gates, count
+    block_n = max(1, min(64, 8192 // block_e))
+    n_blocks = triton.cdiv(N, block_n)
+    routed = torch.empty(n_blocks, block_e, dtype=torch.int32, device=dev)
+    _block_routed_kernel[(n_blocks,)](ids, routed, N, TOP_K=K, BLOCK_E=block_e, BLOCK_N=block_n)
+    _slots_kernel[(1,)](routed, experts, count, slots, n_blocks, num_experts, M, BLOCK_E=block_e)
+    _gates_kernel[(triton.cdiv(N, 32),)](ids, weights, slots, gates, N, M, TOP_K=K, BLOCK_M=block_m, BLOCK_N=32)
     return experts, gates, count
