@@ -80,16 +80,21 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"MXFP4 needs the last dim to be a multiple of {GROUP}, got K = {K}; pad the weight")
     if not bool(torch.isfinite(w).all()):
         raise ValueError("w holds NaN or Inf; MXFP4 cannot represent them")
-    x = w.detach().to(torch.float64).reshape(*w.shape[:-1], K // GROUP, GROUP)
+    # fp32 holds every value of a bf16/fp16/fp32 weight and every quotient below by a power of two that can
+    # reach a midpoint (a quotient small enough to round is far below 0.25 and gets code 0 either way), so
+    # only fp64 weights need fp64 arithmetic. frexp gives floor(log2(amax)) exactly, where log2 may round up
+    # just below a power of two. The sign comes from w itself, which an underflowing quotient would lose.
+    work = torch.float64 if w.dtype == torch.float64 else torch.float32
+    x = w.detach().to(work).reshape(*w.shape[:-1], K // GROUP, GROUP)
     amax = x.abs().amax(dim=-1, keepdim=True)
-    exp = torch.floor(torch.log2(amax.clamp_min(2.0 ** -300))) - E2M1_EMAX
-    exp = exp.clamp(-E8M0_BIAS, 254 - E8M0_BIAS)  # all-zero groups get the smallest scale, code 0
-    y = x / torch.exp2(exp)
-    mag = y.abs()
+    exp = torch.frexp(amax).exponent.to(work) - 1 - E2M1_EMAX  # frexp: amax = m * 2^e, m in [0.5, 1)
+    exp = torch.where(amax > 0, exp, -E8M0_BIAS)  # all-zero groups get the smallest scale, code 0
+    exp = exp.clamp(-E8M0_BIAS, 254 - E8M0_BIAS)
+    mag = x.abs() / torch.exp2(exp)
     code = torch.zeros_like(mag, dtype=torch.uint8)
     for i, m in enumerate(_MIDPOINTS):
         code += (mag > m if i % 2 == 0 else mag >= m).to(torch.uint8)
-    code |= (y < 0).to(torch.uint8) << 3
+    code |= (x < 0).to(torch.uint8) << 3
     code = code.reshape(*w.shape[:-1], K)
     packed = code[..., 0::2] | (code[..., 1::2] << 4)
     scales = (exp + E8M0_BIAS).to(torch.uint8).squeeze(-1)

@@ -147,9 +147,11 @@ class LatentMoE(nn.Module):
 
     @torch.no_grad()
     def init_experts(self, generator: torch.Generator, std: float) -> None:
-        """Seeded N(0, std) expert weights, stored in MXFP4."""
+        """Seeded N(0, std) expert weights, stored in MXFP4: drawn on the CPU (the same weights on every
+        machine) and quantized where the layer lives (exact arithmetic, so on any device the same codes)."""
         for name, (rows, k) in self.shapes.items():
-            packed, scales = mxfp4.quantize(torch.randn(self.num_experts, rows, k, generator=generator) * std)
+            w = torch.randn(self.num_experts, rows, k, generator=generator) * std
+            packed, scales = mxfp4.quantize(w.to(self.packed[name].device))
             self.packed[name].copy_(packed)
             self.scales[name].copy_(scales)
 
