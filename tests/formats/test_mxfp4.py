@@ -60,6 +60,23 @@ def test_quantize_matches_brute_force_and_rounds_ties_to_even():
     assert torch.equal(mxfp4.dequantize(p, s, torch.float64), brute_quantize(w))
 
 
+def test_quantize_exponent_is_exact_below_a_power_of_two_and_signs_survive_underflow():
+    # amax one ulp below 4: floor(log2 amax) = 1, so e = -1 (code 126) and amax / 2^-1 ~ 8 saturates at 6
+    # (code 7). A rounded log2 would say 2 and give code 127. Holds for fp64 and fp32 weights alike.
+    for dtype in (torch.float64, torch.float32):
+        w = torch.zeros(1, 32, dtype=dtype)
+        w[0, 0] = torch.nextafter(torch.tensor(4.0, dtype=dtype), torch.tensor(0.0, dtype=dtype))
+        p, s = mxfp4.quantize(w)
+        assert s.item() == 126 and p[0, 0].item() & 0x0F == 7, dtype
+    # amax 2^100 (e = 98) beside -2^-60: the quotient -2^-158 is below fp32's range, the element still
+    # rounds to -0 (code 8, sign kept), and a group of zeros gets the smallest scale (code 0).
+    w = torch.zeros(2, 32)
+    w[0, 0], w[0, 1] = 2.0 ** 100, -(2.0 ** -60)
+    p, s = mxfp4.quantize(w)
+    assert s.tolist() == [[98 + 127], [0]]
+    assert p[0, 0].item() == 0x86 and p[1].eq(0).all()  # low nibble: 2^100 / 2^98 = 4.0 (code 6); high: -0
+
+
 def test_quantization_error_bound():
     w = torch.randn(64, 256)
     deq = mxfp4.dequantize(*mxfp4.quantize(w))
