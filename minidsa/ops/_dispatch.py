@@ -59,6 +59,10 @@ TRITON_KERNELS: dict[str, tuple[str, str]] = {
 # and result (the same parity tests hold it to the reference): "auto" picks it when no input is on a GPU.
 CPU_FORMS: dict[str, tuple[str, str]] = {
     "topk_indices": ("minidsa.ops.indexer.topk_cpu", "topk_indices"),
+    "mxfp4_to_fp8": ("minidsa.ops.moe_experts.cpu", "mxfp4_to_fp8"),
+    "expert_mlp_fp8": ("minidsa.ops.moe_experts.cpu", "expert_mlp_fp8"),
+    "expert_mlp_mxfp4": ("minidsa.ops.moe_experts.cpu", "expert_mlp_mxfp4"),
+    "kda_chunk": ("minidsa.ops.kda.chunk_cpu", "kda_chunk"),
 }
 
 _default = "auto"
@@ -157,7 +161,7 @@ def pick(op: str, backend: str | None, reference: Callable, *tensors) -> Callabl
     on_gpu = any(getattr(t, "is_cuda", False) for t in tensors)
     if registered and on_gpu and not recording and triton_available():
         return load_kernel(op)
-    if op in CPU_FORMS and not on_gpu and not recording:
+    if op in CPU_FORMS and not on_gpu:  # plain PyTorch, differentiable like the reference
         module, name = CPU_FORMS[op]
         return getattr(importlib.import_module(module), name)
     return reference

@@ -8,7 +8,8 @@ from conftest import tiny_config
 import minidsa
 from minidsa import ops
 from minidsa.ops import causal_conv
-from minidsa.ops.kda.reference import FACTOR_SPAN, kda_chunk_ref, kda_recurrent_ref
+from minidsa.ops.kda.chunk_cpu import FACTOR_SPAN
+from minidsa.ops.kda.reference import kda_chunk_ref, kda_recurrent_ref
 
 
 def naive_kda(q, k, v, g, beta, scale, s0):

@@ -59,3 +59,114 @@ def test_topk_cpu_form_fp64_and_empty_go_to_the_reference():
 def test_topk_cpu_form_rejects_nan():
     with pytest.raises(ValueError, match="NaN"):
         topk_cpu.topk_indices(torch.tensor([[[float("nan"), 1.0]]]), 1, torch.tensor([[1]]))
+
+
+def _expert_inputs(gen, E=5, m=4, N=11, L=64, I=96, dtype=torch.float32):
+    """Random MXFP4 experts (every code and scales around 2^0), a workspace of m slots, z [N, L], gates [m, N]
+    with most pairs unrouted as top-k routing leaves them (so the routed-rows path runs at N >= 8)."""
+    packed = torch.randint(0, 256, (E, 3, I * L // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(124, 130, (E, 3, I * L // 32), generator=gen, dtype=torch.uint8)
+    experts = torch.tensor([3, 0, 4, 1][:m])
+    z = torch.randn(N, L, generator=gen, dtype=dtype)
+    gates = torch.rand(m, N, generator=gen, dtype=dtype) * (torch.rand(m, N, generator=gen) < 0.3)
+    return packed, scales, experts, z, gates
+
+
+def test_moe_cpu_forms_equal_the_references():
+    """Conversion byte for byte; the MLPs to the rounding of a different order of the same fp32 sums (the
+    routed rows add per expert through index_add; matmuls of other shapes block K differently): 1e-5 relative
+    to outputs of about 10-50 is a few ulps of their size. In fp64 the same gap is 1e-12."""
+    from minidsa.ops.moe_experts import cpu
+    from minidsa.ops.moe_experts import reference as ref
+
+    gen = torch.Generator().manual_seed(7)
+    packed, scales, experts, z, gates = _expert_inputs(gen)
+    els = [torch.zeros(6, 3, packed.shape[-1] * 2, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    scs = [torch.zeros(6, 3, scales.shape[-1], dtype=torch.uint8) for _ in range(2)]
+    ref.mxfp4_to_fp8_ref(packed, scales, experts, els[0], scs[0])
+    cpu.mxfp4_to_fp8(packed, scales, experts, els[1], scs[1])
+    assert torch.equal(els[0].view(torch.uint8), els[1].view(torch.uint8)) and torch.equal(scs[0], scs[1])
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
+        zz, gg = z.to(dtype), gates.to(dtype)
+        want = ref.expert_mlp_mxfp4_ref(zz, packed, scales, experts, gg, 4.0, 25.0)
+        torch.testing.assert_close(cpu.expert_mlp_mxfp4(zz, packed, scales, experts, gg, 4.0, 25.0), want,
+                                   rtol=tol, atol=tol * want.abs().max().item())
+        fp8 = ref.expert_mlp_fp8_ref(zz, els[0], scs[0], gg, 4.0, 25.0)
+        torch.testing.assert_close(cpu.expert_mlp_fp8(zz, els[0], scs[0], gg, 4.0, 25.0), fp8,
+                                   rtol=tol, atol=tol * want.abs().max().item())
+        torch.testing.assert_close(fp8, want, rtol=tol, atol=tol * want.abs().max().item())
+    for op in ("mxfp4_to_fp8", "expert_mlp_fp8", "expert_mlp_mxfp4"):
+        assert pick(op, "auto", ops.REFERENCES[op], z) is getattr(cpu, op)
+        assert pick(op, "torch", ops.REFERENCES[op], z) is ops.REFERENCES[op]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.float64, 1e-12)])
+def test_kda_chunk_cpu_form_equals_the_reference(dtype, tol):
+    """Odd shapes (T = 63 with chunks of 16, GQA 2 -> 4 value heads, K = 12, V = 20), a padded row, an initial
+    state and kept states: the factored sums and the skipped padding give the reference's outputs to the
+    rounding of differently ordered sums (fp32: 2e-5 of outputs of order 1 is a few hundred ulps of the
+    sums' terms, which reach about 10 here; fp64: 1e-12)."""
+    from minidsa.ops.kda import chunk_cpu
+    from minidsa.ops.kda.reference import kda_chunk_ref
+
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, HV, K, V = 3, 63, 2, 4, 12, 20
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1) for _ in "qk")
+    v = torch.randn(B, T, HV, V, generator=gen, dtype=dtype)
+    g = -5.0 * torch.rand(B, T, HV, K, generator=gen, dtype=dtype)  # the model's decay floor is -5
+    beta = torch.rand(B, T, HV, generator=gen, dtype=dtype)
+    s0 = torch.randn(B, HV, K, V, generator=gen, dtype=dtype)
+    lengths = torch.tensor([63, 20, 48])
+    state_at = torch.tensor([[0, 16], [1, 0], [2, 48], [-1, 0], [0, 63]])
+    want = kda_chunk_ref(q, k, v, g, beta, None, s0, 16, state_at, lengths)
+    got = chunk_cpu.kda_chunk(q, k, v, g, beta, None, s0, 16, state_at, lengths)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    assert pick("kda_chunk", "auto", kda_chunk_ref, q) is chunk_cpu.kda_chunk
+
+
+def test_references_are_plain():
+    """A reference.py is the formula: no host reads of tensor values, no device tests, no cached tables (those
+    belong to the CPU forms, the kernels and the checks modules)."""
+    import pathlib
+    import re
+
+    forbidden = re.compile(r"on_host\(|lru_cache|\.tolist\(\)|\.item\(\)|device\.type|is_cuda|65536")
+    bad = []
+    for path in (pathlib.Path(ops.__file__).parent).glob("*/reference.py"):
+        bad += [f"{path.parent.name}/reference.py:{i}: {line.strip()}"
+                for i, line in enumerate(path.read_text().splitlines(), 1) if forbidden.search(line)]
+    known = {"attention", "indexer", "kv_store"}  # value checks still to move into their checks modules
+    assert not [b for b in bad if b.split("/")[0] not in known], "\n".join(bad)
+
+
+def test_cpu_forms_carry_gradients_like_the_references():
+    """"auto" runs the CPU forms under autograd too (training on a CPU): their gradients are the references'
+    (fp64, so only the order of sums differs: 1e-10 relative). An unrouted (zero) gate is a constant of the
+    layer, not a weight: the routed rows give it no gradient, the dense reference does; only routed ones are
+    compared."""
+    from minidsa.ops.kda import chunk_cpu
+    from minidsa.ops.kda.reference import kda_chunk_ref
+    from minidsa.ops.moe_experts import cpu
+    from minidsa.ops.moe_experts import reference as ref
+
+    gen = torch.Generator().manual_seed(9)
+    B, T, H, K, V = 2, 40, 2, 8, 8
+    inputs = [torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
+              for _ in "qk"]
+    inputs += [torch.randn(B, T, H, V, generator=gen, dtype=torch.float64),
+               -3.0 * torch.rand(B, T, H, K, generator=gen, dtype=torch.float64),
+               torch.rand(B, T, H, generator=gen, dtype=torch.float64)]
+    packed, scales, experts, z, gates = _expert_inputs(gen, N=12, dtype=torch.float64)
+    cases = [(kda_chunk_ref, chunk_cpu.kda_chunk, inputs, lambda f, x: f(*x, chunk_size=16)[0]),
+             (ref.expert_mlp_mxfp4_ref, cpu.expert_mlp_mxfp4, [z, gates],
+              lambda f, x: f(x[0], packed, scales, experts, x[1], 4.0, 25.0))]
+    for reference, form, xs, call in cases:
+        grads = []
+        for f in (reference, form):
+            leaves = [x.clone().requires_grad_() for x in xs]
+            call(f, leaves).pow(2).sum().backward()
+            grads.append([leaf.grad for leaf in leaves])
+        for x, a, b in zip(xs, *grads):
+            keep = (x != 0) if x is gates else torch.ones_like(x, dtype=torch.bool)
+            torch.testing.assert_close(a[keep], b[keep], rtol=1e-10, atol=1e-10 * a.abs().max().item())

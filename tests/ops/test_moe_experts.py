@@ -9,6 +9,7 @@ import minidsa
 from minidsa.formats import mxfp4
 from minidsa.model.moe import ExpertWorkspace
 from minidsa.ops.activation.reference import situ_glu_values
+from minidsa.ops.moe_experts import cpu
 from minidsa.ops.moe_experts import reference as ref
 
 
@@ -144,7 +145,7 @@ def test_routed_rows_equal_the_dense_form():
     """At prefill on the host the MLP runs each slot on its routed tokens only; it must equal the dense sum
     over every slot (fp64, so only the order of the additions may differ: 1e-12 is far above it)."""
     gen = torch.Generator().manual_seed(3)
-    m, N, L, I = 6, ref.ROUTED_ROWS_MIN_TOKENS + 17, 20, 12
+    m, N, L, I = 6, cpu.ROUTED_ROWS_MIN_TOKENS + 17, 20, 12
     z = torch.randn(N, L, generator=gen, dtype=torch.float64)
     values = torch.randn(m, 3, I * L, generator=gen, dtype=torch.float64) / 4
     gates = torch.rand(m, N, generator=gen, dtype=torch.float64)
@@ -154,6 +155,6 @@ def test_routed_rows_equal_the_dense_form():
     w2 = values[:, 2].unflatten(-1, (L, I))
     gu = z @ w13.mT
     dense = ((situ_glu_values(gu[..., :I], gu[..., I:], 3.0, 5.0) * gates.unsqueeze(-1)) @ w2.mT).sum(0)
-    got = ref._expert_mlp_core(z, values, gates, 3.0, 5.0)
+    got = ref.expert_mlp(z, values, gates, 3.0, 5.0)
     torch.testing.assert_close(got, dense, rtol=0, atol=1e-12)
-    torch.testing.assert_close(ref._routed_rows(z, w13, w2, gates, 3.0, 5.0), dense, rtol=0, atol=1e-12)
+    torch.testing.assert_close(cpu._routed_rows(z, w13, w2, gates, 3.0, 5.0), dense, rtol=0, atol=1e-12)

@@ -52,7 +52,7 @@ def topk_indices(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> torch.
     pos = torch.arange(S, device=scores.device)
     candidate = pos.view(1, 1, S) <= q_pos.to(torch.long).unsqueeze(-1)  # padding rows (q_pos -1): none
     k_eff = min(topk, S)
-    best = torch.topk(order_keys(scores, candidate), k_eff, dim=-1, sorted=True).values
+    best = torch.topk(order_keys(scores.detach(), candidate), k_eff, dim=-1, sorted=True).values  # no gradient
     found = (best >> _POS_BITS) != _NOT_CANDIDATE
     idx = torch.where(found, (2 ** _POS_BITS - 1) - (best & (2 ** _POS_BITS - 1)), -1).to(torch.int32)
     if k_eff < topk:

@@ -60,8 +60,7 @@ accuracy on tensor cores; IEEE fp32 dots at these tiles run on the FMA units and
 ``_GPU_F32_DOT`` switches back) and "ieee" in the interpreter, which always computes in fp32 (its
 ``tl.dot`` on bf16 operands returns garbage: docs/design.md §10).
 
-**Block sizes** (``_chunk_config``) come from sweeps on the H200 at B=1, T=8192, 16 heads x K=V=128,
-chunk 64 (benchmarks/bench_kda.py).
+**Block sizes** (``_chunk_config``): sweeps on the H200, B=1, T=8192, 16 heads x K=V=128 (bench_kda.py).
 """
 
 from __future__ import annotations
@@ -70,9 +69,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import check_chunk_size, check_lengths, check_recurrence, check_state_at
 from .chunk_host import keep_table, scratch
 from .io_triton import copy_state, load_state, new_outputs, token_row, wants_reference
-from .reference import _check, check_chunk_size, check_lengths, check_state_at, kda_chunk_ref, kept_states
+from .reference import kda_chunk_ref, kept_states
 
 MAX_CHUNK = 64  # registers: the chunk kernels hold [BC, BC] and [BC, K] tiles
 _GPU_F32_DOT = "tf32x3"  # precision of fp32 dots on a GPU ("ieee": exact products, FMA units, slow)
@@ -437,7 +437,7 @@ def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64, s
     a chunk_size of at most 64 or a multiple of it.
     """
     check_chunk_size(chunk_size)
-    B, T = _check(q, k, v, g, beta, initial_state)[:2]
+    B, T = check_recurrence(q, k, v, g, beta, initial_state)[:2]
     check_state_at(state_at, B, T, chunk_size)
     if state_at is not None:
         if chunk_size > MAX_CHUNK and chunk_size % MAX_CHUNK:

@@ -29,8 +29,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .checks import check_recurrence
 from .io_triton import copy_state, load_state, new_outputs, token_row, wants_reference
-from .reference import _check, kda_recurrent_ref
+from .reference import kda_recurrent_ref
 
 
 @triton.jit
@@ -91,7 +92,7 @@ def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None):
     q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] log-decay; beta [B, T, HV]; initial_state
     [B, HV, K, V] (read only; None = zeros). ``scale`` defaults to K^-0.5 and multiplies q.
     """
-    _check(q, k, v, g, beta, initial_state)
+    check_recurrence(q, k, v, g, beta, initial_state)
     if wants_reference(q, k, v, g, beta, initial_state):
         return kda_recurrent_ref(q, k, v, g, beta, scale, initial_state)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)

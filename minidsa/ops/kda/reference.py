@@ -14,49 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import acc_dtype, cast, check_tensor, on_host
+from .._checks import acc_dtype, cast, check_tensor
 from .._denormals import EXP_FLOOR, floored_exp
-
-
-def _check(q, k, v, g, beta, initial_state):
-    B, T, H, K = check_tensor("q", q, ndim=4, floating=True)
-    check_tensor("k", k, shape=(B, T, H, K), floating=True)
-    _, _, HV, V = check_tensor("v", v, shape=(B, T, None, None), floating=True)
-    if HV % H:
-        raise ValueError(f"v has {HV} heads; it must be a multiple of q's {H} heads")
-    check_tensor("g", g, shape=(B, T, HV, K), floating=True)
-    check_tensor("beta", beta, shape=(B, T, HV), floating=True)
-    if initial_state is not None:
-        check_tensor("initial_state", initial_state, shape=(B, HV, K, V), floating=True)
-    return B, T, H, K, HV, V
-
-
-def check_chunk_size(chunk_size) -> None:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-
-
-def check_state_at(state_at, B: int, T: int, chunk_size: int) -> None:
-    """``state_at`` int [M, 2]: (row b, position t) pairs whose state ``kda_chunk`` also returns. A row of -1 is
-    padding (its state comes back as zeros); t must be a multiple of ``chunk_size`` in [0, T], or T itself, and
-    no pair may repeat.
-    Values are checked where that costs no device sync (``on_host``). None passes."""
-    if state_at is None:
-        return
-    check_tensor("state_at", state_at, ndim=2, integer=True)
-    if state_at.shape[1] != 2:
-        raise ValueError(f"state_at must be [M, 2] (row, position) pairs, got shape {tuple(state_at.shape)}")
-    if on_host(state_at) and state_at.numel():
-        row, t = state_at.unbind(1)
-        real = row >= 0
-        bad = real & ((row >= B) | (t < 0) | (t > T) | ((t % chunk_size != 0) & (t != T)))
-        if bool(bad.any()):
-            r, p = state_at[bad.nonzero()[0, 0]].tolist()
-            raise ValueError(f"state_at pair (row {r}, position {p}) is not a row < {B} and a position in [0, {T}] "
-                             f"that is a multiple of chunk_size = {chunk_size} or {T}; pass -1 as the row to skip it")
-        pairs = state_at[real]
-        if pairs.unique(dim=0).shape[0] != pairs.shape[0]:
-            raise ValueError("state_at names a (row, position) pair twice; each kept state is asked for once")
+from .checks import check_chunk_size, check_lengths, check_recurrence, check_state_at
 
 
 def kept_states(states: list[torch.Tensor], state_at: torch.Tensor | None, T: int, C: int) -> torch.Tensor:
@@ -72,8 +32,10 @@ def kept_states(states: list[torch.Tensor], state_at: torch.Tensor | None, T: in
     return out * real.view(-1, 1, 1, 1).to(out.dtype)
 
 
-def _prepare(q, k, v, g, beta, scale, initial_state):
-    B, T, H, K, HV, V = _check(q, k, v, g, beta, initial_state)
+def prepare(q, k, v, g, beta, scale, initial_state):
+    """The recurrences' inputs checked, q scaled, all in the accumulation dtype, GQA heads repeated, and the
+    starting state (zeros without one)."""
+    B, T, H, K, HV, V = check_recurrence(q, k, v, g, beta, initial_state)
     acc = acc_dtype(q, k, v, g, beta, *([initial_state] if initial_state is not None else []))
     rep = HV // H
     scale = K ** -0.5 if scale is None else float(scale)
@@ -94,7 +56,7 @@ def kda_recurrent_ref(q, k, v, g, beta, scale=None, initial_state=None):
     ``scale`` defaults to K^-0.5 and multiplies q.
     """
     out_dtype = v.dtype
-    q, k, v, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state)
+    q, k, v, g, beta, S = prepare(q, k, v, g, beta, scale, initial_state)
     T = q.shape[1]
     o = torch.empty_like(v)
     # Row vectors [B, HV, 1, K] times the state [B, HV, K, V]: plain batched matmuls.
@@ -107,126 +69,27 @@ def kda_recurrent_ref(q, k, v, g, beta, scale=None, initial_state=None):
     return cast(o, out_dtype), S
 
 
-SUB_CHUNK = 16  # pairs within a sub-chunk: one small matmul (or the pairwise decay tensor); across: a matmul
-# Largest decay span G_r - G_j (r the first step of a sub-chunk, j in it) for which the factor exp(G_r - G_j)
-# and its partner exp(G_i - G_r) stay inside the normal range (fp32: e^+-87). With the model's decay floor
-# of -5, a 16-step sub-chunk spans at most 75.
-FACTOR_SPAN = {torch.float32: 80.0, torch.float64: 700.0}
+def intra_chunk_products(q, k, G) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_qk[i, j] = sum_d q_id k_jd exp(G_id - G_jd) for j <= i, and A_kk the same with k_i for j < i (zero
+    elsewhere), for chunks q, k, G [..., C, K] -> [..., C, C] each. Every exponent kept is <= 0; the pairs
+    j > i, whose exponents are positive, are held at 0 and then masked away."""
+    C = q.shape[-2]
+    decay = (G.unsqueeze(-2) - G.unsqueeze(-3)).clamp(EXP_FLOOR, 0.0).exp()  # [..., C(i), C(j), K]
+    kd = decay * k.unsqueeze(-3)
+    A_qk = (kd * q.unsqueeze(-2)).sum(-1)
+    A_kk = (kd * k.unsqueeze(-2)).sum(-1)
+    tri = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    return A_qk * tri, A_kk * tri.tril(-1)
 
 
-def _intra_chunk_products(q, k, G, c: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A_qk[i, j] = sum_d q_id k_jd exp(G_id - G_jd) for j <= i and A_kk the same with k_i for j < i (zero
-    elsewhere), over chunks [..., C, K] cut into sub-chunks of c.
-
-    With r the first step of i's sub-chunk, exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j). Across
-    sub-chunks (j < r <= i) both exponents are <= 0 (G only falls), so nothing overflows and the pair is
-    a plain matrix product. Within a sub-chunk (r <= j <= i) the second exponent is >= 0 but at most the
-    sub-chunk's span: where the span stays below FACTOR_SPAN (always, on the host, for the model's decay
-    floor) the pairs are one c x c matrix product too; otherwise, and off the host (where checking the
-    span would cost a device sync), they use the pairwise decay tensor exp(G_i - G_j) [c, c, K]."""
-    *pre, C, K = q.shape
-    S = C // c
-    Gs, qs, ks = (x.view(*pre, S, c, K) for x in (G, q, k))
-    Gr = Gs[..., :1, :]  # [..., S, 1, K]: G at the first step of each sub-chunk
-    left = (Gs - Gr).exp()  # [..., S, c, K], each <= 1 (not floored: it meets k_up's large factors below)
-    tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    span = FACTOR_SPAN.get(q.dtype, 0.0)
-    if on_host(G) and G.numel() and float((Gr - Gs[..., -1:, :]).detach().amax()) <= span:
-        k_up = (Gr - Gs).exp() * ks  # each factor in [1, e^span]
-        # Entries above the diagonal (j > i) may be huge or inf: selected away, never multiplied by zero.
-        diag_qk, diag_kk = (((left * x) @ k_up.mT).masked_fill_(~tri, 0.0) for x in (qs, ks))  # [..., S, c, c]
-    else:
-        # Pairs j > i have exponents >= 0: held at 0 (no overflow) and zeroed by the mask.
-        decay = (Gs.unsqueeze(-2) - Gs.unsqueeze(-3)).clamp(EXP_FLOOR, 0.0).exp_()
-        kd = decay * (tri.unsqueeze(-1).to(ks.dtype) * ks.unsqueeze(-3))  # [..., S, c(i), c(j), K]
-        diag_qk, diag_kk = ((kd @ x.unsqueeze(-1)).squeeze(-1) for x in (qs, ks))  # [..., S, c, c]
-    before = torch.arange(C, device=q.device).view(1, C) < torch.arange(0, C, c, device=q.device).view(S, 1)
-    # As above: the pairs j >= r (exponents >= 0) held at 0 and zeroed by the mask.
-    right = (Gr - G.unsqueeze(-3)).clamp(EXP_FLOOR, 0.0).exp_() * (before.unsqueeze(-1).to(k.dtype) * k.unsqueeze(-3))
-    A_qk, A_kk = (((left * x) @ right.mT).reshape(*pre, C, C) for x in (qs, ks))  # across sub-chunks
-    for A, diag in ((A_qk, diag_qk), (A_kk, diag_kk)):
-        A.view(*pre, S, c, S, c).diagonal(dim1=-4, dim2=-2).add_(diag.movedim(-3, -1))
-    A_kk.diagonal(dim1=-2, dim2=-1).zero_()  # j < i only
-    return A_qk, A_kk
-
-
-def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64, state_at=None, lengths=None):
-    """Chunked KDA, equal to ``kda_recurrent_ref`` (same inputs plus ``chunk_size``) -> (o, final state, kept):
-    ``kept`` [M, HV, K, V] holds, for each (row, position t) pair of ``state_at`` int [M, 2], the row's state
-    after its first t tokens (what a prefix cache keeps; t a multiple of ``chunk_size`` or T, see
-    ``check_state_at``); without ``state_at`` it is empty (M = 0). ``lengths`` int [B]: row b's real tokens;
-    the rest of the row is padding, which leaves the state as it is and gets o = 0 (and whole chunks of it
-    are skipped).
-
-    Within a chunk of C steps, with G = inclusive cumulative log-decay [C, K] and S0 the state at its start:
-      A_kk[i,j] = beta_i sum_d k_id k_jd exp(G_id - G_jd), j < i
-      M = (I + A_kk)^-1 (unit lower triangular: forward substitution)
-      W = M Diag(beta) (exp(G) * K),   U = M Diag(beta) V,   V_new = U - W S0
-      O = (exp(G) * Q) S0 + A_qk V_new,  A_qk[i,j] = sum_d q_id k_jd exp(G_id - G_jd), j <= i
-      S = Diag(exp(G_C)) S0 + (exp(G_C - G) * K)^T V_new
-    Every exponent is a difference G_i - G_j with j <= i, or G itself, so it is <= 0: no overflow (within
-    16-step sub-chunks a bounded positive factor may stand in, see ``_intra_chunk_products``).
-    Any T: the tail is padded with g = beta = k = v = 0 (steps that leave the state unchanged); T < chunk_size is one chunk.
-    """
-    check_chunk_size(chunk_size)
-    out_dtype = v.dtype
-    q, k, v, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state)
-    B, T, H, K = q.shape
-    check_state_at(state_at, B, T, chunk_size)
-    if lengths is not None:  # padding made inert here, so that skipping it changes nothing
-        real = (torch.arange(T, device=q.device) < check_lengths(lengths, B, T).view(B, 1).to(q.device)).to(q.dtype)
-        q, k, v, g, beta = (x * real.view(B, T, *[1] * (x.dim() - 2)) for x in (q, k, v, g, beta))
-    if T == 0:  # no step: the state passes through (a copy, see _prepare)
-        return v.to(out_dtype), S, kept_states([S], state_at, T, 1)
-    C = min(chunk_size, T)
-    pad = (-T) % C
-    if pad:
-        q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
-        beta = torch.nn.functional.pad(beta, (0, 0, 0, pad))
-    n, V = (T + pad) // C, v.shape[-1]
-    # [B, H, n, C, ...]: heads first so each chunk is a batch of small matrices
-    # Contiguous: the [C, C, K] pair tensors inherit these strides (permuted ones slow each op on the CPU).
-    q, k, v, g = (x.view(B, n, C, H, -1).permute(0, 3, 1, 2, 4).contiguous() for x in (q, k, v, g))
-    beta = beta.view(B, n, C, H).permute(0, 3, 1, 2)
-    o = q.new_zeros(B, H, n, C, V)
-    starts = []  # the state at the start of each chunk (references: S is never updated in place)
-    for c, rows in enumerate(_active_rows(lengths, B, n, C)):
-        starts.append(S)
-        pick = (lambda x: x[:, :, c]) if rows is None else (lambda x: x[rows, :, c])
-        o_c, S_c = _chunk_step(*(pick(x) for x in (q, k, v, g, beta)), S if rows is None else S[rows])
-        if rows is None:
-            o[:, :, c], S = o_c, S_c
-        else:
-            o[rows, :, c], S = o_c, S.index_copy(0, rows, S_c)
-    o = o.permute(0, 2, 3, 1, 4).reshape(B, n * C, H, V)[:, :T].to(out_dtype)
-    return o, S, kept_states(starts + [S], state_at, T, C)
-
-
-def check_lengths(lengths, B: int, T: int) -> torch.Tensor:
-    """``lengths`` int [B] in [0, T] (values checked where that costs no sync) -> int64 [B]."""
-    check_tensor("lengths", lengths, shape=(B,), integer=True)
-    if on_host(lengths) and B and not bool(((lengths >= 0) & (lengths <= T)).all()):
-        raise ValueError(f"lengths must lie in [0, {T}] (the row length), got {lengths.tolist()}")
-    return lengths.long()
-
-
-def _active_rows(lengths, B: int, n: int, C: int) -> list:
-    """Per chunk c: the rows with a real token in it (int64 indices), or None for all rows. Rows are only
-    skipped where the lengths are on the host: on a GPU the test would wait for it (a padded chunk costs
-    work there, not a wrong answer)."""
-    if lengths is None or not on_host(lengths):
-        return [None] * n
-    chunks = (lengths.long() + C - 1) // C
-    return [None if bool((chunks > c).all()) else (chunks > c).nonzero().view(-1) for c in range(n)]
-
-
-def _chunk_step(q, k, v, g, beta, S):
+def chunk_step(q, k, v, g, beta, S, products=intra_chunk_products):
     """One chunk of every row given (q, k, g [R, H, C, K], v [R, H, C, V], beta [R, H, C], S [R, H, K, V], see
-    ``kda_chunk_ref``) -> (o [R, H, C, V], the state after it)."""
+    ``kda_chunk_ref``) -> (o [R, H, C, V], the state after it). ``products`` computes A_qk and A_kk (the CPU
+    form passes a faster factoring of the same sums)."""
     C = q.shape[-2]
     G = g.cumsum(dim=-2)
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    A_qk, A_kk = _intra_chunk_products(q, k, G, SUB_CHUNK if C % SUB_CHUNK == 0 else C)
+    A_qk, A_kk = products(q, k, G)
     A_kk = beta.unsqueeze(-1) * A_kk
     M = torch.linalg.solve_triangular(eye + A_kk, eye.expand_as(A_kk), upper=False, unitriangular=True)
     W = M @ (beta.unsqueeze(-1) * floored_exp(G) * k)
@@ -234,6 +97,57 @@ def _chunk_step(q, k, v, g, beta, S):
     o = (floored_exp(G) * q) @ S + A_qk @ v_new
     G_last = G[..., -1, :]  # [R, H, K]
     return o, floored_exp(G_last).unsqueeze(-1) * S + (floored_exp(G_last.unsqueeze(-2) - G) * k).mT @ v_new
+
+
+def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64, state_at=None, lengths=None):
+    """Chunked KDA, equal to ``kda_recurrent_ref`` (same inputs plus ``chunk_size``) -> (o, final state, kept):
+    ``kept`` [M, HV, K, V] holds, for each (row, position t) pair of ``state_at`` int [M, 2], the row's state
+    after its first t tokens (what a prefix cache keeps; t a multiple of ``chunk_size`` or T, see
+    ``check_state_at``); without ``state_at`` it is empty (M = 0). ``lengths`` int [B]: row b's real tokens;
+    the rest of the row is padding, which leaves the state as it is and gets o = 0.
+
+    Within a chunk of C steps, with G = inclusive cumulative log-decay [C, K] and S0 the state at its start:
+      A_kk[i,j] = beta_i sum_d k_id k_jd exp(G_id - G_jd), j < i
+      M = (I + A_kk)^-1 (unit lower triangular: forward substitution)
+      W = M Diag(beta) (exp(G) * K),   U = M Diag(beta) V,   V_new = U - W S0
+      O = (exp(G) * Q) S0 + A_qk V_new,  A_qk[i,j] = sum_d q_id k_jd exp(G_id - G_jd), j <= i
+      S = Diag(exp(G_C)) S0 + (exp(G_C - G) * K)^T V_new
+    Every exponent is a difference G_i - G_j with j <= i, or G itself, so it is <= 0: no overflow.
+    Any T: the tail is padded with g = beta = k = v = 0 (steps that leave the state unchanged); T < chunk_size is one chunk.
+    """
+    check_chunk_size(chunk_size)
+    out_dtype = v.dtype
+    q, k, v, g, beta, S = prepare(q, k, v, g, beta, scale, initial_state)
+    B, T, H, K = q.shape
+    check_state_at(state_at, B, T, chunk_size)
+    if lengths is not None:  # padding made inert: zero decay, key, value and beta leave the state as it is
+        real = (torch.arange(T, device=q.device) < check_lengths(lengths, B, T).view(B, 1).to(q.device)).to(q.dtype)
+        q, k, v, g, beta = (x * real.view(B, T, *[1] * (x.dim() - 2)) for x in (q, k, v, g, beta))
+    if T == 0:  # no step: the state passes through (a copy, see prepare)
+        return v.to(out_dtype), S, kept_states([S], state_at, T, 1)
+    q, k, v, g, beta, n, C = to_chunks(q, k, v, g, beta, chunk_size)
+    o = torch.zeros_like(v)
+    starts = []  # the state at the start of each chunk
+    for c in range(n):
+        starts.append(S)
+        o[:, :, c], S = chunk_step(q[:, :, c], k[:, :, c], v[:, :, c], g[:, :, c], beta[:, :, c], S)
+    o = o.permute(0, 2, 3, 1, 4).reshape(B, n * C, H, -1)[:, :T].to(out_dtype)
+    return o, S, kept_states(starts + [S], state_at, T, C)
+
+
+def to_chunks(q, k, v, g, beta, chunk_size: int):
+    """[B, T, H, ...] inputs -> chunks [B, H, n, C, ...] (beta [B, H, n, C]), the tail padded with zeros, and
+    (n, C). Heads first, so each chunk is a batch of small matrices; contiguous, so the pair tensors built from
+    them inherit plain strides."""
+    B, T, H = q.shape[:3]
+    C = min(chunk_size, T)
+    pad = (-T) % C
+    if pad:
+        q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = torch.nn.functional.pad(beta, (0, 0, 0, pad))
+    n = (T + pad) // C
+    q, k, v, g = (x.view(B, n, C, H, -1).permute(0, 3, 1, 2, 4).contiguous() for x in (q, k, v, g))
+    return q, k, v, g, beta.view(B, n, C, H).permute(0, 3, 1, 2), n, C
 
 
 # ---------------------------------------------------------------- one decode step from the projections

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import check_conversion
+from .checks import check_conversion
 
 CONVERT_BLOCK = {"cuda": 8192, "cpu": 2048}  # uint16 words of codes per conversion program
 CONVERT_WARPS = 4  # warps per conversion program on the GPU (benchmarks/tune_moe.py sweeps both)

@@ -65,11 +65,12 @@ import triton
 import triton.language as tl
 
 from ..activation.situ_glu_triton import _situ_glu
+from .checks import check_fp8_mlp, check_mxfp4_mlp
 from .convert_triton import _require_rows_contiguous
 from .dequant_triton import _group_scales, _weight_planes, _weight_tile
 from .lists_triton import compact_lists
 from .matvec_triton import _down_decode, _gemv_meta, _gemv_rows, _up_decode
-from .reference import check_fp8_mlp, check_mxfp4_mlp, expert_mlp_fp8_ref, expert_mlp_mxfp4_ref
+from .reference import expert_mlp_fp8_ref, expert_mlp_mxfp4_ref
 
 # Calls of up to DENSE_MAX_TOKENS tokens (decode batches) use the dense pair layout, which needs no host
 # sync, while its two pair buffers (slots x tokens rows of I and L fp32) fit in DENSE_PAIR_BYTES: every
