@@ -59,6 +59,7 @@ TRITON_KERNELS: dict[str, tuple[str, str]] = {
 # and result (the same parity tests hold it to the reference): "auto" picks it when no input is on a GPU.
 CPU_FORMS: dict[str, tuple[str, str]] = {
     "topk_indices": ("minidsa.ops.indexer.topk_cpu", "topk_indices"),
+    "paged_index_scores": ("minidsa.ops.indexer.scores_cpu", "paged_index_scores"),
     "mxfp4_to_fp8": ("minidsa.ops.moe_experts.cpu", "mxfp4_to_fp8"),
     "expert_mlp_fp8": ("minidsa.ops.moe_experts.cpu", "expert_mlp_fp8"),
     "expert_mlp_mxfp4": ("minidsa.ops.moe_experts.cpu", "expert_mlp_mxfp4"),

@@ -110,12 +110,7 @@ def test_paged_scores_causal_bound_skips_later_keys():
     torch.testing.assert_close(got, want, **TOL[torch.float32])
     later = torch.arange(got.shape[-1], device=DEV).view(1, 1, -1) > q_pos.unsqueeze(-1)
     assert (got[later] == -INF).all() and torch.isfinite(got[~later & (got > -INF)]).all()
-    unbounded = ref_ops.paged_index_scores_ref(*args, 32 ** -0.5)
-    # The bounded reference multiplies only the live queries and keys: the same fp32 sums of 32 products and
-    # 5 heads, but BLAS may order them differently for a smaller product (MKL's AVX-512 path does), so a few
-    # units in the last place apart, not bit for bit; -inf at the same places.
-    assert torch.equal(want[~later] == -INF, unbounded[~later] == -INF) and (want[1, 3:] == -INF).all()
-    torch.testing.assert_close(want[~later], unbounded[~later], rtol=4e-6, atol=1e-6)
+    assert (want[1, 3:] == -INF).all()
 
 
 def test_paged_scores_position_without_block_inside_context_is_minus_inf():

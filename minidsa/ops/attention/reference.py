@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import acc_dtype, check_tensor, on_host
+from .._checks import acc_dtype, check_tensor
 from .._denormals import floored_exp
+from .checks import check_sparse_args
 
 
 def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -72,17 +73,7 @@ def sparse_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indi
     Out-of-range indices are rejected when they are in CPU memory (elsewhere the check would cost a
     device sync per call).
     """
-    B, T, H, Dk = check_tensor("q", q, ndim=4, floating=True)
-    _, S, Hkv, _ = check_tensor("k", k, shape=(B, None, None, Dk), floating=True)
-    check_tensor("v", v, shape=(B, S, Hkv, None), floating=True)
-    K = check_tensor("indices", indices, shape=(B, T, None), integer=True)[2]
-    if Hkv not in (1, H):
-        raise ValueError(f"k has {Hkv} heads; it must have 1 (shared latent) or {H} (one per query head)")
-    if indices.numel() and on_host(indices):
-        if int(indices.max()) >= S:
-            raise ValueError(f"indices hold position {int(indices.max())} but k has only S={S} positions")
-        if int(indices.min()) < -1:
-            raise ValueError(f"indices hold {int(indices.min())}; only -1 may mark padding")
+    B, T, H, Dk, S, Hkv, K = check_sparse_args(q, k, v, indices)
     acc = acc_dtype(q, k, v)
     flat = indices.reshape(B, T * K)
     kg = gather_rows(k.to(acc), flat).view(B, T, K, Hkv, Dk)

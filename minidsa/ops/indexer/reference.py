@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import acc_dtype, check_tensor, on_host
+from .._checks import acc_dtype, check_tensor
 from ..paging import gather_slots, paged_slots
+from .checks import check_paged_scores_args, check_topk_args
 
 
 def index_scores_ref(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
@@ -34,26 +35,6 @@ def index_scores_ref(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: f
     return torch.einsum("bths,bth->bts", torch.relu(logits), w.to(acc))
 
 
-def check_topk_args(scores, topk, q_pos) -> tuple[int, int, int]:
-    """Argument checks of ``topk_indices`` (reference and kernel alike) -> (B, T, S); NaN scores are
-    rejected when they are in CPU memory (elsewhere the check would cost a device sync per call)."""
-    B, T, S = check_tensor("scores", scores, ndim=3, floating=True)
-    check_tensor("q_pos", q_pos, shape=(B, T), integer=True)
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
-        raise ValueError(f"topk must be a positive int, got {topk!r}")
-    if on_host(scores) and bool(torch.isnan(scores).any()):
-        raise ValueError("scores contain NaN; top-k of NaN is undefined (check the indexer inputs)")
-    return B, T, S
-
-
-def _live_extent(q_pos: torch.Tensor) -> list[tuple[int, int]]:
-    """Per row of q_pos [B, T] (host): (queries up to the last real one, keys up to its largest position + 1);
-    the queries after are padding (-1) and the keys after no query's causal bound."""
-    real = q_pos >= 0
-    last = torch.where(real, torch.arange(1, q_pos.shape[1] + 1), 0).amax(1)
-    return list(zip(last.tolist(), (q_pos.amax(1).clamp_min(-1) + 1).tolist()))
-
-
 def topk_indices_ref(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> torch.Tensor:
     """Top-k key positions per query among the causal candidates 0..q_pos (itself included).
 
@@ -65,15 +46,10 @@ def topk_indices_ref(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> to
         int32 [B, T, topk]: positions ordered by descending score, ties broken by the lower position;
         when fewer than ``topk`` candidates exist the row is padded with -1 at the end (never with a
         future position: docs/design.md §10, trap 3).
-    A NaN score is rejected when ``scores`` is in CPU memory (elsewhere the check would cost a device
-    sync per call; NaN then sorts first).
+    A padding query (q_pos -1) has no candidate: its row is all -1. A NaN score is rejected when ``scores``
+    is in CPU memory (elsewhere the check would cost a device sync per call; NaN then sorts first).
     """
     B, T, S = check_topk_args(scores, topk, q_pos)
-    if on_host(q_pos) and B * T and not bool((q_pos >= 0).all()):  # padding rows have no candidate: all -1
-        out = torch.full((B, T, topk), -1, dtype=torch.int32)
-        real = q_pos >= 0
-        out[real] = topk_indices_ref(scores[real].unsqueeze(0), topk, q_pos[real].unsqueeze(0))[0]
-        return out
     pos = torch.arange(S, device=scores.device)
     candidate = pos.view(1, 1, S) <= q_pos.to(torch.long).unsqueeze(-1)  # [B, T, S]
     # Non-candidates sort after every candidate: -inf ties with a candidate scored -inf, and a
@@ -88,21 +64,6 @@ def topk_indices_ref(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> to
         pad = torch.full((B, T, topk - k_eff), -1, dtype=torch.int32, device=scores.device)
         idx = torch.cat([idx, pad], dim=-1)
     return idx
-
-
-def check_paged_scores_args(q, w, key_plane, key_scale_plane, block_table, context_lens,
-                            q_pos=None) -> tuple[int, int, int]:
-    """Argument checks of ``paged_index_scores`` (reference and kernel alike) -> (B, block_size, max_blocks)."""
-    B, T, H, D = check_tensor("q", q, ndim=4, floating=True)
-    check_tensor("w", w, shape=(B, T, H), floating=True)
-    _, bs, _ = check_tensor("key_plane", key_plane, shape=(None, None, D))
-    MB = check_tensor("block_table", block_table, shape=(B, None), integer=True)[1]
-    check_tensor("context_lens", context_lens, shape=(B,), integer=True)
-    if key_scale_plane is not None:
-        check_tensor("key_scale_plane", key_scale_plane, shape=(key_plane.shape[0], bs, 1))
-    if q_pos is not None:
-        check_tensor("q_pos", q_pos, shape=(B, T), integer=True)
-    return B, bs, MB
 
 
 def paged_index_scores_ref(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Tensor,
@@ -126,19 +87,25 @@ def paged_index_scores_ref(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Te
         and at any position whose block is -1 (nothing there to select).
     """
     B, bs, MB = check_paged_scores_args(q, w, key_plane, key_scale_plane, block_table, context_lens, q_pos)
-    positions = torch.arange(MB * bs, device=q.device).expand(B, MB * bs)
+    positions, slots, keys = paged_keys(key_plane, key_scale_plane, block_table, MB * bs, acc_dtype(q, w))
+    return mask_paged_scores(index_scores_ref(q, keys, w, scale), positions, slots, context_lens, q_pos)
+
+
+def paged_keys(key_plane, key_scale_plane, block_table, S: int, dtype) -> tuple[torch.Tensor, ...]:
+    """Each sequence's keys at positions 0..S-1 through its block table -> (positions int64 [B, S], slots [B, S]
+    (-1 where the block is -1), keys [B, S, D] in ``dtype``, scaled by their per-key scales if any)."""
+    B, bs = block_table.shape[0], key_plane.shape[1]
+    positions = torch.arange(S, device=key_plane.device).expand(B, S)
     slots = paged_slots(block_table, positions, bs)
-    keys = gather_slots(key_plane, slots).to(acc_dtype(q, w))
+    keys = gather_slots(key_plane, slots).to(dtype)
     if key_scale_plane is not None:
-        keys = keys * gather_slots(key_scale_plane, slots).to(keys.dtype)
-    # A padded batch of prompts: only the scores that can survive, row by row. Not for one query a row (decode), where
-    # a row's loop costs more than the keys it skips.
-    if q_pos is not None and on_host(q_pos) and q_pos.numel() and q_pos.shape[1] > 1:
-        scores = q.new_zeros((B, q.shape[1], MB * bs), dtype=keys.dtype)
-        for b, (n, hi) in enumerate(_live_extent(q_pos)):  # -inf below for every pair left out
-            scores[b, :n, :hi] = index_scores_ref(q[b:b + 1, :n], keys[b:b + 1, :hi], w[b:b + 1, :n], scale)[0]
-    else:
-        scores = index_scores_ref(q, keys, w, scale)
+        keys = keys * gather_slots(key_scale_plane, slots).to(dtype)
+    return positions, slots, keys
+
+
+def mask_paged_scores(scores, positions, slots, context_lens, q_pos) -> torch.Tensor:
+    """scores [B, T, S] -> -inf at every position past the sequence's context, without a block, or (q_pos
+    given) after the query's own position."""
     keep = ((positions < context_lens.long().unsqueeze(1)) & (slots >= 0)).unsqueeze(1)  # [B, 1, S]
     if q_pos is not None:
         keep = keep & (positions.unsqueeze(1) <= q_pos.long().unsqueeze(-1))  # [B, T, S]

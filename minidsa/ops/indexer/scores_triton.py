@@ -65,7 +65,8 @@ import triton
 import triton.language as tl
 
 from .._checks import check_tensor
-from .reference import check_paged_scores_args, index_scores_ref, paged_index_scores_ref
+from .checks import check_paged_scores_args
+from .reference import index_scores_ref, paged_index_scores_ref
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 

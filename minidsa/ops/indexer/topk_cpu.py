@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from .reference import check_topk_args, topk_indices_ref
+from .checks import check_topk_args
+from .reference import topk_indices_ref
 
 _POS_BITS = 31  # positions below 2^31, as in the kernel
 

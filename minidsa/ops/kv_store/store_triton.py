@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks import check_tensor
+from .checks import check_store_args
 
 
 # The row count and the slots' address (a slice of the step's metadata) vary from step to step: not specialised
@@ -46,9 +46,7 @@ def _store_rows(plane_ptr, slots_ptr, values_ptr, N, W, values_stride,
 def store_kv(plane: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
     """In place: plane [num_blocks, block_size, W] gets ``values[i]`` [N, W] at row ``slot_mapping[i]``
     (integer [N], -1 = skip). Real slots must be distinct (as the reference requires)."""
-    _, _, W = check_tensor("plane", plane, ndim=3)
-    N = check_tensor("slot_mapping", slot_mapping, ndim=1, integer=True)[0]
-    check_tensor("values", values, shape=(N, W))
+    N, W = check_store_args(plane, slot_mapping, values)
     if N == 0:
         return
     if not plane.is_contiguous():
