@@ -25,15 +25,15 @@ from .checkpoint import (
 from .config import ModelConfig, load_config, preset_names
 from .formats import mxfp4
 from .model import ForwardTrace, GenerationTrace, MiniDSA
-from .serving import Engine, GenerationStream, RequestOutput, SamplingParams, generate, sample_next_token
+from .serving import Engine, Generation, GenerationStream, RequestOutput, SamplingParams, generate, sample_next_token, stream
 from .tokenizer import ByteTokenizer
 from .training import TrainConfig, evaluate, train
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ops", "mxfp4", "ModelConfig", "load_config", "preset_names", "generate", "load", "default_model",
-    "GenerationStream", "GenerationTrace", "CacheContext", "CacheLayout", "OutOfKVBlocksError", "PagedKVCache",
+    "ops", "mxfp4", "ModelConfig", "load_config", "preset_names", "generate", "stream", "load", "default_model",
+    "Generation", "GenerationStream", "GenerationTrace", "CacheContext", "CacheLayout", "OutOfKVBlocksError", "PagedKVCache",
     "Plane", "MiniDSA", "ForwardTrace", "build_model", "count_parameters", "ByteTokenizer", "sample_next_token",
     "checkpoint_manifest", "check_checkpoint", "CheckReport", "Finding", "train", "TrainConfig", "evaluate",
     "Engine", "SamplingParams", "RequestOutput", "doctor", "DoctorReport",

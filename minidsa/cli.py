@@ -29,7 +29,7 @@ from .distributed import rank_bytes
 from .distributed.launch import init_from_env, load_rank
 from .server import start_server
 from .serving import bench
-from .serving.generation import generate
+from .serving.generation import stream as open_stream
 from .training import loop as training_loop
 from .training.evaluation import evaluate, format_metrics
 from .training.state import run_config
@@ -294,17 +294,17 @@ def _generate(args) -> int:
         model = load(args.config, progress=not args.no_progress, device=args.device)
     model.set_backend(args.backend)
     if rank != 0:  # the other ranks step in lock-step with rank 0 and print nothing
-        for _ in generate(args.prompt, model, images=args.image, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, top_p=args.top_p, seed=args.seed, stream=True,
-                          stop_at_eos=not args.ignore_eos):
+        for _ in open_stream(args.prompt, model, images=args.image, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                             stop_at_eos=not args.ignore_eos):
             pass
         return 0
     terminal = sys.stdout.isatty()
     start = time.perf_counter()
-    stream = generate(args.prompt, model, images=args.image, max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, top_p=args.top_p, seed=args.seed, stream=True,
-                      progress=not args.no_progress and not terminal,  # on a terminal the text is the progress
-                      stop_at_eos=not args.ignore_eos)
+    stream = open_stream(args.prompt, model, images=args.image, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                         progress=not args.no_progress and not terminal,  # on a terminal the text is the progress
+                         stop_at_eos=not args.ignore_eos)
     try:
         for piece in stream:
             sys.stdout.write(printable(piece) if terminal else piece)

@@ -32,8 +32,9 @@ OUT = Path(__file__).resolve().with_name("selection.png")
 def draw(layer: int, every: int) -> Path:
     torch.set_num_threads(1)
     model = minidsa.load("default", progress=False)
-    text, trace = minidsa.generate(PROMPT, model, temperature=0, max_new_tokens=8, return_trace=True,
-                                   progress=False)
+    text = minidsa.generate(PROMPT, model, temperature=0, max_new_tokens=8, trace=True,
+                            progress=False)
+    trace = text.trace
     key = find_span(trace, PASS_KEY)
     rows = range(trace.prompt_len - 1, len(trace.token_ids) - 1)  # the "answer" rows
     lo, hi = max(0, key.start - 14), min(rows[-1] + 1, key.stop + 14)

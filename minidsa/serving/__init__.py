@@ -2,7 +2,7 @@
 
 - ``requests.py``: a ``generate()`` call checked and encoded into a request (prompts, images, limits).
 - ``sampling.py``: the next token from the logits (greedy, temperature, top-k, top-p).
-- ``generation.py``: ``generate``: prefill each prompt into the paged cache, then decode the batch.
+- ``generation.py``: ``generate`` and ``stream``: prefill each prompt into the paged cache, then decode the batch.
 - ``params.py``: ``SamplingParams``, ``RequestOutput`` and its ``RequestMetrics`` (vLLM's names).
 - ``prefix_cache.py``: named full KV blocks and KDA checkpoints; hits clamped to a checkpoint.
 - ``scheduler.py``: continuous batching under a token budget, admission, recompute preemption.
@@ -12,9 +12,9 @@
 """
 
 from .engine import Engine, NonFiniteLogitsError
-from .generation import GenerationStream, generate
+from .generation import Generation, GenerationStream, generate, stream
 from .params import RequestMetrics, RequestOutput, SamplingParams
 from .sampling import sample_next_token
 
-__all__ = ["Engine", "GenerationStream", "NonFiniteLogitsError", "RequestMetrics", "RequestOutput", "SamplingParams",
-           "generate", "sample_next_token"]
+__all__ = ["Engine", "Generation", "GenerationStream", "NonFiniteLogitsError", "RequestMetrics", "RequestOutput",
+           "SamplingParams", "generate", "sample_next_token", "stream"]

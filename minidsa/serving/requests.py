@@ -32,12 +32,12 @@ class Request:
     temperature: float
     top_p: float
     seeds: list[int]  # row i samples with seed + i, so a row samples as it would alone
-    return_trace: bool
+    trace: bool  # record a GenerationTrace per prompt
     progress: bool
     stop_at_eos: bool
 
 
-def build_request(model: MiniDSA, prompt, images, max_new_tokens, temperature, top_p, seed, return_trace,
+def build_request(model: MiniDSA, prompt, images, max_new_tokens, temperature, top_p, seed, trace,
                   progress, stop_at_eos, videos=None) -> Request:
     """Check every argument of ``generate`` and encode the prompts; raise ValueError/TypeError naming the value."""
     batched, texts = check_prompt(prompt)
@@ -57,7 +57,7 @@ def build_request(model: MiniDSA, prompt, images, max_new_tokens, temperature, t
                       model.config.max_seq_len)
     base = seed if seed is not None else int.from_bytes(os.urandom(6), "little")
     return Request(ids, features, batched, max_new_tokens, float(temperature), float(top_p),
-                   [base + i for i in range(len(ids))], return_trace, progress, bool(stop_at_eos))
+                   [base + i for i in range(len(ids))], bool(trace), progress, bool(stop_at_eos))
 
 
 def encode_prompts(model: MiniDSA, texts: list[str], images, batched: bool, videos=None):

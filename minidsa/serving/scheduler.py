@@ -50,7 +50,7 @@ class EngineRequest:
     finish_reason: str | None = None
     error: str | None = None
     embeds: torch.Tensor | None = None  # prompt embeddings [T, d] with media filled (made on first use)
-    trace: object = None  # a GenerationTrace to fill (generate(return_trace=True))
+    trace: object = None  # a GenerationTrace to fill (generate(trace=True))
     pending_finish: str | None = None  # finished, its last token still to be fed for the trace
 
     def tokens(self, start: int, end: int) -> list[int]:

@@ -24,7 +24,7 @@ def depth_weight_matrix(trace: GenerationTrace) -> tuple[list[str], np.ndarray]:
     """Mixer names and [mixers, max_sources] mean weights over tokens (NaN where a mixer has fewer sources)."""
     names = list(trace.depth_weights)
     if not names:
-        raise ValueError("this trace has no AttnRes depth weights (generate with return_trace=True)")
+        raise ValueError("this trace has no AttnRes depth weights (generate with trace=True)")
     width = max(w.shape[1] for w in trace.depth_weights.values())
     out = np.full((len(names), width), np.nan)
     for i, name in enumerate(names):

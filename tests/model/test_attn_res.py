@@ -117,8 +117,8 @@ def test_fresh_model_averages_its_sources():
 
 
 def test_generate_trace_records_depth_weights(tiny_model):
-    _, trace = minidsa.generate("abc", tiny_model, max_new_tokens=4, temperature=0, return_trace=True,
-                                stop_at_eos=False)
+    trace = minidsa.generate("abc", tiny_model, max_new_tokens=4, temperature=0, trace=True,
+                             stop_at_eos=False).trace
     n = len(trace.token_ids)
     assert set(trace.depth_weights) >= {"1.attn", "0.ffn", "out"}
     out = trace.depth_weights["out"]

@@ -90,8 +90,9 @@ def test_attention_never_crosses_images(tiny_model):
 def test_two_images_and_image_only_prompt(tiny_model):
     imgs = [rgb(56, 56, 3), rgb(28, 84, 4)]
     prompt = f"compare {IMAGE_MARKER} with {IMAGE_MARKER} please"
-    text, tr = minidsa.generate(prompt, tiny_model, images=imgs, max_new_tokens=6, temperature=0,
-                                return_trace=True, stop_at_eos=False)
+    text = minidsa.generate(prompt, tiny_model, images=imgs, max_new_tokens=6, temperature=0,
+                            trace=True, stop_at_eos=False)
+    tr = text.trace
     n = [preprocess(im, tiny_model.config).num_tokens for im in imgs]
     assert len(tr.image_positions) == sum(n) == 4 + 3
     ids = tr.token_ids[: tr.prompt_len]
@@ -99,12 +100,12 @@ def test_two_images_and_image_only_prompt(tiny_model):
     assert ids[first: first + n[0]] == [TOK.media_pad_id] * n[0] and ids[first + n[0]] == TOK.media_end_id
     mask = tr.image_keys(tiny_model.config.mla_layers[0])
     assert mask.shape == (len(tr.token_ids), tiny_model.config.indexer.topk) and mask.any()
-    only, tr2 = minidsa.generate("", tiny_model, images=[imgs[0]], max_new_tokens=3, temperature=0,
-                                 return_trace=True, stop_at_eos=False)
+    only = minidsa.generate("", tiny_model, images=[imgs[0]], max_new_tokens=3, temperature=0,
+                            trace=True, stop_at_eos=False)
+    tr2 = only.trace
     assert tr2.token_ids[0] == TOK.bos_id and tr2.token_ids[1] == TOK.media_begin_id
     assert tr2.prompt_len == 1 + len(TOK.encode(IMAGE_MARKER, add_bos=False, allow_special=True)) - 1 + n[0]
-    default, _ = minidsa.generate("x", tiny_model, images=[imgs[0]], max_new_tokens=3, temperature=0,
-                                  return_trace=True, stop_at_eos=False)
+    default = minidsa.generate("x", tiny_model, images=[imgs[0]], max_new_tokens=3, temperature=0, stop_at_eos=False)
     explicit = minidsa.generate(IMAGE_MARKER + "x", tiny_model, images=[imgs[0]], max_new_tokens=3, temperature=0,
                                 stop_at_eos=False)
     assert default == explicit

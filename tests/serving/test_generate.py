@@ -29,8 +29,9 @@ def generated_ids(trace):
 
 
 def test_greedy_generate_equals_full_forward_argmax(tiny_model64):
-    text, trace = minidsa.generate("hello sparse world", tiny_model64, max_new_tokens=20, temperature=0,
-                                   return_trace=True)
+    text = minidsa.generate("hello sparse world", tiny_model64, max_new_tokens=20, temperature=0,
+                            trace=True)
+    trace = text.trace
     ref = greedy_reference(tiny_model64, "hello sparse world", 20)
     assert generated_ids(trace) == ref
     assert text == TOK.decode(ref)
@@ -38,7 +39,8 @@ def test_greedy_generate_equals_full_forward_argmax(tiny_model64):
 
 
 def test_default_model_and_empty_prompt():
-    text, trace = minidsa.generate("", max_new_tokens=5, temperature=0, return_trace=True, stop_at_eos=False)
+    text = minidsa.generate("", max_new_tokens=5, temperature=0, trace=True, stop_at_eos=False)
+    trace = text.trace
     assert trace.token_ids[0] == TOK.bos_id and trace.prompt_len == 1
     assert generated_ids(trace) == greedy_reference(minidsa.default_model(), "", 5, stop_at_eos=False)
 
@@ -49,7 +51,7 @@ def test_sampling_is_seeded_and_streams_the_same_text(tiny_model):
     b = minidsa.generate("abc", tiny_model, **kw)
     c = minidsa.generate("abc", tiny_model, **{**kw, "seed": 8})
     assert a == b and a != c
-    stream = minidsa.generate("abc", tiny_model, stream=True, **kw)
+    stream = minidsa.stream("abc", tiny_model, **kw)
     pieces = list(stream)
     assert "".join(pieces) == a and len(pieces) > 1 and stream.num_generated == 24
 
@@ -64,10 +66,12 @@ def test_top_p_small_is_greedy(tiny_model):
 def test_batch_of_different_lengths_equals_each_alone(tiny_model64):
     prompts = ["", "a", "a longer prompt that crosses several KV blocks"]
     kw = dict(max_new_tokens=12, temperature=0.9, seed=11, stop_at_eos=False)
-    texts, traces = minidsa.generate(prompts, tiny_model64, return_trace=True, **kw)
+    texts = minidsa.generate(prompts, tiny_model64, trace=True, **kw)
+    traces = [t.trace for t in texts]
     assert isinstance(texts, list) and len(traces) == 3
     for i, p in enumerate(prompts):
-        alone, tr = minidsa.generate(p, tiny_model64, return_trace=True, **{**kw, "seed": 11 + i})
+        alone = minidsa.generate(p, tiny_model64, trace=True, **{**kw, "seed": 11 + i})
+        tr = alone.trace
         assert texts[i] == alone and traces[i].token_ids == tr.token_ids
         for layer in tr.selected:
             assert torch.equal(traces[i].selected[layer].sort(-1).values, tr.selected[layer].sort(-1).values)
@@ -75,8 +79,9 @@ def test_batch_of_different_lengths_equals_each_alone(tiny_model64):
 
 def test_trace_covers_every_token_and_matches_full_forward(tiny_model64):
     tiny_model = tiny_model64
-    text, trace = minidsa.generate("trace me please", tiny_model, max_new_tokens=10, temperature=0.5, seed=1,
-                                   return_trace=True, stop_at_eos=False)
+    text = minidsa.generate("trace me please", tiny_model, max_new_tokens=10, temperature=0.5, seed=1,
+                            trace=True, stop_at_eos=False)
+    trace = text.trace
     n = len(trace.token_ids)
     assert n == trace.prompt_len + 10
     mla = tiny_model.config.mla_layers
@@ -104,7 +109,8 @@ def test_stop_at_eos(tiny_model, monkeypatch):
         logits[..., TOK.eos_id] = 1e4
         return logits
     monkeypatch.setattr(head, "forward", eos_first)
-    text, trace = minidsa.generate("hi", tiny_model, max_new_tokens=8, temperature=0, return_trace=True)
+    text = minidsa.generate("hi", tiny_model, max_new_tokens=8, temperature=0, trace=True)
+    trace = text.trace
     assert generated_ids(trace) == [TOK.eos_id] and text == ""
     text = minidsa.generate("hi", tiny_model, max_new_tokens=3, temperature=0, stop_at_eos=False)
     assert text == ""
@@ -169,7 +175,7 @@ def test_out_of_kv_blocks_is_clear_and_recoverable(tiny_model):
 
 def test_abandoned_stream_gives_blocks_back(tiny_model):
     cache = tiny_model.new_cache()
-    stream = minidsa.generate("stream", tiny_model, max_new_tokens=30, stream=True, cache=cache, stop_at_eos=False)
+    stream = minidsa.stream("stream", tiny_model, max_new_tokens=30, cache=cache, stop_at_eos=False)
     next(stream)
     assert cache.num_free_blocks < cache.layout.num_blocks
     stream.close()
@@ -212,3 +218,30 @@ def test_too_many_sequences_for_the_state_slots(tiny_model):
         minidsa.generate(["x"] * (n + 1), tiny_model, max_new_tokens=2, cache=cache)
     assert cache.sequences() == [] and cache.num_free_state_slots == n and cache.num_free_blocks == 128
     assert len(minidsa.generate(["x"] * n, tiny_model, max_new_tokens=2, cache=cache)) == n
+
+
+def test_generate_returns_text_and_stream_streams_it(tiny_model):
+    """One return type: a str (a list of str for a batch) whose ``.trace`` is None unless asked for."""
+    kw = dict(max_new_tokens=6, temperature=0, stop_at_eos=False)
+    text = minidsa.generate("abc", tiny_model, **kw)
+    assert type(text) is minidsa.Generation and isinstance(text, str) and text.trace is None
+    traced = minidsa.generate("abc", tiny_model, trace=True, **kw)
+    assert traced == text and len(traced.trace.token_ids) == traced.trace.prompt_len + 6
+    batch = minidsa.generate(["abc", "de"], tiny_model, trace=True, **kw)
+    assert isinstance(batch, list) and batch[0] == text and [len(t.trace.token_ids) for t in batch] == [10, 9]
+    with minidsa.stream("abc", tiny_model, **kw) as s:
+        assert "".join(s) == text
+    assert list(minidsa.stream(["abc", "de"], tiny_model, **kw))[0][0] in (0, 1)
+
+
+def test_the_old_flags_still_work_with_a_warning_naming_the_new_call(tiny_model):
+    kw = dict(max_new_tokens=5, temperature=0, stop_at_eos=False)
+    want = minidsa.generate("abc", tiny_model, trace=True, **kw)
+    with pytest.warns(DeprecationWarning, match=r"minidsa\.stream\(\.\.\.\)"):
+        s = minidsa.generate("abc", tiny_model, stream=True, **kw)
+    assert "".join(s) == want
+    with pytest.warns(DeprecationWarning, match=r"trace=True"):
+        text, trace = minidsa.generate("abc", tiny_model, return_trace=True, **kw)
+    assert text == want and trace.token_ids == want.trace.token_ids
+    with pytest.raises(TypeError, match="'strem'"):
+        minidsa.generate("abc", tiny_model, strem=True, **kw)

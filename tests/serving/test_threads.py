@@ -58,7 +58,8 @@ def test_two_threads_on_one_model_give_the_sequential_logits_bit_for_bit(model):
 
 def test_two_threads_generating_with_traces_equal_the_calls_alone(model):
     def call(prompt):
-        text, trace = minidsa.generate(prompt, model, max_new_tokens=6, temperature=0, return_trace=True)
+        text = minidsa.generate(prompt, model, max_new_tokens=6, temperature=0, trace=True)
+        trace = text.trace
         return text, {k: v.clone() for k, v in trace.selected.items()}
 
     jobs = PROMPTS[:6]
@@ -111,7 +112,7 @@ README = pass_key_prompt(0)
 def test_a_call_fails_at_once_when_only_its_own_thread_holds_the_room(model):
     """Nothing another thread holds would come back: waiting would only hang (here, on this thread's stream)."""
     cache = model.new_cache(num_blocks=30)  # one 24-block call at a time
-    with minidsa.generate(README, model, max_new_tokens=16, cache=cache, stream=True) as stream:
+    with minidsa.stream(README, model, max_new_tokens=16, cache=cache) as stream:
         next(stream)
         t0 = time.monotonic()
         with pytest.raises(minidsa.OutOfKVBlocksError, match="out of blocks.*Free finished sequences"):
@@ -127,7 +128,7 @@ def test_a_call_gives_up_waiting_when_nothing_comes_back(model, monkeypatch):
     opened, done = threading.Event(), threading.Event()
 
     def holder():
-        with minidsa.generate(README, model, max_new_tokens=16, cache=cache, stream=True) as stream:
+        with minidsa.stream(README, model, max_new_tokens=16, cache=cache) as stream:
             next(stream)
             opened.set()
             done.wait(30)

@@ -16,8 +16,8 @@ from minidsa import viz  # noqa: E402
 
 @pytest.fixture(scope="module")
 def trace():
-    _, trace = minidsa.generate("the pass key of kqz is 40271.\nQ: pass key?\nA: ", temperature=0, max_new_tokens=4,
-                                return_trace=True)
+    trace = minidsa.generate("the pass key of kqz is 40271.\nQ: pass key?\nA: ", temperature=0, max_new_tokens=4,
+                             trace=True).trace
     return trace
 
 

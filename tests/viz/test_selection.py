@@ -30,7 +30,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def trace(model):
-    text, trace = minidsa.generate(PROMPT, model, temperature=0, max_new_tokens=8, return_trace=True)
+    text = minidsa.generate(PROMPT, model, temperature=0, max_new_tokens=8, trace=True)
+    trace = text.trace
     assert text == KEY  # the README's answer: the pictures below are of a model that retrieves
     return trace
 
@@ -76,8 +77,8 @@ def test_find_span_of_a_trace(trace):
 
 # ------------------------------------------------------------------------------------------ data helpers
 def test_selection_matrix_marks_exactly_the_selected_keys():
-    _, trace = minidsa.generate("abcdefghijklmnop", max_new_tokens=3, temperature=0, return_trace=True,
-                                stop_at_eos=False)
+    trace = minidsa.generate("abcdefghijklmnop", max_new_tokens=3, temperature=0, trace=True,
+                             stop_at_eos=False).trace
     layer = min(trace.selected)
     m = selection_matrix(trace, layer)
     sel = trace.selected[layer]
@@ -227,8 +228,8 @@ def test_plot_selection_all_rows_zoom_and_blocks(trace):
 def test_plot_selection_marks_image_tokens():
     image = np.zeros((28, 28, 3), dtype=np.uint8)
     image[6:22, 6:22] = (200, 40, 40)
-    _, trace = minidsa.generate(f"{minidsa.tokenizer.IMAGE_MARKER}\nQ: colour?\nA: ", images=[image], temperature=0,
-                                max_new_tokens=3, return_trace=True)
+    trace = minidsa.generate(f"{minidsa.tokenizer.IMAGE_MARKER}\nQ: colour?\nA: ", images=[image], temperature=0,
+                             max_new_tokens=3, trace=True).trace
     assert trace.image_positions
     fig = viz.plot_selection(trace, 3)
     ax = fig.axes[0]
