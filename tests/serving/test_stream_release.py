@@ -32,7 +32,7 @@ def untouched(cache) -> bool:
 def test_breaking_out_of_a_stream_frees_at_once(model, no_gc):
     cache = model.new_cache()
     for _ in range(3):   # 16 rows take every state slot: a leak would fail the second round
-        for _piece in minidsa.generate(["hello"] * 16, model, max_new_tokens=8, stream=True, cache=cache):
+        for _piece in minidsa.stream(["hello"] * 16, model, max_new_tokens=8, cache=cache):
             break
         assert untouched(cache)
 
@@ -40,18 +40,18 @@ def test_breaking_out_of_a_stream_frees_at_once(model, no_gc):
 def test_an_exception_in_the_consumer_frees_at_once(model, no_gc):
     cache = model.new_cache()
     with pytest.raises(RuntimeError, match="consumer"):
-        for _piece in minidsa.generate("hello", model, max_new_tokens=8, stream=True, cache=cache):
+        for _piece in minidsa.stream("hello", model, max_new_tokens=8, cache=cache):
             raise RuntimeError("consumer failed")
     assert untouched(cache)
 
 
 def test_with_and_close_free_a_stream_kept_in_a_variable(model, no_gc):
     cache = model.new_cache()
-    with minidsa.generate("hello", model, max_new_tokens=8, stream=True, cache=cache) as s:
+    with minidsa.stream("hello", model, max_new_tokens=8, cache=cache) as s:
         next(s)
         assert not untouched(cache)
     assert untouched(cache)
-    s = minidsa.generate("hello", model, max_new_tokens=8, stream=True, cache=cache)
+    s = minidsa.stream("hello", model, max_new_tokens=8, cache=cache)
     next(s)
     s.close()
     assert untouched(cache)
@@ -75,9 +75,9 @@ def test_a_failed_direct_forward_gives_back_what_it_reserved(model, monkeypatch)
 def test_another_layout_or_bad_seq_ids_are_refused_before_anything_is_taken(model):
     other = minidsa.MiniDSA("laptop", device="meta").cache_layout(4)
     foreign = PagedKVCache(other)
-    for stream in (False, True):
+    for call in (minidsa.generate, minidsa.stream):
         with pytest.raises(ValueError, match="different model layout"):
-            minidsa.generate("hello", model, cache=foreign, stream=stream)
+            call("hello", model, cache=foreign)
         assert untouched(foreign)
     cache = model.new_cache()
     sid = cache.add_sequence()
