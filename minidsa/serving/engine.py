@@ -60,7 +60,8 @@ class Engine:
                  num_blocks: int | None = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, cuda_graphs: str = "auto", compile_decode: bool = False,
                  max_checkpoints: int | None = None,
-                 checkpoint_interval: int | None = None, memory_bytes: int | None = None, cache=None) -> None:
+                 checkpoint_interval: int | None = None, memory_bytes: int | None = None, cache=None,
+                 raise_errors: bool = False) -> None:
         if not isinstance(model, MiniDSA):
             raise TypeError(f"model must be a MiniDSA (minidsa.load(...)), got {type(model).__name__}")
         cfg = model.config
@@ -97,7 +98,9 @@ class Engine:
         if self.runner.graphs is not None:  # a GPU engine: compile the prefill path before the first request
             self.runner.warm_up(self.max_num_batched_tokens)
         self.requests: dict[str, EngineRequest] = {}
-        self.raise_errors = False  # generate() sets it: a failed forward is the caller's exception
+        # A library call (generate()) wants a failed forward as its own exception; a service fails the step's
+        # requests and goes on with the others.
+        self.raise_errors = bool(raise_errors)
         self._ids = itertools.count()
         self.prompt_tokens = self.generation_tokens = 0
         self.decode_steps, self.decode_tokens, self.decode_seconds = 0, 0, 0.0  # steps whose rows were all decodes
@@ -162,6 +165,12 @@ class Engine:
         self.requests[rid] = req
         self.scheduler.waiting.append(req)
         return req
+
+    def admit_all(self, requests: list[EngineRequest]) -> None:
+        """Start these queued requests now, all or nothing, each with room for its prompt and ``max_tokens``
+        reserved, so none is ever preempted (``generate()``'s batch). Where other calls on a shared cache hold
+        the room, waits until they give it back; OutOfKVBlocksError, nothing kept, where waiting cannot help."""
+        self.scheduler.admit_all(requests, [len(r.prompt_ids) + r.params.max_tokens for r in requests])
 
     def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
         check_context("the prompt", prompt_len, "max_tokens", max_tokens, self.model.config.max_seq_len)

@@ -98,15 +98,14 @@ class _Run:
         req, pad = self.req, self.model.tokenizer.media_pad_id
         budget = max(self.model.config.max_seq_len, sum(len(p) for p in req.prompts))
         engine = Engine(self.model, cache=self.cache, max_num_seqs=len(req.prompts), max_num_batched_tokens=budget,
-                        enable_prefix_caching=False, enable_chunked_prefill=False, cuda_graphs="off")
-        engine.raise_errors = True
+                        enable_prefix_caching=False, enable_chunked_prefill=False, cuda_graphs="off", raise_errors=True)
         traces = [GenerationTrace(list(p), len(p), image_positions=[j for j, t in enumerate(p) if t == pad])
                   if req.trace else None for p in req.prompts]
         rows = [engine.enqueue(None, p, feats, SamplingParams(req.temperature, req.top_p, 0, req.max_new_tokens, seed,
                                                               ignore_eos=not req.stop_at_eos), trace=tr)
                 for p, feats, seed, tr in zip(req.prompts, req.image_features, req.seeds, traces)]
         try:
-            engine.scheduler.admit_all(rows, [len(p) + req.max_new_tokens for p in req.prompts])
+            engine.admit_all(rows)
             yield from self._steps(engine, rows)
         finally:
             for r in rows:
