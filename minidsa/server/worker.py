@@ -135,9 +135,9 @@ class Worker:
             self.engine.add_request(prompt, params, images or None, request_id=handle.request_id)
         except (ValueError, TypeError) as e:  # the prompt or an image: this request's fault alone
             self._scheduled(handle)
-            msg = " ".join(str(e).split())
-            handle.outputs.put(APIError(400, msg, "max_tokens" if "max_tokens" in msg else "messages" if images
-                                        else "prompt"))
+            field = getattr(e, "field", "prompt")  # the engine names the argument at fault
+            handle.outputs.put(APIError(400, " ".join(str(e).split()), "max_tokens" if field == "max_tokens"
+                                        else "messages" if images else "prompt"))
             return
         self._live[handle.request_id] = handle
 

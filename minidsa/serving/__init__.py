@@ -14,7 +14,8 @@
 from .engine import Engine, NonFiniteLogitsError
 from .generation import Generation, GenerationStream, generate, stream
 from .params import RequestMetrics, RequestOutput, SamplingParams
+from .requests import RequestError
 from .sampling import sample_next_token
 
-__all__ = ["Engine", "Generation", "GenerationStream", "NonFiniteLogitsError", "RequestMetrics", "RequestOutput",
-           "SamplingParams", "generate", "sample_next_token", "stream"]
+__all__ = ["Engine", "Generation", "GenerationStream", "NonFiniteLogitsError", "RequestError", "RequestMetrics",
+           "RequestOutput", "SamplingParams", "generate", "sample_next_token", "stream"]

@@ -36,7 +36,7 @@ from ..model.trace import ForwardTrace
 from .budget import plan_cache
 from .params import RequestMetrics, RequestOutput, SamplingParams
 from .prefix_cache import PrefixCache, block_hashes
-from .requests import check_context, check_positive_int, encode_prompts
+from .requests import RequestError, check_context, check_positive_int, encode_prompts
 from .runner import ModelRunner
 from .scheduler import EngineRequest, Scheduler
 
@@ -137,7 +137,8 @@ class Engine:
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: str, params: SamplingParams | None = None, images=None,
                     request_id: str | None = None) -> str:
-        """Check and queue one request; returns its id. Raises before anything is queued."""
+        """Check and queue one request; returns its id. Raises before anything is queued; an error about the
+        prompt, its images or ``max_tokens`` names the argument as its ``field``."""
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         params = SamplingParams() if params is None else params
@@ -145,7 +146,11 @@ class Engine:
             raise TypeError(f"params must be a minidsa.SamplingParams, got {type(params).__name__}")
         if request_id is not None and (not isinstance(request_id, str) or request_id in self.requests):
             raise ValueError(f"request_id {request_id!r} is already in use (or not a str); pass a new one or None")
-        ids, feats = encode_prompts(self.model, [prompt], images, False)
+        try:
+            ids, feats = encode_prompts(self.model, [prompt], images, False)
+        except (ValueError, TypeError) as e:  # the prompt's placeholders or an image: named for a service
+            e.field = getattr(e, "field", "images" if images else "prompt")
+            raise
         self._check_fits(len(ids[0]), params.max_tokens)
         return self.enqueue(prompt, ids[0], feats[0], params, request_id).request_id
 
@@ -176,8 +181,9 @@ class Engine:
         check_context("the prompt", prompt_len, "max_tokens", max_tokens, self.model.config.max_seq_len)
         need = -(-(prompt_len + max_tokens) // self.cache.block_size)
         if need > self.cache.layout.num_blocks:
-            raise ValueError(f"the prompt and max_tokens need {need} KV blocks but the cache has "
-                             f"{self.cache.layout.num_blocks}: it can never fit; lower max_tokens or raise num_blocks")
+            raise RequestError(f"the prompt and max_tokens need {need} KV blocks but the cache has "
+                               f"{self.cache.layout.num_blocks}: it can never fit; lower max_tokens or raise num_blocks",
+                               "max_tokens")
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and give back everything it holds (ValueError for an unknown id)."""

@@ -147,15 +147,24 @@ def _check_marker_kinds(tok, ids: list[int], num_images: int, where: str) -> Non
                              f"IMAGE_MARKER before the first VIDEO_MARKER")
 
 
+class RequestError(ValueError):
+    """A request argument that cannot be served, with the argument to fix as ``field`` ("prompt", "images",
+    "max_tokens", ...): a service names it to its client without reading the message."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def check_context(where: str, prompt_len: int, name: str, max_new: int, ctx: int) -> None:
-    """ValueError unless a prompt of ``prompt_len`` ids and ``max_new`` new tokens (the argument ``name``)
-    fit the context ``ctx``; at least one new token must fit after the prompt."""
+    """RequestError unless a prompt of ``prompt_len`` ids and ``max_new`` new tokens (the argument ``name``)
+    fit the context ``ctx``; at least one new token must fit after the prompt. Its field: "prompt" or ``name``."""
     if prompt_len >= ctx:
-        raise ValueError(f"{where} is {prompt_len} tokens (bos included) and leaves no room for a new token in "
-                         f"the model's context max_seq_len = {ctx}; shorten it to at most {ctx - 1} tokens")
+        raise RequestError(f"{where} is {prompt_len} tokens (bos included) and leaves no room for a new token in "
+                           f"the model's context max_seq_len = {ctx}; shorten it to at most {ctx - 1} tokens", "prompt")
     if prompt_len + max_new > ctx:
-        raise ValueError(f"{where} is {prompt_len} tokens and {name} = {max_new}: together more than "
-                         f"the context max_seq_len = {ctx}; use {name} <= {ctx - prompt_len}")
+        raise RequestError(f"{where} is {prompt_len} tokens and {name} = {max_new}: together more than "
+                           f"the context max_seq_len = {ctx}; use {name} <= {ctx - prompt_len}", name)
 
 
 def check_prompt(prompt) -> tuple[bool, list[str]]:

@@ -365,10 +365,19 @@ def test_bad_sampling_params_name_the_field(make, exc, msg):
 
 def test_bad_requests_are_refused_before_anything_is_queued(model):
     engine = Engine(model, num_blocks=8)
-    with pytest.raises(ValueError, match="can never fit"):
+    # Each error names the argument to fix as its field (what the service reports as the 400's "param").
+    with pytest.raises(ValueError, match="can never fit") as e:
         engine.add_request("x" * 60, SamplingParams(max_tokens=10))  # 8 blocks hold 64 tokens
-    with pytest.raises(ValueError, match="use max_tokens <= 55"):
+    assert e.value.field == "max_tokens"
+    with pytest.raises(ValueError, match="use max_tokens <= 55") as e:
         engine.add_request("x" * 200, SamplingParams(max_tokens=56))
+    assert e.value.field == "max_tokens"
+    with pytest.raises(ValueError, match="leaves no room") as e:
+        engine.add_request("x" * 300, SamplingParams(max_tokens=1))
+    assert e.value.field == "prompt"
+    with pytest.raises(TypeError, match="images must be") as e:
+        engine.add_request("x", GREEDY, images="cat.png")
+    assert e.value.field == "images"
     with pytest.raises(TypeError, match="SamplingParams"):
         engine.add_request("x", {"max_tokens": 3})
     rid = engine.add_request("x", GREEDY)
