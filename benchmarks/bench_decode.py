@@ -269,7 +269,7 @@ def main() -> None:
                     "logits then match the eager step's without discrete choices flipping on rounding)")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--quick", action="store_true", help="the compiled graph only, no eager graph and no peer: "
-                    "two trees compared in one device call (benchmarks/gpu_decode.sh)")
+                    "two trees compared in one device call (benchmarks/diagnostics/gpu_decode.sh)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny config: the trace checked, timings meaningless")
     args = ap.parse_args()
     device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"

@@ -55,7 +55,7 @@ def timer(fn, reps: int) -> float:
 
 def graph_timer(fn, calls: int = 10) -> float:
     """Seconds of GPU time per call: ``calls`` calls captured in one CUDA graph, replayed (median of 5).
-    A decode step runs in a graph in serving engines (and here: benchmarks/decode_sync_gpu.py); it
+    A decode step runs in a graph in serving engines (and here: benchmarks/diagnostics/decode_sync_gpu.py); it
     removes the host's launch cost, which for a chain of short kernels exceeds their GPU time."""
     if DEV != "cuda":
         return timer(fn, 1)

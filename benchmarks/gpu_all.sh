@@ -30,5 +30,5 @@ step bench_mla python benchmarks/bench_mla.py
 step bench_kda python benchmarks/bench_kda.py
 step bench_moe python benchmarks/bench_moe.py
 step bench_activation python benchmarks/bench_activation.py
-step model python benchmarks/model_triton_gpu.py --config small --batches 1 32 --steps 16
+step model python benchmarks/diagnostics/model_triton_gpu.py --config small --batches 1 32 --steps 16
 exit "$status"

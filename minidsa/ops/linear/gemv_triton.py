@@ -147,14 +147,14 @@ def _tile_kernel(x_ptr, w_ptr, x2_ptr, w2_ptr, out_ptr, M, N, K, K2, stride_wn, 
 def _tiles(N: int, K: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps): two rows a program and K in 1-4 steps of up to 1024: the most
     programs in flight for a launch-and-latency-bound product, each a full-width vector load per thread (the
-    tile sweep over rows, K steps and warps: docs/benchmarks.md, benchmarks/tune_decode.py)."""
+    tile sweep over rows, K steps and warps: docs/benchmarks.md, benchmarks/diagnostics/tune_decode.py)."""
     return 2, min(triton.next_power_of_2(K), 1024), 4
 
 
 def _tile_config(M: int, on_gpu: bool) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the tile kernel for M rows of x: 16 weight rows a program,
     the smallest tensor-core tile, so that even a 1024-row weight spreads over 64 programs (the sweep:
-    benchmarks/tune_decode.py). The interpreter gets the smallest legal tiles."""
+    benchmarks/diagnostics/tune_decode.py). The interpreter gets the smallest legal tiles."""
     block_m = max(16, triton.next_power_of_2(M))
     if not on_gpu:
         return block_m, 16, 32, 4, 1

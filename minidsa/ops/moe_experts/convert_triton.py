@@ -23,7 +23,7 @@ import triton.language as tl
 from .checks import check_conversion
 
 CONVERT_BLOCK = {"cuda": 8192, "cpu": 2048}  # uint16 words of codes per conversion program
-CONVERT_WARPS = 4  # warps per conversion program on the GPU (benchmarks/tune_moe.py sweeps both)
+CONVERT_WARPS = 4  # warps per conversion program on the GPU (benchmarks/diagnostics/tune_moe.py sweeps both)
 
 
 @triton.jit

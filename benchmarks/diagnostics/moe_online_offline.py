@@ -1,7 +1,7 @@
 """Online (routed experts -> shared FP8 workspace per forward) vs offline (all experts converted at
 load) on this machine's CPU, measured in one run. Prints memory figures and the time ratio.
 
-    python benchmarks/moe_online_offline.py [--config laptop] [--tokens 64] [--repeats 5]
+    python benchmarks/diagnostics/moe_online_offline.py [--config laptop] [--tokens 64] [--repeats 5]
 """
 
 from __future__ import annotations

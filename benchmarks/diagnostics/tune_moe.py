@@ -2,19 +2,23 @@
 the decode MLP's tiles, each timed on the bench_moe.py shapes (256 experts of L=3584, I=3072; 16 slots;
 one decode token) and checked against the shipped configuration's output.
 
-    PYTHONPATH=. python benchmarks/tune_moe.py
+    PYTHONPATH=. python benchmarks/diagnostics/tune_moe.py
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
+from pathlib import Path
 
-import torch
-from _bench import timer, warm_up
-from bench_moe import BETA_G, BETA_U, HBM, make_experts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _bench and the bench_* modules
 
-from minidsa.ops.moe_experts import convert_triton as convert
-from minidsa.ops.moe_experts import mlp_triton as mlp
+import torch  # noqa: E402
+from _bench import timer, warm_up  # noqa: E402
+from bench_moe import BETA_G, BETA_U, HBM, make_experts  # noqa: E402
+
+from minidsa.ops.moe_experts import convert_triton as convert  # noqa: E402
+from minidsa.ops.moe_experts import mlp_triton as mlp  # noqa: E402
 
 
 def main() -> None:

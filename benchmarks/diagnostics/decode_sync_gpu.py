@@ -1,7 +1,7 @@
 """Host synchronisations per cached decode step on a CUDA device, and one decode step captured in a
 CUDA graph and replayed to the same logits (docs/design.md §14).
 
-    PYTHONPATH=. python benchmarks/decode_sync_gpu.py [--config laptop] [--batch 4] [--graph]
+    PYTHONPATH=. python benchmarks/diagnostics/decode_sync_gpu.py [--config laptop] [--batch 4] [--graph]
 
 Counts the warnings of ``torch.cuda.set_sync_debug_mode("warn")`` (every op that makes the host wait
 for the device) during one ``model(ids, cache=..., seq_ids=...)`` decode step, and separately during

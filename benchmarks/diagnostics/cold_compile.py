@@ -6,7 +6,7 @@ those the nano-vllm workload (``--num-requests`` of 100-1,024 tokens, 100-512 ou
 requests wait: each one stalls a step, and with it every running request, for about a second.
 
     rm -rf ~/.triton/cache   # optional: without it, variants compiled by an earlier process load from disk
-    PYTHONPATH=. python benchmarks/cold_compile.py [--config small] [--engine [--num-requests 64]]
+    PYTHONPATH=. python benchmarks/diagnostics/cold_compile.py [--config small] [--engine [--num-requests 64]]
 
 Triton compiles one variant per combination of constexprs and of the divisibility class (by 16, and
 == 1) of every integer and pointer argument it specialises. A length that a kernel leaves unspecialised

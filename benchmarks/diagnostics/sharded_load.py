@@ -1,7 +1,7 @@
 """One rank's sharded load of a saved checkpoint, with and without the checksum verification it does
 (each shard it reads hashed whole, once), alternated in one process:
 
-    PYTHONPATH=. python benchmarks/sharded_load.py [DIR] [--reps 15]
+    PYTHONPATH=. python benchmarks/diagnostics/sharded_load.py [DIR] [--reps 15]
 
 DIR (default: a temporary folder) gets the laptop checkpoint when it holds none. Prints, per layout, rank 0's
 resident bytes and the best and median load times both ways; docs/benchmarks.md, "Sharded load".

@@ -2,7 +2,7 @@
 ~4.3 TB/s HBM, ~790 TFLOP/s bf16 dense). The Triton kernels, when they land, report against these
 numbers in the same run; peers (torch SDPA) are timed here for scale.
 
-    python benchmarks/reference_ops_gpu.py
+    python benchmarks/diagnostics/reference_ops_gpu.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The routed experts of one MoE layer call at decode batch sizes, three ways, on the GPU.
 
-    PYTHONPATH=. python benchmarks/moe_decode_paths.py
+    PYTHONPATH=. python benchmarks/diagnostics/moe_decode_paths.py
 
 The small config's shapes (64 experts of 512 x 512 MXFP4, top 8), seeded random codes and routing; for
 2-64 tokens: ``expert_mlp_mxfp4`` with tensor-core tiles shared by an expert's tokens (the model's path),

@@ -1,6 +1,6 @@
 """The whole model on the GPU through the Triton kernels vs the PyTorch references (docs/design.md §12).
 
-    PYTHONPATH=. python benchmarks/model_triton_gpu.py [--config small] [--batches 1 32] [--steps 32]
+    PYTHONPATH=. python benchmarks/diagnostics/model_triton_gpu.py [--config small] [--batches 1 32] [--steps 32]
 
 For each batch size: the same seeded prompts are prefilled into two caches, one per backend, then
 ``--steps`` cached decode steps run on each. Printed: decode tokens/s per backend and their ratio,
@@ -18,15 +18,19 @@ experts, the torch run replays them with its own scores and router weights), and
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
-import torch
-from _bench import cuda_graph
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _bench and the bench_* modules
 
-import minidsa
-from minidsa.model.indexer import LightningIndexer
-from minidsa.model.moe import LatentMoE
+import torch  # noqa: E402
+from _bench import cuda_graph  # noqa: E402
+
+import minidsa  # noqa: E402
+from minidsa.model.indexer import LightningIndexer  # noqa: E402
+from minidsa.model.moe import LatentMoE  # noqa: E402
 
 
 def prompts(batch: int, vocab: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -67,7 +71,7 @@ def run(model, batch_prompts, steps: int, device: str, graph: bool = True) -> di
 
 
 def graph_step_s(model, cache, sids, device: str, reps: int = 20) -> float:
-    """Seconds per decode step replayed from a CUDA graph (the step of benchmarks/decode_sync_gpu.py:
+    """Seconds per decode step replayed from a CUDA graph (the step of benchmarks/diagnostics/decode_sync_gpu.py:
     the forward on a prepared context; replays rewrite the same cache rows, which is fine for timing)."""
     ids = torch.full((len(sids), 1), 5, device=device)
     ctx = cache.prepare(sids, 1, device)

@@ -1,7 +1,7 @@
 """Accuracy of a trained run before and after MXFP4: the float master weights of ``training_state.safetensors``
 against the shipped checkpoint format (routed experts quantised to MXFP4 at save) of the same run.
 
-    python benchmarks/quantisation_drop.py runs/tiny [--n 256] [--context 72]
+    python benchmarks/diagnostics/quantisation_drop.py runs/tiny [--n 256] [--context 72]
 """
 
 from __future__ import annotations

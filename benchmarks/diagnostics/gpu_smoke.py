@@ -1,7 +1,7 @@
 """Runs every path of the model on a CUDA device: cached decode vs full forward, generate with an
 image, checkpoint round trip. Prints figures; exits non-zero on a mismatch.
 
-    python benchmarks/gpu_smoke.py [--config small]
+    python benchmarks/diagnostics/gpu_smoke.py [--config small]
 """
 
 from __future__ import annotations

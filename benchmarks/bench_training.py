@@ -1,8 +1,8 @@
 """Training throughput: the reference no-cache forward + backward, the lean training path and a plain dense
 pre-norm transformer of the same width and depth, in one run.
 
-    python benchmarks/train_throughput.py                           # GPU: laptop config, batch 32 x 1024
-    python benchmarks/train_throughput.py --device cpu --tiny       # dry run on a CPU (seconds)
+    python benchmarks/bench_training.py                           # GPU: laptop config, batch 32 x 1024
+    python benchmarks/bench_training.py --device cpu --tiny       # dry run on a CPU (seconds)
 
 Variants (each a forward + backward of a full next-token loss over every position, no optimizer step):
   reference  MiniDSA.forward (per-query gathers, offline FP8 experts dequantised each forward; experts are buffers)

@@ -2,7 +2,7 @@
 # The decode step's GPU checks in one device call, with a baseline tree timed on the same card:
 #
 #   git archive REV minidsa benchmarks | (mkdir -p build/base && tar -x -C build/base)   # on this machine
-#   bash benchmarks/gpu_decode.sh [build/base]     # device tool: carry ["build/base"]
+#   bash benchmarks/diagnostics/gpu_decode.sh [build/base]     # device tool: carry ["build/base"]
 #
 # 1. the decode kernels' parity tests compiled for the GPU, 2. the compiled step of this tree and of the
 # baseline (bench_decode.py --quick: no eager graph, no dense peer; the full table is a plain
@@ -25,7 +25,7 @@ step tests python -m pytest -q -p no:cacheprovider tests/ops/test_triton_linear.
     tests/ops/test_triton_kda_decode.py tests/ops/test_triton_moe.py
 step step python benchmarks/bench_decode.py --config small --batches 1 32 --quick
 [ -z "$base" ] || step step_base bash -c "cd '$base' && PYTHONPATH=. python benchmarks/bench_decode.py --config small --batches 1 32 --quick"
-step held python benchmarks/model_triton_gpu.py --config small --batches 1 --steps 4
-step tiles python benchmarks/moe_tile_costs.py shipped
-[ -z "$base" ] || step tiles_base bash -c "cd '$base' && PYTHONPATH=. python benchmarks/moe_tile_costs.py shipped"
+step held python benchmarks/diagnostics/model_triton_gpu.py --config small --batches 1 --steps 4
+step tiles python benchmarks/diagnostics/moe_tile_costs.py shipped
+[ -z "$base" ] || step tiles_base bash -c "cd '$base' && PYTHONPATH=. python benchmarks/diagnostics/moe_tile_costs.py shipped"
 exit "$status"

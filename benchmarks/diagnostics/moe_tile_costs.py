@@ -1,9 +1,9 @@
 """Where the time of the tensor-core expert tiles goes at a decode batch (a diagnostic, not a test).
 
-    PYTHONPATH=. python benchmarks/moe_tile_costs.py            # every variant, one process each
+    PYTHONPATH=. python benchmarks/diagnostics/moe_tile_costs.py            # every variant, one process each
 
 The small config's routed experts at 32 tokens (64 experts of 512 x 512 MXFP4, top 8: about 4 tokens an
-expert), timed like benchmarks/tune_decode.py (back to back in a CUDA graph, weights overflowing L2). Each
+expert), timed like benchmarks/diagnostics/tune_decode.py (back to back in a CUDA graph, weights overflowing L2). Each
 variant takes one piece of work out of the tiles' inner loop, so its saving is that piece's cost; the
 variants' results are wrong by construction and only their time is printed:
     shipped       the model's kernels
@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
-import torch
-import triton
-import triton.language as tl
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _bench and the bench_* modules
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 VARIANTS = ("shipped", "one_dot", "no_decode")
 

@@ -2,7 +2,7 @@
 projection, the tile projection of a decode batch, the router, the KDA decode step and the routed-expert
 MLP, each at the small config's shapes.
 
-    PYTHONPATH=. python benchmarks/tune_decode.py [--only gemv tile rows route kda moe combine]
+    PYTHONPATH=. python benchmarks/diagnostics/tune_decode.py [--only gemv tile rows route kda moe combine]
 
 A decode step reads every weight once, and the whole step (580 MB at batch 1) is far larger than the L2
 cache, so each candidate is timed on enough distinct copies of its weights to overflow L2 (about 96 MB),
@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
+from pathlib import Path
 
-import torch
-import triton
-from _bench import cuda_graph, warm_up, write_results
-from bench_moe import BETA_G, BETA_U, make_experts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _bench and the bench_* modules
 
-from minidsa.ops.kda import decode_triton as kda_dec
-from minidsa.ops.linear import gemv_triton as gemv
-from minidsa.ops.moe_experts import mlp_triton as mlp
-from minidsa.ops.moe_router import route_triton as route
+import torch  # noqa: E402
+import triton  # noqa: E402
+from _bench import cuda_graph, warm_up, write_results  # noqa: E402
+from bench_moe import BETA_G, BETA_U, make_experts  # noqa: E402
+
+from minidsa.ops.kda import decode_triton as kda_dec  # noqa: E402
+from minidsa.ops.linear import gemv_triton as gemv  # noqa: E402
+from minidsa.ops.moe_experts import mlp_triton as mlp  # noqa: E402
+from minidsa.ops.moe_router import route_triton as route  # noqa: E402
 
 L2_BYTES = 96 * 2**20
 results: list[dict] = []
