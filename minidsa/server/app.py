@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 from ..model.minidsa import MiniDSA
 from ..serving.engine import Engine
 from ..serving.params import RequestOutput
-from ..serving.requests import check_positive_int
+from ..serving.requests import Prompt, check_positive_int
 from . import chat, protocol
 from .metrics import exposition
 from .protocol import APIError, Job
@@ -316,23 +316,25 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _completions(self) -> None:
         job = protocol.completion_job(self._read_json(), self.app.model_names)
-        protocol.check_fits(job, len(self.app.model.tokenizer.encode(job.prompt)), self.app.model.config.max_seq_len)
-        self._run(job)
+        prompt = chat.prepare(self.app.model, job.prompt, [], field="prompt")
+        protocol.check_fits(job, len(prompt.ids), self.app.model.config.max_seq_len)
+        self._run(job, prompt)
 
     def _chat(self) -> None:
         body = self._read_json()
         protocol.check_fields(body, chat=True)  # these two before decoding images for nothing
         protocol.check_model(body, self.app.model_names)
-        prompt, images = chat.render(body.get("messages"))
-        n, context = chat.prompt_length(self.app.model, prompt, images), self.app.model.config.max_seq_len
-        job = protocol.chat_job(body, self.app.model_names, prompt, images, context - n)
-        protocol.check_fits(job, n, context)
-        self._run(job)
+        text, images = chat.render(body.get("messages"))
+        prompt, context = chat.prepare(self.app.model, text, images), self.app.model.config.max_seq_len
+        job = protocol.chat_job(body, self.app.model_names, text, images, context - len(prompt.ids))
+        protocol.check_fits(job, len(prompt.ids), context)
+        self._run(job, prompt)
 
     # ------------------------------------------------------------------ one request through the engine
-    def _run(self, job: Job) -> None:
+    def _run(self, job: Job, prompt: Prompt) -> None:
+        """``prompt``: the job's prompt encoded once here; the engine queues it as it is."""
         try:
-            handle = self.app.worker.submit(job.prompt, job.params, job.images)
+            handle = self.app.worker.submit(prompt, job.params)
         except Overloaded as e:
             raise APIError(503, f"the server is overloaded: {e}; retry later", type="server_error",
                            code="overloaded", headers={"Retry-After": "1"}) from None

@@ -28,7 +28,7 @@ import numpy as np
 from PIL import Image
 
 from ..model.minidsa import MiniDSA
-from ..model.vision import preprocess
+from ..serving.requests import Prompt, prepare_prompts
 from ..tokenizer import IMAGE_MARKER, SPECIAL_TOKENS
 from .protocol import invalid
 
@@ -118,13 +118,10 @@ def decode_image(url, where: str) -> np.ndarray:
                              f"PNG or JPEG file as data:image/png;base64,<the file in base64>") from None
 
 
-def prompt_length(model: MiniDSA, prompt: str, images: list[np.ndarray]) -> int:
-    """Tokens the engine will see: bos + the prompt's ids, each image marker grown to its image's tokens."""
-    ids = model.tokenizer.encode(prompt, allow_special=bool(images))
-    grown = 0
-    for k, im in enumerate(images):
-        try:
-            grown += preprocess(im, model.config, name=f"image {k}").num_tokens - 1
-        except (ValueError, TypeError) as e:
-            raise invalid("messages", str(e)) from None
-    return len(ids) + grown
+def prepare(model: MiniDSA, prompt: str, images: list[np.ndarray], field: str = "messages") -> Prompt:
+    """The prompt as the engine will hold it, encoded once: ``len(.ids)`` counts bos and each image's tokens.
+    A bad image or placeholder is a 400 naming ``field``."""
+    try:
+        return prepare_prompts(model, [prompt], images or None, False)[0]
+    except (ValueError, TypeError) as e:
+        raise invalid(field, " ".join(str(e).split())) from None

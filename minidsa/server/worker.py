@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from ..serving.engine import Engine
 from ..serving.params import SamplingParams
+from ..serving.requests import Prompt
 from .metrics import Histograms
 from .protocol import APIError
 
@@ -74,7 +75,7 @@ class Worker:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def submit(self, prompt: str, params: SamplingParams, images: list) -> Handle:
+    def submit(self, prompt: Prompt, params: SamplingParams) -> Handle:
         """Queue a request; ``Overloaded`` if ``max_waiting`` are already waiting or the worker is stopping."""
         with self._lock:
             if self._stopping:
@@ -84,7 +85,7 @@ class Worker:
                                  f"(max_waiting_requests = {self.max_waiting})")
             self._num_waiting += 1
         handle = Handle(uuid.uuid4().hex)
-        self._commands.put(("add", (handle, prompt, params, images)))
+        self._commands.put(("add", (handle, prompt, params)))
         return handle
 
     def abort(self, handle: Handle) -> None:
@@ -130,14 +131,14 @@ class Worker:
             else:
                 arg.put(self.engine.stats())
 
-    def _add(self, handle: Handle, prompt: str, params: SamplingParams, images: list) -> None:
+    def _add(self, handle: Handle, prompt: Prompt, params: SamplingParams) -> None:
         try:
-            self.engine.add_request(prompt, params, images or None, request_id=handle.request_id)
-        except (ValueError, TypeError) as e:  # the prompt or an image: this request's fault alone
+            self.engine.add_prompt(prompt, params, request_id=handle.request_id)
+        except (ValueError, TypeError) as e:  # this request's fault alone (the HTTP thread checked most already)
             self._scheduled(handle)
             field = getattr(e, "field", "prompt")  # the engine names the argument at fault
             handle.outputs.put(APIError(400, " ".join(str(e).split()), "max_tokens" if field == "max_tokens"
-                                        else "messages" if images else "prompt"))
+                                        else "messages" if prompt.media else "prompt"))
             return
         self._live[handle.request_id] = handle
 

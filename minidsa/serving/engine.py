@@ -36,7 +36,7 @@ from ..model.trace import ForwardTrace
 from .budget import plan_cache
 from .params import RequestMetrics, RequestOutput, SamplingParams
 from .prefix_cache import PrefixCache, block_hashes
-from .requests import RequestError, check_context, check_positive_int, encode_prompts
+from .requests import Prompt, RequestError, check_context, check_positive_int, media_features, prepare_prompts
 from .runner import ModelRunner
 from .scheduler import EngineRequest, Scheduler
 
@@ -141,18 +141,28 @@ class Engine:
         prompt, its images or ``max_tokens`` names the argument as its ``field``."""
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        self._check_args(params, request_id)
+        try:
+            prepared = prepare_prompts(self.model, [prompt], images, False)[0]
+        except (ValueError, TypeError) as e:  # the prompt's placeholders or an image: named for a service
+            e.field = getattr(e, "field", "images" if images else "prompt")
+            raise
+        return self.add_prompt(prepared, params, request_id)
+
+    def add_prompt(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """``add_request`` for a prompt already encoded (``serving.requests.prepare_prompts``): a service that
+        checked its length queues it as it is; its images go through the vision tower here."""
+        params = self._check_args(params, request_id)
+        self._check_fits(len(prompt.ids), params.max_tokens)
+        return self.enqueue(prompt.text, prompt.ids, media_features(self.model, prompt), params, request_id).request_id
+
+    def _check_args(self, params, request_id) -> SamplingParams:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a minidsa.SamplingParams, got {type(params).__name__}")
         if request_id is not None and (not isinstance(request_id, str) or request_id in self.requests):
             raise ValueError(f"request_id {request_id!r} is already in use (or not a str); pass a new one or None")
-        try:
-            ids, feats = encode_prompts(self.model, [prompt], images, False)
-        except (ValueError, TypeError) as e:  # the prompt's placeholders or an image: named for a service
-            e.field = getattr(e, "field", "images" if images else "prompt")
-            raise
-        self._check_fits(len(ids[0]), params.max_tokens)
-        return self.enqueue(prompt, ids[0], feats[0], params, request_id).request_id
+        return params
 
     def enqueue(self, prompt: str | None, ids: list[int], features: list, params: SamplingParams,
                 request_id: str | None = None, trace=None) -> EngineRequest:

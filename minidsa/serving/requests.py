@@ -1,5 +1,6 @@
 """Turning a generate() call into a checked request: arguments validated, prompts encoded (text, and
-images through the vision tower), sequence lengths checked against the context, seeds fixed.
+images through the vision tower), sequence lengths checked against the context, seeds fixed. ``Prompt`` is one
+prompt encoded once, which a service checks and then hands to the engine as it is.
 
 Every check runs before any cache block is taken, and names the bad value and the fix.
 """
@@ -60,26 +61,48 @@ def build_request(model: MiniDSA, prompt, images, max_new_tokens, temperature, t
                    [base + i for i in range(len(ids))], bool(trace), progress, bool(stop_at_eos))
 
 
-def encode_prompts(model: MiniDSA, texts: list[str], images, batched: bool, videos=None):
-    """Token ids per prompt (bos + bytes, <|media_pad|> expanded) and the media features per prompt. A
-    prompt's placeholders take its images first, then its videos (each a list of 1 to 4 frames)."""
+@dataclass
+class Prompt:
+    """One prompt ready for the engine, encoded once: its text, its ids (bos + bytes, each <|media_pad|> grown to
+    its item's tokens, so ``len(ids)`` is what the context holds) and its images and videos preprocessed into
+    patches (not yet through the vision tower: that is a forward, run where the model runs)."""
+
+    text: str
+    ids: list[int]
+    media: list  # model.vision.preprocess / preprocess_video results, in placeholder order
+
+
+def prepare_prompts(model: MiniDSA, texts: list[str], images, batched: bool, videos=None) -> list[Prompt]:
+    """Each prompt's ids and preprocessed media, every placeholder checked. A prompt's placeholders take its
+    images first, then its videos (each a list of 1 to 4 frames)."""
     tok = model.tokenizer
     if images is None and videos is None:  # plain text: other special-token strings stay literal text
         for i, text in enumerate(texts):
             _check_placeholders(text.count(MEDIA_PAD), 0, 0, f"prompt[{i}]" if batched else "prompt")
-        return [tok.encode(t) for t in texts], [[] for _ in texts]
+        return [Prompt(t, tok.encode(t), []) for t in texts]
     per_images = _per_prompt("images", images, texts, batched, "images")
     per_videos = _per_prompt("videos", videos, texts, batched, "videos (each a list of frames)")
-    all_ids, all_feats = [], []
+    prompts = []
     for i, (text, imgs, vids) in enumerate(zip(texts, per_images, per_videos)):
         at = f"[{i}]" if batched else ""
-        prepared = [preprocess(im, model.config, name=f"images{at}[{j}]") for j, im in enumerate(imgs)]
-        prepared += [preprocess_video(v, model.config, name=f"videos{at}[{j}]") for j, v in enumerate(vids)]
-        ids = _place_media(model, text, prepared, len(imgs), f"prompt{at}")
-        with torch.inference_mode():
-            all_feats.append(model.encode_images(prepared))
-        all_ids.append(ids)
-    return all_ids, all_feats
+        media = [preprocess(im, model.config, name=f"images{at}[{j}]") for j, im in enumerate(imgs)]
+        media += [preprocess_video(v, model.config, name=f"videos{at}[{j}]") for j, v in enumerate(vids)]
+        prompts.append(Prompt(text, _place_media(model, text, media, len(imgs), f"prompt{at}"), media))
+    return prompts
+
+
+def media_features(model: MiniDSA, prompt: Prompt) -> list[torch.Tensor]:
+    """The prompt's images and videos through the vision tower: one [num_tokens, d] tensor per item."""
+    if not prompt.media:
+        return []
+    with torch.inference_mode():
+        return model.encode_images(prompt.media)
+
+
+def encode_prompts(model: MiniDSA, texts: list[str], images, batched: bool, videos=None):
+    """(ids per prompt, media features per prompt): ``prepare_prompts`` then the vision tower."""
+    prompts = prepare_prompts(model, texts, images, batched, videos)
+    return [p.ids for p in prompts], [media_features(model, p) for p in prompts]
 
 
 def _per_prompt(what: str, items, texts: list[str], batched: bool, noun: str) -> list:

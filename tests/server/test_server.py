@@ -208,6 +208,27 @@ def test_chat_with_an_image_equals_the_engine(model, server, chat):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_a_request_is_encoded_once(model, server, chat, monkeypatch):
+    """The HTTP thread encodes the prompt and preprocesses its image to check the length, and the engine queues
+    that encoding as it is: one tokenization and one preprocessing per request, not one more in the engine."""
+    from minidsa.serving import requests
+
+    counts = {"encode": 0, "preprocess": 0}
+    encode, preprocess = model.tokenizer.encode, requests.preprocess
+
+    def counted(name, f):
+        def wrapper(*a, **kw):
+            counts[name] += 1
+            return f(*a, **kw)
+        return wrapper
+    monkeypatch.setattr(model.tokenizer, "encode", counted("encode", encode))
+    monkeypatch.setattr(requests, "preprocess", counted("preprocess", preprocess))
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(triangle())}},
+                                             {"type": "text", "text": QUESTION}]}]
+    assert "green triangle" in chat(messages=messages, max_tokens=16, temperature=0).choices[0].message.content
+    assert counts == {"encode": 1, "preprocess": 1}
+
+
 def test_chat_template_is_the_training_format():
     image = data_url(triangle())
     prompt, images = render([
