@@ -19,6 +19,7 @@ How outputs are compared:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Iterator
 
 import torch
@@ -26,7 +27,6 @@ import torch
 from .. import ops
 from ..model.minidsa import MiniDSA
 from ..ops._dispatch import pick
-from ..ops._library import SCHEMAS
 from .report import Tolerance
 
 CALLS_PER_OP = 2  # recorded calls per op: the first of each distinct shape signature (prefill, decode, ...)
@@ -50,10 +50,15 @@ def record_op_calls(calls: list) -> Iterator[None]:
     """Append (op, copied args) for the first CALLS_PER_OP distinct shape signatures of every op the
     model calls through its reference (run the model on the torch backend inside)."""
     seen: dict[str, set] = {}
-    originals = {op: getattr(ops, f"{op}_ref") for op in ops.REFERENCES if hasattr(ops, f"{op}_ref")}
+    originals = {op: spec.reference for op, spec in ops.OPS.items()}
 
     def spy(op, fn):
-        def call(*args):
+        signature = inspect.signature(fn)
+
+        def call(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)  # as positional arguments, defaults filled in
+            bound.apply_defaults()
+            args = bound.args
             sig = _signature(args)
             kept = seen.setdefault(op, set())
             if sig not in kept and len(kept) < CALLS_PER_OP:
@@ -62,13 +67,13 @@ def record_op_calls(calls: list) -> Iterator[None]:
             return fn(*args)
         return call
 
-    for op, fn in originals.items():
-        setattr(ops, f"{op}_ref", spy(op, fn))
+    for op, fn in originals.items():  # the public ops read their reference from the registration at each call
+        ops.OPS[op].reference = spy(op, fn)
     try:
         yield
     finally:
         for op, fn in originals.items():
-            setattr(ops, f"{op}_ref", fn)
+            ops.OPS[op].reference = fn
 
 
 def model_op_calls(model: MiniDSA, prompt_len: int, seed: int = 0) -> list:
@@ -103,7 +108,7 @@ def _outputs(op: str, args, result) -> list[torch.Tensor]:
 
 
 def _mutated(op: str) -> set[int]:
-    names = torch._C.parse_schema(f"x::{op}{SCHEMAS[op][0]}").arguments if op in SCHEMAS else []
+    names = torch._C.parse_schema(f"x::{op}{ops.OPS[op].schema}").arguments if op in ops.OPS else []
     return {i for i, a in enumerate(names) if a.alias_info is not None and a.alias_info.is_write}
 
 
@@ -114,7 +119,7 @@ def check_call(op: str, args, backend: str) -> tuple[float, str]:
     cand_args, ref_args = _clone(args), _fp64(_clone(args), mutated)
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     with ops.use_backend(backend):
-        impl = pick(op, None, getattr(ops, f"{op}_ref"), *tensors)
+        impl = pick(op, None, ops.OPS[op].reference, *tensors)
     with torch.inference_mode():
         got = _outputs(op, cand_args, impl(*cand_args))
         want = _outputs(op, ref_args, ops.REFERENCES[op](*ref_args))

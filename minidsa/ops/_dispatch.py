@@ -2,9 +2,10 @@
 
 Each op has a PyTorch reference in ``minidsa/ops/<op>/reference.py`` (always available, fp32 math)
 and, where it is a hot path, a Triton kernel beside it in ``minidsa/ops/<op>/<name>_triton.py`` with
-the same signature. The table ``TRITON_KERNELS`` below is the only place that says which kernel backs which op; kernel
-modules are imported the first time they are picked, so importing minidsa never imports triton. ``CPU_FORMS``
-names the ops with a faster plain-PyTorch form for CPU tensors (``<op>/<name>_cpu.py``), which "auto" runs there.
+the same signature. ``op`` registers the reference as the public op where it is written, naming its kernel,
+its CPU form (a faster plain-PyTorch form for CPU tensors, ``<op>/<name>_cpu.py``, which "auto" runs there) and
+its fake; that registration is the only place that says which kernel backs which op. Kernel modules are
+imported the first time they are picked, so importing minidsa never imports triton.
 
 The backend in force comes from ``use_backend(...)`` (a context manager; ``model.set_backend``
 enters it around every forward) or ``set_backend(...)`` (process-wide default), unless an op call
@@ -17,8 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import functools
 import importlib
 import importlib.util
+import inspect
 from typing import Callable, Iterator
 
 import torch
@@ -27,44 +31,13 @@ from ._library import custom_op
 
 BACKENDS = ("torch", "triton", "auto")
 
-# op name -> (module, function) of the Triton kernel that implements it, with the reference's signature.
-# Each entry is checked against its reference by a test (tests/ops/test_paged_ops.py).
-TRITON_KERNELS: dict[str, tuple[str, str]] = {
-    "store_kv": ("minidsa.ops.kv_store.store_triton", "store_kv"),
-    "index_scores": ("minidsa.ops.indexer.scores_triton", "index_scores"),
-    "paged_index_scores": ("minidsa.ops.indexer.scores_triton", "paged_index_scores"),
-    "topk_indices": ("minidsa.ops.indexer.topk_triton", "topk_indices"),
-    "sparse_mla_decode": ("minidsa.ops.mla.latent_triton", "sparse_mla_decode"),
-    "sparse_mla_prefill": ("minidsa.ops.mla.prefill_triton", "sparse_mla_prefill"),
-    "kda_recurrent": ("minidsa.ops.kda.recurrent_triton", "kda_recurrent"),
-    "kda_chunk": ("minidsa.ops.kda.chunk_triton", "kda_chunk"),
-    "kda_decode": ("minidsa.ops.kda.decode_triton", "kda_decode"),
-    "mxfp4_to_fp8": ("minidsa.ops.moe_experts.convert_triton", "mxfp4_to_fp8"),
-    "expert_mlp_fp8": ("minidsa.ops.moe_experts.mlp_triton", "expert_mlp_fp8"),
-    "expert_mlp_mxfp4": ("minidsa.ops.moe_experts.mlp_triton", "expert_mlp_mxfp4"),
-    "situ_glu": ("minidsa.ops.activation.situ_glu_triton", "situ_glu"),
-    "linear": ("minidsa.ops.linear.gemv_triton", "linear"),
-    "linear_sum": ("minidsa.ops.linear.gemv_triton", "linear_sum"),
-    "moe_route": ("minidsa.ops.moe_router.route_triton", "moe_route"),
-    "moe_plan": ("minidsa.ops.moe_router.plan_triton", "moe_plan"),
-    "situ_glu_backward": ("minidsa.ops.activation.situ_glu_triton", "situ_glu_backward"),
-    "attn_res_mix": ("minidsa.ops.attn_res.mix_triton", "attn_res_mix"),
-    "short_conv": ("minidsa.ops.kda.conv_triton", "short_conv"),
-    "rms_norm": ("minidsa.ops.norm.rms_triton", "rms_norm"),
-    "output_gate": ("minidsa.ops.gate.gate_triton", "output_gate"),
-    "kda_inputs": ("minidsa.ops.kda.inputs_triton", "kda_inputs"),
-}
+# Filled by ``op`` as the reference modules are imported: op name -> its registration, and the three views the
+# dispatch reads (the kernel and the CPU form of an op are functions of the op's name in the named module).
+OPS: dict[str, "OpSpec"] = {}
+REFERENCES: dict[str, Callable] = {}  # op -> its plain PyTorch reference
+TRITON_KERNELS: dict[str, tuple[str, str]] = {}  # op -> (module, function) of its Triton kernel
+CPU_FORMS: dict[str, tuple[str, str]] = {}  # op -> (module, function) of its faster CPU form, which "auto" runs
 
-# op -> (module, function) of a faster plain-PyTorch form for CPU tensors, with the reference's signature
-# and result (the same parity tests hold it to the reference): "auto" picks it when no input is on a GPU.
-CPU_FORMS: dict[str, tuple[str, str]] = {
-    "topk_indices": ("minidsa.ops.indexer.topk_cpu", "topk_indices"),
-    "paged_index_scores": ("minidsa.ops.indexer.scores_cpu", "paged_index_scores"),
-    "mxfp4_to_fp8": ("minidsa.ops.moe_experts.cpu", "mxfp4_to_fp8"),
-    "expert_mlp_fp8": ("minidsa.ops.moe_experts.cpu", "expert_mlp_fp8"),
-    "expert_mlp_mxfp4": ("minidsa.ops.moe_experts.cpu", "expert_mlp_mxfp4"),
-    "kda_chunk": ("minidsa.ops.kda.chunk_cpu", "kda_chunk"),
-}
 
 _default = "auto"
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar("minidsa_backend", default=None)
@@ -126,7 +99,8 @@ def load_kernel(op: str) -> Callable:
     module, name = TRITON_KERNELS[op]
     kernel = getattr(importlib.import_module(module), name)
     if op not in _CUSTOM_OPS:
-        _CUSTOM_OPS[op] = custom_op(op, kernel)
+        spec = OPS[op]
+        _CUSTOM_OPS[op] = custom_op(op, kernel, spec.schema, spec.mutates, spec.fake)
     return kernel
 
 
@@ -135,6 +109,74 @@ def register_custom_ops() -> None:
     ``torch.compile(fullgraph=True)`` traces through any op (needs triton)."""
     for op in TRITON_KERNELS:
         load_kernel(op)
+
+
+@dataclasses.dataclass
+class OpSpec:
+    """One op as ``op`` registers it: what the dispatch, ``torch.library`` and the tests read."""
+
+    name: str
+    reference: Callable  # the formula (``<op>/reference.py``); the tests' spies replace it here
+    schema: str  # the custom op's schema, from the reference's annotations
+    mutates: tuple[str, ...]  # arguments written in place
+    fake: Callable | None  # output shapes and dtypes from input shapes (for torch.compile)
+    call: Callable | None  # how the public op calls its implementation, where that is more than a call
+
+
+def op(*, kernel: str | None = None, cpu: str | None = None, fake: Callable | None = None, mutates=(),
+       call: Callable | None = None, returns: str | None = None) -> Callable:
+    """Register the decorated reference as the public op of its name: ``ops.<name>(..., backend=None)``.
+
+    ``kernel`` / ``cpu``: the module (relative to the reference's package) holding the Triton kernel / the fast CPU
+    form, a function of the op's name with the reference's signature. ``fake``: the kernel's output shapes for
+    ``torch.compile``. ``mutates``: arguments the op writes. ``call(impl, *args, **kwargs)``: where the public op
+    does more than call the implementation it picked (a thread setting around it, a result cut to what was asked).
+    ``returns``: the schema's result where the reference's annotation cannot say it. The undecorated reference
+    stays callable as ``<op>.reference``; the schema comes from its annotations."""
+    def register(reference: Callable) -> Callable:
+        name, package = reference.__name__, reference.__module__.rsplit(".", 1)[0]
+        spec = OpSpec(name, reference, schema_of(reference, mutates, returns), tuple(mutates), fake, call)
+        OPS[name], REFERENCES[name] = spec, reference
+        if kernel:
+            TRITON_KERNELS[name] = (f"{package}.{kernel}", name)
+        if cpu:
+            CPU_FORMS[name] = (f"{package}.{cpu}", name)
+
+        @functools.wraps(reference)
+        def public(*args, backend: str | None = None, **kwargs):
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            impl = pick(name, backend, spec.reference, *tensors)
+            return impl(*args, **kwargs) if spec.call is None else spec.call(impl, *args, **kwargs)
+        public.reference = reference
+        params = inspect.signature(reference).parameters.values()  # what help() shows: the reference's, + backend
+        backend = inspect.Parameter("backend", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="str | None")
+        public.__signature__ = inspect.signature(reference).replace(parameters=[*params, backend])
+        return public
+    return register
+
+
+_SCHEMA_TYPES = {"torch.Tensor": "Tensor", "float": "float", "int": "int", "bool": "bool", "torch.dtype": "ScalarType"}
+
+
+def schema_of(fn: Callable, mutates=(), returns: str | None = None) -> str:
+    """``torch.library`` schema of ``fn`` from its annotations (strings under ``from __future__ import
+    annotations``): ``Tensor``, ``float``, ``int``, ``bool``, ``torch.dtype``, each optional as ``X | None``, and
+    a result of ``torch.Tensor``, ``None`` or ``tuple[torch.Tensor, ...]`` of a fixed length."""
+    def one(annotation: str, what: str) -> str:
+        base = annotation.removesuffix(" | None")
+        if base not in _SCHEMA_TYPES:
+            raise TypeError(f"{fn.__qualname__}: {what} is annotated {annotation!r}; a registered op takes "
+                            f"{sorted(_SCHEMA_TYPES)}, each optionally '| None'")
+        return _SCHEMA_TYPES[base] + ("?" if base != annotation else "")
+    args, alias = [], iter("abcdefgh")
+    for p in inspect.signature(fn).parameters.values():
+        kind = one(str(p.annotation), p.name) + (f"({next(alias)}!)" if p.name in mutates else "")
+        args.append(f"{kind} {p.name}" + ("" if p.default is p.empty else f"={p.default!r}"))
+    if returns is None:
+        ret = str(inspect.signature(fn).return_annotation)
+        inner = ret[len("tuple["):-1].split(", ") if ret.startswith("tuple[") else [] if ret == "None" else [ret]
+        returns = "(" + ", ".join(one(t, "its result") for t in inner) + ")" if ret != "torch.Tensor" else "Tensor"
+    return f"({', '.join(args)}) -> {returns}"
 
 
 def pick(op: str, backend: str | None, reference: Callable, *tensors) -> Callable:

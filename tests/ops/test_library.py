@@ -8,21 +8,31 @@ import torch
 
 import minidsa
 from minidsa import ops
-from minidsa.ops._library import FAKES, SCHEMAS
+
+
+def test_every_public_op_is_its_reference_one_hop_away():
+    """``ops.<op>`` is the decorated reference: "go to definition" lands on the formula in ``<op>/reference.py``,
+    and ``.reference`` / ``__wrapped__`` is that function undispatched."""
+    for name, spec in ops.OPS.items():
+        public = getattr(ops, name)
+        assert public.__wrapped__ is public.reference is spec.reference is ops.REFERENCES[name], name
+        assert spec.reference.__module__.endswith(".reference") and spec.reference.__name__ == name, name
+        assert getattr(ops, f"{name}_ref") is spec.reference, name
 
 
 def test_every_kernel_has_a_schema_and_a_fake():
-    assert set(SCHEMAS) == set(FAKES) == set(ops.TRITON_KERNELS)
+    assert set(ops.TRITON_KERNELS) <= set(ops.OPS)
+    assert all(ops.OPS[op].fake is not None for op in ops.TRITON_KERNELS)
 
 
 @pytest.mark.parametrize("op", sorted(ops.TRITON_KERNELS))
 def test_schemas_name_the_references_arguments(op):
-    schema = torch._C.parse_schema(f"minidsa::{op}{SCHEMAS[op][0]}")
-    reference = ops.REFERENCES[op] if op in ops.REFERENCES else getattr(ops, f"{op}_ref")
-    assert [a.name for a in schema.arguments] == list(inspect.signature(reference).parameters)
-    assert [a.name for a in schema.arguments] == list(inspect.signature(FAKES[op]).parameters)
+    spec = ops.OPS[op]
+    schema = torch._C.parse_schema(f"minidsa::{op}{spec.schema}")
+    assert [a.name for a in schema.arguments] == list(inspect.signature(ops.REFERENCES[op]).parameters)
+    assert [a.name for a in schema.arguments] == list(inspect.signature(spec.fake).parameters)
     mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    assert mutated == set(SCHEMAS[op][1])
+    assert mutated == set(spec.mutates)
 
 
 def _meta(x):
@@ -38,14 +48,15 @@ def test_fakes_match_what_the_ops_return(monkeypatch):
     plus the SiTU-GLU pair: the fake, given the same inputs, promises the outputs the reference gave."""
     calls = []
     for op in ops.TRITON_KERNELS:
-        name = f"{op}_ref"
-        original = getattr(ops, name)
+        signature = inspect.signature(ops.REFERENCES[op])
 
-        def spy(*args, _op=op, _f=original):
-            out = _f(*args)
-            calls.append((_op, args, out))
+        def spy(*args, _op=op, _f=ops.REFERENCES[op], _sig=signature, **kwargs):
+            bound = _sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            out = _f(*bound.args)
+            calls.append((_op, bound.args, out))
             return out
-        monkeypatch.setattr(ops, name, spy)
+        monkeypatch.setattr(ops.OPS[op], "reference", spy)  # what the public op calls
     model = minidsa.load("tiny").set_backend("torch")
     cache = model.new_cache()
     sid = cache.add_sequence()
@@ -64,4 +75,4 @@ def test_fakes_match_what_the_ops_return(monkeypatch):
             "expert_mlp_mxfp4", "linear", "moe_route", "kda_decode", "moe_plan", "output_gate", "kda_inputs",
             "rms_norm"} <= seen
     for op, args, out in calls:
-        assert _meta(FAKES[op](*args)) == _meta(out), op
+        assert _meta(ops.OPS[op].fake(*args)) == _meta(out), op

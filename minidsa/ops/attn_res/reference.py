@@ -11,6 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import acc_dtype, cast, check_tensor
+from .._dispatch import op
+from .._library import result_like
+
+
+def mix_call(impl, sources, query, norm_weight, eps=1e-5, return_weights=False):
+    """How ``attn_res_mix`` calls its implementation: always asking for the depth weights too (one result type, as
+    a custom op's schema needs; they cost N floats a row), returned only when asked for."""
+    out = impl(sources, query, norm_weight, eps, True)
+    return out if return_weights else out[0]
 
 
 def check_mix_args(sources, query: torch.Tensor, norm_weight: torch.Tensor) -> None:
@@ -26,7 +35,10 @@ def check_mix_args(sources, query: torch.Tensor, norm_weight: torch.Tensor) -> N
     check_tensor("norm_weight", norm_weight, shape=(D,), floating=True)
 
 
-def attn_res_mix_ref(sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-5,
+@op(kernel="mix_triton", call=mix_call, returns="(Tensor, Tensor)",
+    fake=lambda sources, query, norm_weight, eps=1e-5, return_weights=False: (
+        result_like(sources, sources.shape[1:]), result_like(sources, sources.shape[:-1])))
+def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-5,
                      return_weights: bool = False):
     """sources [N, ..., D], query [D], norm_weight [D] -> out [..., D] (fp32, fp64 kept).
 
@@ -81,3 +93,7 @@ def attn_res_merge(blocks: torch.Tensor, block_scores: torch.Tensor, partial: to
     if not return_weights:
         return out
     return out, torch.cat([e * old, new.unsqueeze(0)]) / total
+
+
+# The plain references by the names the kernels' fallbacks and the tests call them.
+attn_res_mix_ref = attn_res_mix.reference

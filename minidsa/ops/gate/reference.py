@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import acc_dtype, cast, check_tensor
+from .._dispatch import op
 from ..norm.reference import rms_norm_ref
 
 
@@ -28,7 +29,8 @@ def check_output_gate(o, gate, weight, eps) -> tuple[int, int]:
     return H, K
 
 
-def output_gate_ref(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None, eps: float,
+@op(kernel="gate_triton", fake=lambda o, gate, weight, eps, dtype: gate.new_empty(gate.shape, dtype=dtype))
+def output_gate(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None, eps: float,
                     dtype: torch.dtype) -> torch.Tensor:
     """o [..., H, K], gate [..., H*K], weight [K] or None -> [..., H*K] in ``dtype``: each head of o normalised
     (RMSNorm with ``weight``, in o's dtype as ``rms_norm``; skipped for None), times sigmoid(gate) computed in
@@ -36,3 +38,7 @@ def output_gate_ref(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | 
     check_output_gate(o, gate, weight, eps)
     x = o if weight is None else rms_norm_ref(o, weight, eps)
     return cast(x.reshape(gate.shape) * torch.sigmoid(cast(gate, acc_dtype(o))), dtype)
+
+
+# The plain references by the names the kernels' fallbacks and the tests call them.
+output_gate_ref = output_gate.reference

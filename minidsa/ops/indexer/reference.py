@@ -10,11 +10,14 @@ from __future__ import annotations
 import torch
 
 from .._checks import acc_dtype, check_tensor
+from .._dispatch import op
+from .._library import result_like
 from ..paging import gather_slots, paged_slots
 from .checks import check_paged_scores_args, check_topk_args
 
 
-def index_scores_ref(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
+@op(kernel="scores_triton", fake=lambda q, k, w, scale: result_like(q, (*q.shape[:2], k.shape[1])))
+def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
     """I[b,t,s] = sum_h w[b,t,h] * ReLU(scale * q[b,t,h,:] . k[b,s,:]), no causal masking.
 
     Args:
@@ -35,7 +38,9 @@ def index_scores_ref(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: f
     return torch.einsum("bths,bth->bts", torch.relu(logits), w.to(acc))
 
 
-def topk_indices_ref(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> torch.Tensor:
+@op(kernel="topk_triton", cpu="topk_cpu",
+    fake=lambda scores, topk, q_pos: result_like(scores, (*scores.shape[:2], topk), torch.int32))
+def topk_indices(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> torch.Tensor:
     """Top-k key positions per query among the causal candidates 0..q_pos (itself included).
 
     Args:
@@ -66,7 +71,10 @@ def topk_indices_ref(scores: torch.Tensor, topk: int, q_pos: torch.Tensor) -> to
     return idx
 
 
-def paged_index_scores_ref(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Tensor,
+@op(kernel="scores_triton", cpu="scores_cpu",
+    fake=lambda q, w, key_plane, key_scale_plane, block_table, context_lens, scale, q_pos=None:
+        result_like(q, (*q.shape[:2], block_table.shape[1] * key_plane.shape[1])))
+def paged_index_scores(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Tensor,
                            key_scale_plane: torch.Tensor | None, block_table: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, q_pos: torch.Tensor | None = None) -> torch.Tensor:
     """Index scores of each query against every cached key of its own sequence (up to its own position).
@@ -110,3 +118,9 @@ def mask_paged_scores(scores, positions, slots, context_lens, q_pos) -> torch.Te
     if q_pos is not None:
         keep = keep & (positions.unsqueeze(1) <= q_pos.long().unsqueeze(-1))  # [B, T, S]
     return torch.where(keep, scores, torch.full_like(scores, float("-inf")))
+
+
+# The plain references by the names the kernels' fallbacks and the tests call them.
+index_scores_ref = index_scores.reference
+paged_index_scores_ref = paged_index_scores.reference
+topk_indices_ref = topk_indices.reference

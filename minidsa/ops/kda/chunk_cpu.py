@@ -71,7 +71,10 @@ def active_rows(lengths, B: int, n: int, C: int) -> list:
     return [None if bool((chunks > c).all()) else (chunks > c).nonzero().view(-1) for c in range(n)]
 
 
-def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64, state_at=None, lengths=None):
+def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              scale: float | None = None, initial_state: torch.Tensor | None = None, chunk_size: int = 64,
+              state_at: torch.Tensor | None = None,
+              lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``kda_chunk_ref`` with the factored pair sums and the padded chunks of short rows skipped. Inputs
     off the host go to the reference (this form reads values on the host)."""
     if not on_host(q, k, g):

@@ -430,18 +430,18 @@ def _launch_chunk(q, k, v, g, beta, scale, initial_state, chunk_size, state_at=N
 
 
 # ------------------------------------------------------------------------------------ public op
-def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64, state_at=None, lengths=None):
+def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float | None = None,
+              initial_state: torch.Tensor | None = None, chunk_size: int = 64, state_at: torch.Tensor | None = None,
+              lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chunked KDA (WY form), equal to ``kda_recurrent`` up to rounding; T need not be a multiple of
     the chunk. Shapes and results as ``kda_chunk_ref`` (o, final state, kept states; ``lengths``: each row's
     real tokens, whole chunks past them skipped); chunks hold min(chunk_size, 64) tokens, so kept states need
-    a chunk_size of at most 64 or a multiple of it.
-    """
+    a chunk_size of at most 64 or a multiple of it."""
     check_chunk_size(chunk_size)
     B, T = check_recurrence(q, k, v, g, beta, initial_state)[:2]
     check_state_at(state_at, B, T, chunk_size)
-    if state_at is not None:
-        if chunk_size > MAX_CHUNK and chunk_size % MAX_CHUNK:
-            raise ValueError(f"kept states need chunk_size <= {MAX_CHUNK} or a multiple of it, got {chunk_size}")
+    if state_at is not None and chunk_size > MAX_CHUNK and chunk_size % MAX_CHUNK:
+        raise ValueError(f"kept states need chunk_size <= {MAX_CHUNK} or a multiple of it, got {chunk_size}")
     if lengths is not None:
         lengths = check_lengths(lengths, B, T)
     if wants_reference(q, k, v, g, beta, initial_state):

@@ -26,6 +26,7 @@ Binds: HBM bandwidth on the state bytes (decode reads and writes each state once
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -86,7 +87,9 @@ def _launch_recurrent(q, k, v, g, beta, scale, initial_state, block_v=None):
     return o, state
 
 
-def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None):
+def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  scale: float | None = None,
+                  initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Step-by-step KDA, fused: returns (o [B, T, HV, V] in v.dtype, final_state [B, HV, K, V] fp32).
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] log-decay; beta [B, T, HV]; initial_state

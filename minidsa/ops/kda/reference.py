@@ -15,8 +15,32 @@ from __future__ import annotations
 import torch
 
 from .._checks import acc_dtype, cast, check_tensor
-from .._denormals import EXP_FLOOR, floored_exp
+from .._denormals import EXP_FLOOR, floored_exp, flush_denormals
+from .._dispatch import op
+from .._library import result_like
 from .checks import check_chunk_size, check_lengths, check_recurrence, check_state_at
+
+
+def state_results(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrences' results as a kernel's fake makes them: o [B, T, HV, V] in v's dtype, the state
+    [B, HV, K, V] in the accumulation dtype."""
+    B, T, HV, V = v.shape
+    return result_like(v, (B, T, HV, V), v.dtype), result_like(v, (B, HV, q.shape[-1], V))
+
+
+def on_flushed(impl, q, *args, **kwargs):
+    """``impl(q, ...)`` with subnormal floats flushed to zero on a CPU: the exp of long decays makes them, and
+    a CPU is slow on them."""
+    with flush_denormals(q):
+        return impl(q, *args, **kwargs)
+
+
+def chunk_call(impl, q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64, state_at=None, lengths=None):
+    """How ``kda_chunk`` calls its implementation: always with the kept states among the results (one result
+    type, as a custom op's schema needs), returned only when ``state_at`` asked for them."""
+    with flush_denormals(q):
+        o, state, kept = impl(q, k, v, g, beta, scale, initial_state, chunk_size, state_at, lengths)
+    return (o, state) if state_at is None else (o, state, kept)
 
 
 def kept_states(states: list[torch.Tensor], state_at: torch.Tensor | None, T: int, C: int) -> torch.Tensor:
@@ -50,7 +74,10 @@ def prepare(q, k, v, g, beta, scale, initial_state):
     return q, k, cast(v, acc), cast(g, acc), cast(beta, acc), state
 
 
-def kda_recurrent_ref(q, k, v, g, beta, scale=None, initial_state=None):
+@op(kernel="recurrent_triton", fake=lambda q, k, v, g, beta, scale, initial_state: state_results(q, v), call=on_flushed)
+def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  scale: float | None = None,
+                  initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Step-by-step KDA. Returns (o [B, T, HV, V] in v.dtype, final_state [B, HV, K, V] fp32/fp64).
 
     ``scale`` defaults to K^-0.5 and multiplies q.
@@ -99,7 +126,13 @@ def chunk_step(q, k, v, g, beta, S, products=intra_chunk_products):
     return o, floored_exp(G_last).unsqueeze(-1) * S + (floored_exp(G_last.unsqueeze(-2) - G) * k).mT @ v_new
 
 
-def kda_chunk_ref(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64, state_at=None, lengths=None):
+@op(kernel="chunk_triton", cpu="chunk_cpu", call=chunk_call,
+    fake=lambda q, k, v, g, beta, scale, initial_state, chunk_size, state_at=None, lengths=None: (*state_results(q, v),
+        result_like(v, (0 if state_at is None else state_at.shape[0], v.shape[2], q.shape[-1], v.shape[3]))))
+def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              scale: float | None = None, initial_state: torch.Tensor | None = None, chunk_size: int = 64,
+              state_at: torch.Tensor | None = None,
+              lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chunked KDA, equal to ``kda_recurrent_ref`` (same inputs plus ``chunk_size``) -> (o, final state, kept):
     ``kept`` [M, HV, K, V] holds, for each (row, position t) pair of ``state_at`` int [M, 2], the row's state
     after its first t tokens (what a prefix cache keeps; t a multiple of ``chunk_size`` or T, see
@@ -209,7 +242,9 @@ def check_short_conv(x, weight, state, lengths) -> tuple[int, int, int, int]:
     return B, T, C, W
 
 
-def short_conv_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
+@op(kernel="conv_triton",
+    fake=lambda x, weight, state, lengths=None: (result_like(x, x.shape), result_like(x, state.shape)))
+def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
                    lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """KDA's short conv and its SiLU: x [B, T, C] (q, k, v before the convs), weight [C, 1, W], state
     [B, W-1, C], lengths int [B] or None -> (SiLU(causal_conv(x)) [B, T, C], the state at each row's end
@@ -245,7 +280,9 @@ def check_inputs(qkv, z, b) -> tuple[int, int]:
     return H, K
 
 
-def kda_inputs_ref(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+@op(kernel="inputs_triton", fake=lambda qkv, z, b, A_log, dt_bias, lower_bound: (
+    *(result_like(qkv, qkv.shape[:-3] + qkv.shape[-2:]) for _ in range(3)), result_like(qkv, b.shape)))
+def kda_inputs(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                    lower_bound: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``kda_step_inputs`` as one op: (q, k, g [..., H, K], beta [..., H]), the same values; v, a view of qkv,
     is not among its results (an op's results own their memory)."""
@@ -277,7 +314,12 @@ def check_decode(projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, conv_pool
     return B, H, K, W
 
 
-def kda_decode_ref(projected: torch.Tensor, f_a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
+@op(kernel="decode_triton",
+    fake=lambda projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, lower_bound, conv_pool, state_pool, slots, scale=None: (
+        result_like(projected, (projected.shape[0], *state_pool.shape[1:3])),
+        result_like(projected, (projected.shape[0], *state_pool.shape[1:])),
+        result_like(projected, (projected.shape[0], *conv_pool.shape[1:]))))
+def kda_decode(projected: torch.Tensor, f_a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
                    w_fb: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
                    conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -295,3 +337,11 @@ def kda_decode_ref(projected: torch.Tensor, f_a: torch.Tensor, b: torch.Tensor, 
     q, k, v, g, beta = kda_step_inputs(qkv, z, b, A_log, dt_bias, lower_bound)
     o, state = kda_recurrent_ref(*(x.unsqueeze(1) for x in (q, k, v, g, beta)), scale, state_pool[rows])
     return o.squeeze(1), state, conv
+
+
+# The plain references by the names the kernels' fallbacks and the tests call them.
+kda_recurrent_ref = kda_recurrent.reference
+kda_chunk_ref = kda_chunk.reference
+kda_decode_ref = kda_decode.reference
+short_conv_ref = short_conv.reference
+kda_inputs_ref = kda_inputs.reference

@@ -10,10 +10,12 @@ from __future__ import annotations
 import torch
 
 from .._checks import cast
+from .._dispatch import op
 from .checks import check_store_args
 
 
-def store_kv_ref(plane: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+@op(kernel="store_triton", mutates=("plane",), fake=lambda plane, slot_mapping, values: None)
+def store_kv(plane: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
     """In place: plane viewed as [num_blocks * block_size, W] gets ``values[i]`` at row ``slot_mapping[i]``.
 
     Args:
@@ -36,3 +38,7 @@ def store_kv_ref(plane: torch.Tensor, slot_mapping: torch.Tensor, values: torch.
     target = torch.where(valid, slots, fallback_slot)
     rows = torch.where(valid.unsqueeze(-1), cast(values, flat.dtype), fallback_row)
     flat[target] = rows
+
+
+# The plain references by the names the kernels' fallbacks and the tests call them.
+store_kv_ref = store_kv.reference

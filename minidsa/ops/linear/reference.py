@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_tensor
+from .._dispatch import op
 
 
 def check_linear(x: torch.Tensor, weight: torch.Tensor, xn: str = "x", wn: str = "weight") -> tuple[int, int]:
@@ -21,7 +22,8 @@ def check_linear(x: torch.Tensor, weight: torch.Tensor, xn: str = "x", wn: str =
     return K, N
 
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+@op(kernel="gemv_triton", fake=lambda x, weight: x.new_empty((*x.shape[:-1], weight.shape[0])))
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T -> [..., N] in x's dtype (fp32 accumulation for bf16, as cuBLAS does)."""
     check_linear(x, weight)
     return F.linear(x, weight)
@@ -38,8 +40,14 @@ def check_linear_sum(x1: torch.Tensor, w1: torch.Tensor, x2: torch.Tensor, w2: t
     return K1, K2, N
 
 
-def linear_sum_ref(x1: torch.Tensor, w1: torch.Tensor, x2: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+@op(kernel="gemv_triton", fake=lambda x1, w1, x2, w2: x1.new_empty((*x1.shape[:-1], w1.shape[0])))
+def linear_sum(x1: torch.Tensor, w1: torch.Tensor, x2: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """x1 [..., K1] @ w1 [N, K1]^T + x2 [..., K2] @ w2 [N, K2]^T -> [..., N] in the weights' dtype: the two
     products as the layers compute them, then added (a kernel may add them before rounding)."""
     check_linear_sum(x1, w1, x2, w2)
     return F.linear(x1, w1) + F.linear(x2, w2)
+
+
+# The plain references by the names the kernels' fallbacks and the tests call them.
+linear_ref = linear.reference
+linear_sum_ref = linear_sum.reference

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import acc_dtype, check_tensor
+from .._dispatch import op
+from .._library import result_like
 from ..attention.reference import attend, indices_to_mask, masked_dense_attention
 from ..paging import gather_slots, paged_slots
 
@@ -64,7 +66,9 @@ def check_prefill_args(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_
     return B, T, H, dn, kv_b_weight.shape[0] // H - dn
 
 
-def sparse_mla_decode_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_plane: torch.Tensor,
+@op(kernel="latent_triton",
+    fake=lambda q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices, scale: result_like(q_latent, q_latent.shape))
+def sparse_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_plane: torch.Tensor,
                           k_pe_plane: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor,
                           scale: float) -> torch.Tensor:
     """Absorbed sparse MLA attention over exactly the selected latent rows.
@@ -89,7 +93,10 @@ def sparse_mla_decode_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_
     return attend(q, torch.cat([c_kv, k_pe], dim=-1), c_kv, (slots >= 0).view(B, T, K), scale)
 
 
-def sparse_mla_prefill_ref(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plane: torch.Tensor,
+@op(kernel="prefill_triton",
+    fake=lambda q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale: result_like(
+        q, (*q.shape[:3], kv_b_weight.shape[0] // q.shape[2] - (q.shape[3] - k_pe_plane.shape[-1]))))
+def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plane: torch.Tensor,
                            block_table: torch.Tensor, indices: torch.Tensor, kv_b_weight: torch.Tensor,
                            scale: float) -> torch.Tensor:
     """Block-aggregated sparse MLA attention in decompressed (MHA) form.
@@ -140,3 +147,8 @@ def _prefill_tile(q, kv_latent_plane, k_pe_plane, table, tile, kv_b_weight, scal
     # selected away, never multiplied by a zero probability (docs/design.md §10, trap 4).
     v = torch.where(mask.any(dim=1).view(1, -1, 1, 1), v, torch.zeros((), dtype=v.dtype, device=v.device))
     return masked_dense_attention(q, k, v, mask, scale)
+
+
+# The plain references by the names the kernels' fallbacks and the tests call them.
+sparse_mla_decode_ref = sparse_mla_decode.reference
+sparse_mla_prefill_ref = sparse_mla_prefill.reference

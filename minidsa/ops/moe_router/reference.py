@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from .._checks import acc_dtype, cast, check_tensor
+from .._dispatch import op
+from .._library import result_like
 
 ROUTER_EPS = 1e-20  # guards the renormalisation when every chosen score underflows to 0
 
@@ -32,7 +34,9 @@ def route_weights(s: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.T
     return chosen * scaling
 
 
-def moe_route_ref(logits: torch.Tensor, bias: torch.Tensor, top_k: int,
+@op(kernel="route_triton", fake=lambda logits, bias, top_k, scaling: (
+    result_like(logits, (logits.shape[0], top_k), torch.int64), result_like(logits, (logits.shape[0], top_k))))
+def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int,
                   scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [N, E] and the selection bias [E] -> (expert ids int64 [N, top_k] in descending order
     of s + bias, weights [N, top_k] fp32; fp64 for fp64 logits)."""
@@ -52,7 +56,10 @@ def check_plan(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> tu
     return N, K
 
 
-def moe_plan_ref(ids: torch.Tensor, weights: torch.Tensor,
+@op(kernel="plan_triton", fake=lambda ids, weights, num_experts: (
+    result_like(ids, (min(ids.numel(), num_experts),), torch.int64),
+    result_like(weights, (min(ids.numel(), num_experts), ids.shape[0])), result_like(ids, (), torch.int64)))
+def moe_plan(ids: torch.Tensor, weights: torch.Tensor,
                  num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The experts a layer's tokens were routed to, as the slots of one expert batch, and their gates.
 
@@ -73,3 +80,8 @@ def moe_plan_ref(ids: torch.Tensor, weights: torch.Tensor,
     experts = order[: min(ids.numel(), num_experts)]
     gates = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * weights).sum(-1)  # one nonzero term at most
     return experts, cast(gates, acc_dtype(weights)), routed.sum()
+
+
+# The plain references by the names the kernels' fallbacks and the tests call them.
+moe_route_ref = moe_route.reference
+moe_plan_ref = moe_plan.reference

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import acc_dtype, cast, check_tensor
+from .._dispatch import op
 
 
 def check_rms_norm(x, weight, eps) -> int:
@@ -23,7 +24,8 @@ def check_rms_norm(x, weight, eps) -> int:
     return D
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+@op(kernel="rms_triton", fake=lambda x, weight, eps, dtype=None: x.new_empty(x.shape, dtype=dtype or x.dtype))
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., D], weight [D], eps > 0 -> [..., D] in x's dtype: x / sqrt(mean(x^2) + eps) * weight in fp32
     (fp64 for fp64 inputs), one rounding to x's dtype at the end. ``dtype``: x is first cast to it (rounded,
     as ``x.to(dtype)``), and the result comes in it."""
@@ -32,3 +34,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch
         x = cast(x, dtype)
     acc = acc_dtype(x)
     return cast(F.rms_norm(cast(x, acc), (D,), cast(weight, acc), eps), x.dtype)
+
+
+# The plain references by the names the kernels' fallbacks and the tests call them.
+rms_norm_ref = rms_norm.reference
