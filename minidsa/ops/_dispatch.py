@@ -144,8 +144,9 @@ def op(*, kernel: str | None = None, cpu: str | None = None, fake: Callable | No
 
         @functools.wraps(reference)
         def public(*args, backend: str | None = None, **kwargs):
-            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            impl = pick(name, backend, spec.reference, *tensors)
+            # pick reads the arguments' devices and grad flags; a non-tensor has neither (a decode step makes
+            # hundreds of these calls: no list of the tensors is built)
+            impl = pick(name, backend, spec.reference, *args, *kwargs.values())
             return impl(*args, **kwargs) if spec.call is None else spec.call(impl, *args, **kwargs)
         public.reference = reference
         params = inspect.signature(reference).parameters.values()  # what help() shows: the reference's, + backend
@@ -201,7 +202,7 @@ def pick(op: str, backend: str | None, reference: Callable, *tensors) -> Callabl
             raise ValueError(f"backend='triton' for {op} but triton is not installed; "
                              f"pip install 'minidsa[triton]' (Linux) or use backend='torch'")
         return load_kernel(op)
-    on_gpu = any(getattr(t, "is_cuda", False) for t in tensors)
+    on_gpu = next((t.is_cuda for t in tensors if isinstance(t, torch.Tensor)), False)  # an op's tensors share a device
     if registered and on_gpu and not recording and triton_available():
         return load_kernel(op)
     if op in CPU_FORMS and not on_gpu:  # plain PyTorch, differentiable like the reference
