@@ -22,8 +22,11 @@ def serving(*args, cwd=ROOT):
     """(the name the start line announces, an openai client) of a fresh ``serve`` process on a free port;
     Ctrl-C ends it, which must exit 0."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    # A run started in the background (`cmd &`) ignores SIGINT, and so would a child it starts: Python then gives
+    # it no KeyboardInterrupt and Ctrl-C would never reach serve. A user's Ctrl-C comes from a terminal.
     proc = subprocess.Popen([sys.executable, "-m", "minidsa", "serve", "--port", "0", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()
         assert line.startswith("serving "), line or proc.communicate(timeout=TIMEOUT)[1]
