@@ -141,18 +141,20 @@ class Engine:
         prompt, its images or ``max_tokens`` names the argument as its ``field``."""
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-        self._check_args(params, request_id)
+        params = self._check_args(params, request_id)  # before any image is decoded
         try:
             prepared = prepare_prompts(self.model, [prompt], images, False)[0]
         except (ValueError, TypeError) as e:  # the prompt's placeholders or an image: named for a service
             e.field = getattr(e, "field", "images" if images else "prompt")
             raise
-        return self.add_prompt(prepared, params, request_id)
+        return self._add_prepared(prepared, params, request_id)
 
     def add_prompt(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """``add_request`` for a prompt already encoded (``serving.requests.prepare_prompts``): a service that
         checked its length queues it as it is; its images go through the vision tower here."""
-        params = self._check_args(params, request_id)
+        return self._add_prepared(prompt, self._check_args(params, request_id), request_id)
+
+    def _add_prepared(self, prompt: Prompt, params: SamplingParams, request_id: str | None) -> str:
         self._check_fits(len(prompt.ids), params.max_tokens)
         return self.enqueue(prompt.text, prompt.ids, media_features(self.model, prompt), params, request_id).request_id
 
