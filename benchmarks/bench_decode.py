@@ -112,11 +112,11 @@ def step_fn(model, cache, sids, ids, device):
 
 def step_bytes(model, batch: int, lens: list[int], experts_per_layer: list[int]) -> dict[str, float]:
     cfg = model.config
-    skip = ("vision_tower", "mm_projector", "embed_tokens", "experts_packed", "experts_scale")
+    skip = ("vision_tower", "mm_projector", "embed_tokens", "experts.packed", "experts.scales")
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not any(s in n for s in skip))
     weights += batch * cfg.hidden_size * model.language_model.model.embed_tokens.weight.element_size()
     moe = model.moe_layers()[0]
-    per_expert = (moe.experts_packed[0].numel() + moe.experts_scale[0].numel())
+    per_expert = (moe.experts.packed[0].numel() + moe.experts.scales[0].numel())
     experts = per_expert * sum(experts_per_layer)
     dtype_bytes = torch.empty((), dtype=cfg.torch_dtype).element_size()
     key = cfg.indexer.head_dim * (1 if cfg.indexer.fp8 else dtype_bytes) + (4 if cfg.indexer.fp8 else 0)

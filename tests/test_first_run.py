@@ -173,7 +173,7 @@ def test_lazy_experts_not_yet_read_hold_zeros_not_garbage(saved):
     model, path = saved
     lazy = minidsa.load(path, lazy_experts=True, progress=False)
     for moe in lazy.moe_layers():
-        assert not moe.experts_packed.any() and not moe.experts_scale.any()
+        assert not moe.experts.packed.any() and not moe.experts.scales.any()
     ids = torch.tensor([[256, 104]])  # 2 tokens x top_k slots: fewer experts routed than slots, so placeholders
     with torch.no_grad():
         assert torch.equal(lazy(ids), model(ids))

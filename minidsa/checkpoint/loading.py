@@ -97,8 +97,8 @@ def load_pretrained(directory: str | os.PathLike, *, device: torch.device | str 
     for moe in moe_of.values() if lazy_experts else ():
         # Experts still on disk must not hold to_empty's garbage: a forward converts unrouted experts as
         # fixed-shape placeholders (gate 0), and 0 * a garbage NaN scale is NaN. Zero codes are finite.
-        moe.experts_packed.zero_()
-        moe.experts_scale.zero_()
+        moe.experts.packed.zero_()
+        moe.experts.scales.zero_()
     with tqdm(total=len(weight_map), unit="tensor", desc="loading", disable=not progress, leave=False) as bar:
         for fname in sorted(by_shard):
             verify = shards.checksum_verifier(directory / fname, checksums.get(fname))
@@ -106,7 +106,7 @@ def load_pretrained(directory: str | os.PathLike, *, device: torch.device | str 
                         verify, bar)
     _check_a_log_padding(expected, cfg.kda.num_heads)
     for moe in moe_of.values():
-        moe.resident[:] = not moe.lazy_source
+        moe.experts.resident[:] = not moe.experts.lazy_source
     if cfg.moe.offline_experts:
         model.set_expert_mode("offline")
     return model
@@ -175,7 +175,7 @@ def _load_shard(path: Path, names: list[str], expected: dict, dtypes: dict, lazy
                 sl = f.get_slice(name)
                 shards.check_header(name, sl.get_shape(), sl.get_dtype(), target.shape, dtypes[name])
                 prefix, e, w, kind = lazy[name].groups()
-                lazy_moe[prefix].lazy_source[(int(e), w, kind)] = shards.tensor_reader(
+                lazy_moe[prefix].experts.lazy_source[(int(e), w, kind)] = shards.tensor_reader(
                     path, name, target, dtypes[name], check_values, verify, seen)
             else:
                 shards.store(name, path.name, lambda: f.get_tensor(name), target, dtypes[name], check_values)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from ..config import ModelConfig, load_config, preset_names
 from ..formats.dtypes import SAFETENSORS_NAMES, disk_dtype
+from ..model.experts import expert_shapes
 from ..model.minidsa import MiniDSA
-from ..model.moe import expert_shapes
 
 DEFAULT_MODEL = "default"  # the trained checkpoint shipped in the package (PRETRAINED below)
 # Checkpoints shipped inside the package, by the name load() accepts for them. "default" is the tiny
@@ -76,7 +76,7 @@ def count_parameters(name_or_config) -> dict[str, int]:
     cfg = resolve_config(name_or_config)
     model = MiniDSA(cfg, device="meta", init=False)
     moe = model.moe_layers()
-    total = sum(p.numel() for p in model.parameters()) + sum(m.experts_packed.numel() * 2 for m in moe)
+    total = sum(p.numel() for p in model.parameters()) + sum(m.experts.packed.numel() * 2 for m in moe)
     per_expert = sum(rows * k for rows, k in expert_shapes(cfg).values())
     active_all = total - len(moe) * (cfg.moe.num_experts - cfg.moe.top_k) * per_expert
     outside = [model.language_model.model.embed_tokens, model.vision_tower, model.mm_projector]

@@ -84,7 +84,7 @@ def shard_model(read: Callable[[str, tuple[slice, ...]], torch.Tensor], full_sha
     model = MiniDSA(local_config(cfg, par), device="meta", init=False)
     mine = par.expert_range(cfg, rank)
     for moe in model.moe_layers():  # on the meta device: memory is allocated for this rank's experts only
-        moe.keep_experts(mine)
+        moe.experts.keep(mine)
     model = model.to_empty(device=device)
     heads = cfg.kda.num_heads // par.tp
     h0 = par.tp_rank(rank) * heads

@@ -34,4 +34,4 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
             p.copy_(torch.randn(p.shape, generator=g, device="cpu") * cfg.init_std)
     for module in model.modules():
         if isinstance(module, LatentMoE):
-            module.init_experts(g, cfg.init_std)
+            module.experts.init_seeded(g, cfg.init_std)

@@ -26,15 +26,16 @@ from ..formats.dtypes import disk_dtype, memory_dtype
 from ..ops._checks import on_host
 from ..tokenizer import ByteTokenizer
 from .decoder import LanguageModel
+from .experts import ExpertWorkspace, expert_stats
 from .fused import fuse_all
 from .initialization import init_weights
-from .moe import ExpertWorkspace, LatentMoE, expert_stats
+from .moe import LatentMoE
 from .trace import ForwardTrace
 from .vision import MultimodalProjector, PreparedImage, VisionTower, preprocess
 
 _CREATE_LOCK = threading.Lock()  # guards the lazy creation of a model's workspace and default cache
 
-_EXPERT_BUFFERS = (".experts_packed", ".experts_scale")  # stacked; the checkpoint names them per expert
+_EXPERT_BUFFERS = (".experts.packed", ".experts.scales")  # stacked; the checkpoint names them per expert
 
 
 class MiniDSA(nn.Module):
@@ -97,7 +98,7 @@ class MiniDSA(nn.Module):
     def materialize_experts(self) -> None:
         """Read every routed expert still on disk (a model loaded with lazy_experts=True)."""
         for moe in self.moe_layers():
-            moe.materialize()
+            moe.experts.materialize()
 
     def set_expert_mode(self, mode: str) -> "MiniDSA":
         """"online": convert routed experts per forward into the shared workspace; "offline": convert
@@ -105,16 +106,15 @@ class MiniDSA(nn.Module):
         if mode not in ("online", "offline"):
             raise ValueError(f"expert mode {mode!r}; use 'online' or 'offline'")
         for moe in self.moe_layers():
-            moe.convert_all() if mode == "offline" else setattr(moe, "offline", None)
+            moe.experts.convert_all() if mode == "offline" else setattr(moe.experts, "offline", None)
         return self
 
     def expert_stats(self) -> dict[str, int]:
         """Expert, workspace and offline bytes; routed experts converted since the reset and in the last forward."""
-        return expert_stats(self.moe_layers(), self._workspace)
+        return expert_stats([m.experts for m in self.moe_layers()], self._workspace)
 
     def reset_expert_stats(self) -> None:
-        if self._workspace is not None:
-            self._workspace.routed.zero_()
+        self._workspace is None or self._workspace.routed.zero_()
 
     # ---------------------------------------------------------------- cache
     def cache_layout(self, num_blocks: int | None = None) -> CacheLayout:
@@ -231,8 +231,8 @@ class MiniDSA(nn.Module):
         out = {name: t for name, t in self.state_dict().items() if not name.endswith(_EXPERT_BUFFERS)}
         for i, layer in enumerate(self.language_model.model.layers):
             if layer.is_moe:
-                prefix = f"language_model.model.layers.{i}.block_sparse_moe."
-                out.update({prefix + name: t for name, t in layer.block_sparse_moe.checkpoint_tensors().items()})
+                prefix = f"language_model.model.layers.{i}.block_sparse_moe.experts."
+                out.update({prefix + name: t for name, t in layer.block_sparse_moe.experts.checkpoint_tensors().items()})
         return out
 
     def save_pretrained(self, directory, max_shard_size: int | str = "2GB") -> Path:

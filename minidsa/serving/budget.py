@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..model.experts import ExpertWorkspace
 from ..model.minidsa import MiniDSA
-from ..model.moe import ExpertWorkspace
 
 CUDA_MEMORY_FRACTION = 0.9  # of the free device memory; the rest is headroom for the allocator
 

@@ -23,10 +23,11 @@ from torch import nn
 from .. import ops
 from ..formats import mxfp4
 from ..model.decoder import DecoderLayer, mix_sources
+from ..model.experts import EXPERT_WEIGHTS
 from ..model.kda import KimiDeltaAttention
 from ..model.minidsa import MiniDSA
 from ..model.mla import GatedMLA
-from ..model.moe import EXPERT_WEIGHTS, LatentMoE
+from ..model.moe import LatentMoE
 from ..ops import acc_dtype
 from .lean_ops import grouped_experts, kda_chunk_train, selection_mask, train_chunk_size
 
@@ -39,16 +40,17 @@ class MasterExperts(nn.Module):
     def __init__(self, moe: LatentMoE, dtype: torch.dtype) -> None:
         super().__init__()
         for name in EXPERT_WEIGHTS:  # MXFP4 values are exact in fp32, so the copy starts equal to the model
-            self.register_parameter(name, nn.Parameter(mxfp4.dequantize(moe.packed[name], moe.scales[name], dtype)))
+            self.register_parameter(name, nn.Parameter(mxfp4.dequantize(*moe.experts.matrix(name), dtype)))
 
     @torch.no_grad()
     def export(self, moe: LatentMoE) -> None:
         """Quantise the masters to MXFP4 into ``moe``'s packed buffers (what save_pretrained writes)."""
         for name in EXPERT_WEIGHTS:
             packed, scales = mxfp4.quantize(getattr(self, name).float().cpu())
-            moe.packed[name].copy_(packed.to(moe.experts_packed.device))
-            moe.scales[name].copy_(scales.to(moe.experts_scale.device))
-        moe.offline = None if moe.offline is None else mxfp4.to_fp8(moe.experts_packed, moe.experts_scale)
+            codes, e8m0 = moe.experts.matrix(name)
+            codes.copy_(packed.to(codes.device))
+            e8m0.copy_(scales.to(e8m0.device))
+        moe.experts.refresh_offline()
 
 
 class TrainingModel(nn.Module):
@@ -143,5 +145,7 @@ def moe_forward(moe: LatentMoE, masters: MasterExperts, x: torch.Tensor) -> torc
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     ids, weights, z, gate, up = moe.project(x)
-    y_lat = grouped_experts(z.to(acc_dtype(x)), ids, weights, masters.w1, masters.w3, masters.w2, moe.beta_gate, moe.beta_up)
+    store = moe.experts
+    y_lat = grouped_experts(z.to(acc_dtype(x)), ids, weights, masters.w1, masters.w3, masters.w2, store.beta_gate,
+                            store.beta_up)
     return moe.combine(y_lat, gate, up, x.dtype).reshape(shape)

@@ -17,7 +17,7 @@ from ._common import bytes_axis, human_bytes, meta_model, new_axes
 from .kda import state_memory
 from .mxfp4 import expert_format_bytes
 
-_EXPERT_BUFFERS = ("experts_packed", "experts_scale")
+_EXPERT_BUFFERS = ("experts.packed", "experts.scales")
 
 
 def memory_budget(config="k3.1-pro", context: int = 1_000_000) -> dict[str, float]:

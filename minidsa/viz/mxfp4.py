@@ -97,8 +97,8 @@ def expert_format_bytes(config="k3.1-pro") -> dict[str, float]:
     "scales" (E8M0 bytes, one per 32 elements), "mxfp4" (codes 0.5 B each + scales), "fp8" (1 B each + the
     same scales), "bf16" (2 B each)}, from the meta-device model's packed buffers."""
     moes = meta_model(config).moe_layers()
-    codes = sum(m.experts_packed.numel() for m in moes)  # bytes: two E2M1 codes per byte
-    scales = sum(m.experts_scale.numel() for m in moes)
+    codes = sum(m.experts.packed.numel() for m in moes)  # bytes: two E2M1 codes per byte
+    scales = sum(m.experts.scales.numel() for m in moes)
     elements = 2 * codes
     return {"elements": float(elements), "scales": float(scales), "mxfp4": float(codes + scales),
             "fp8": float(elements + scales), "bf16": float(2 * elements)}

@@ -191,7 +191,7 @@ def test_default_names_the_shipped_model_wherever_a_config_name_is_taken(capsys)
     shipped = SHIPPED / "config.json"
     counts = minidsa.count_parameters("default")
     assert counts == minidsa.count_parameters(shipped)
-    packed = sum(m.experts_packed.numel() * 2 for m in trained.moe_layers())  # two MXFP4 elements a byte
+    packed = sum(m.experts.packed.numel() * 2 for m in trained.moe_layers())  # two MXFP4 elements a byte
     assert counts["total"] == sum(p.numel() for p in trained.parameters()) + packed
     assert minidsa.build_model("default").config == trained.config
     manifest = minidsa.checkpoint_manifest("default")

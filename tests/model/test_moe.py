@@ -9,8 +9,8 @@ from conftest import tiny_config
 
 import minidsa
 from minidsa.formats import mxfp4
+from minidsa.model.experts import DIRECT_MAX_TOKENS
 from minidsa.model.ffn import situ_glu
-from minidsa.model.moe import DIRECT_MAX_TOKENS
 
 
 def with_moe(cfg, **changes):
@@ -74,7 +74,7 @@ def dense_reference(moe, x):
     w = w / (w.sum(-1, keepdim=True) + 1e-20) * moe.routed_scaling_factor
     z = moe.routed_expert_down_proj(x)
     y_lat = torch.zeros_like(z)
-    mats = {n: mxfp4.dequantize(moe.packed[n], moe.scales[n], x.dtype) for n in ("w1", "w2", "w3")}
+    mats = {n: mxfp4.dequantize(*moe.experts.matrix(n), x.dtype) for n in ("w1", "w2", "w3")}
     for t in range(x.shape[0]):
         for j in range(moe.top_k):
             e = int(ids[t, j])

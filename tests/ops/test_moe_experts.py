@@ -7,7 +7,7 @@ from conftest import tiny_config
 
 import minidsa
 from minidsa.formats import mxfp4
-from minidsa.model.moe import ExpertWorkspace
+from minidsa.model.experts import ExpertWorkspace
 from minidsa.ops.activation.reference import situ_glu_values
 from minidsa.ops.moe_experts import cpu
 from minidsa.ops.moe_experts import reference as ref
@@ -24,7 +24,7 @@ def routed_inputs(moe, x):
     logits, z, _, _ = moe.input_proj(x)  # the layer's one product for the router and the down projection
     ids, weights = moe.choose(logits.to(acc))
     z = z.to(acc)
-    experts, _, _ = moe.conversion_plan(ids, weights)
+    experts, _, _ = moe.experts.plan(ids, weights)
     gates = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * weights).sum(-1)
     return z, experts, gates
 
@@ -44,10 +44,10 @@ def test_conversion_is_the_workspace_load_bit_for_bit(model):
     moe = model.moe_layers()[1]
     ws = ExpertWorkspace(model.config, "cpu")
     experts = torch.tensor([5, 0, 7, 2])
-    ws.load(moe, experts)
+    ws.load(moe.experts, experts)
     elements = torch.full_like(ws.elements.view(torch.uint8), 0xAB).view(torch.float8_e4m3fn)
     scales = torch.full_like(ws.scales, 0xCD)
-    ref.mxfp4_to_fp8_ref(moe.experts_packed, moe.experts_scale, experts, elements, scales)
+    ref.mxfp4_to_fp8_ref(moe.experts.packed, moe.experts.scales, experts, elements, scales)
     assert torch.equal(elements[:4].view(torch.uint8), ws.elements[:4].view(torch.uint8))
     assert torch.equal(scales[:4], ws.scales[:4])
     assert (elements[4:].view(torch.uint8) == 0xAB).all() and (scales[4:] == 0xCD).all()  # later slots untouched
@@ -85,13 +85,13 @@ def test_reference_ops_reproduce_the_layer(model, layer, tokens):
         want = layer_y_lat(moe, x)
         z, experts, gates = routed_inputs(moe, x)
         cap = model.config.moe.workspace_experts
-        n = moe.experts_packed.shape[-1]
+        n = moe.experts.packed.shape[-1]
         elements = torch.empty(cap, 3, 2 * n, dtype=torch.float8_e4m3fn)
         scales = torch.empty(cap, 3, n // 16, dtype=torch.uint8)
-        ref.mxfp4_to_fp8_ref(moe.experts_packed, moe.experts_scale, experts, elements, scales)
-        got_fp8 = ref.expert_mlp_fp8_ref(z, elements, scales, gates, moe.beta_gate, moe.beta_up)
-        got_mx = ref.expert_mlp_mxfp4_ref(z, moe.experts_packed, moe.experts_scale, experts, gates,
-                                          moe.beta_gate, moe.beta_up)
+        ref.mxfp4_to_fp8_ref(moe.experts.packed, moe.experts.scales, experts, elements, scales)
+        got_fp8 = ref.expert_mlp_fp8_ref(z, elements, scales, gates, moe.experts.beta_gate, moe.experts.beta_up)
+        got_mx = ref.expert_mlp_mxfp4_ref(z, moe.experts.packed, moe.experts.scales, experts, gates,
+                                          moe.experts.beta_gate, moe.experts.beta_up)
     assert got_fp8.dtype == torch.float32 and got_fp8.shape == want.shape
     # The same operations on the same values in the same order: equal to the bit.
     assert torch.equal(got_fp8, want)
@@ -104,12 +104,12 @@ def test_fp64_inputs_stay_fp64_and_match_the_dequantised_experts():
     x = torch.randn(3, model64.config.hidden_size, dtype=torch.float64)
     with torch.no_grad():
         z, experts, gates = routed_inputs(moe, x)
-        got = ref.expert_mlp_mxfp4_ref(z, moe.experts_packed, moe.experts_scale, experts, gates, 4.0, 25.0)
+        got = ref.expert_mlp_mxfp4_ref(z, moe.experts.packed, moe.experts.scales, experts, gates, 4.0, 25.0)
         want = layer_y_lat(moe, x)
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
     # and against the MXFP4 dequantisation of mxfp4.py, token by token
-    w = {k: mxfp4.dequantize(moe.packed[k], moe.scales[k], torch.float64) for k in ("w1", "w3", "w2")}
+    w = {k: mxfp4.dequantize(*moe.experts.matrix(k), torch.float64) for k in ("w1", "w3", "w2")}
     for t in range(3):
         y = sum(gates[j, t] * w["w2"][e] @ situ_glu_values(w["w1"][e] @ z[t], w["w3"][e] @ z[t], 4.0, 25.0)
                 for j, e in enumerate(experts.tolist()))

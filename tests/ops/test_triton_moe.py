@@ -310,11 +310,11 @@ def test_kernel_reproduces_the_tiny_layer():
         hook.remove()
         ids, weights = moe.route(x)
         z = moe.routed_expert_down_proj(x)
-        experts, _, _ = moe.conversion_plan(ids, weights)
+        experts, _, _ = moe.experts.plan(ids, weights)
         gates = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * weights).sum(-1)
     on = lambda t: t.to(DEV)  # noqa: E731
-    got = mlp.expert_mlp_mxfp4(on(z), on(moe.experts_packed), on(moe.experts_scale), on(experts), on(gates),
-                               moe.beta_gate, moe.beta_up)
+    got = mlp.expert_mlp_mxfp4(on(z), on(moe.experts.packed), on(moe.experts.scales), on(experts), on(gates),
+                               moe.experts.beta_gate, moe.experts.beta_up)
     torch.testing.assert_close(got.cpu(), seen[0], **TOL)
 
 

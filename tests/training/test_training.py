@@ -151,7 +151,8 @@ def test_checkpoint_holds_the_quantised_masters_and_loads(tmp_path):
     model = minidsa.load(tmp_path / "run", progress=False)
     layer = model.moe_layers()[0]
     packed, scales = mxfp4.quantize(state["experts.0.w1"])
-    assert torch.equal(layer.packed["w1"], packed) and torch.equal(layer.scales["w1"], scales)
+    codes, e8m0 = layer.experts.matrix("w1")
+    assert torch.equal(codes, packed) and torch.equal(e8m0, scales)
     assert not torch.equal(state["experts.0.w1"], mxfp4.dequantize(packed, scales))  # trained off the grid
     assert (tmp_path / "run" / "loss_curves.png").stat().st_size > 1000
     log = json.loads((tmp_path / "run" / LOG_FILE).read_text())   # the history again, readable without torch

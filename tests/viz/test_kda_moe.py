@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from figures import legend_texts, render  # noqa: E402
 
 import minidsa  # noqa: E402
-from minidsa.model.moe import DIRECT_MAX_TOKENS  # noqa: E402
+from minidsa.model.experts import DIRECT_MAX_TOKENS  # noqa: E402
 from minidsa.viz import kda as vkda  # noqa: E402
 from minidsa.viz import moe as vmoe  # noqa: E402
 from minidsa.viz.tokens import find_span, token_labels  # noqa: E402

@@ -1,7 +1,7 @@
 """Reference ops of the routed latent experts: MXFP4 -> FP8 conversion into the shared workspace, and
 the routed-expert MLPs over FP8 workspace slots or straight from MXFP4 (docs/design.md §6, §7, §12).
 
-Storage (one contiguous block per expert, ``LatentMoE.experts_packed`` / ``experts_scale``):
+Storage (one contiguous block per expert, ``RoutedExperts.packed`` / ``scales``):
 
     packed   uint8 [E, 3, I*L/2]   E2M1 codes of w1, w3 ([I, L] each) and w2 ([L, I]), row-major;
                                    the LOW nibble holds the even (lower-index) element
@@ -98,8 +98,8 @@ def expert_mlp_mxfp4(z: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     """``expert_mlp_fp8_ref`` with the weights read straight from MXFP4 storage, no workspace.
 
     Args:
-        z: [N, L]; packed: uint8 [E, 3, I*L/2]; scales: uint8 [E, 3, I*L/32] (``experts_packed`` /
-        ``experts_scale``); experts: integer [m], slot j computes expert experts[j]; gates: [m, N]
+        z: [N, L]; packed: uint8 [E, 3, I*L/2]; scales: uint8 [E, 3, I*L/32] (``RoutedExperts.packed`` /
+        ``scales``); experts: integer [m], slot j computes expert experts[j]; gates: [m, N]
         (0 = not routed); beta_gate, beta_up: SiTU-GLU clip widths.
     Returns:
         y_lat [N, L] fp32 (fp64 if z or gates is), equal to ``expert_mlp_fp8_ref`` after
