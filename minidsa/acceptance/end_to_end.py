@@ -79,10 +79,11 @@ def parting(model: MiniDSA, embeds_of, ids: list[int], a: list[int], b: list[int
     j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if j is None:
         return None if len(a) == len(b) else f"lengths {len(a)} and {len(b)} (one stopped early)"
+    trace = None
     if held is not None:
-        held.keys = lambda: [key]
+        held.key_of, trace = (lambda sid: key), held.trace()
     with torch.inference_mode(), held.replaying() if held is not None else contextlib.nullcontext():
-        logits = model(inputs_embeds=embeds_of(ids + a[:j]))[0, -1].double()
+        logits = model(inputs_embeds=embeds_of(ids + a[:j]), trace=trace)[0, -1].double()
     gap = ((logits[a[j]] - logits[b[j]]).abs() / logits.abs().max()).item()
     kind = "near-tie" if gap <= tol else "not a tie"
     return f"{kind}: tokens {a[j]} and {b[j]} at output position {j}, logits {gap:.1e} of the scale apart"
@@ -92,35 +93,28 @@ def _text_embeds(model: MiniDSA):
     return lambda ids: model.language_model.model.embed_tokens(torch.tensor([ids], device=model.device))
 
 
-@contextlib.contextmanager
-def rows_of(model: MiniDSA, engine: Engine, held: HeldChoices):
-    """Name each batch row of the engine's forwards by its request's prompt, for ``held``."""
-    current: list = [None]
-    forward = model.forward
-
-    def tracked(*args, seq_ids=None, **kw):
-        current[0] = seq_ids
-        return forward(*args, seq_ids=seq_ids, **kw)
-    model.forward = tracked
-    held.keys = lambda: [next(r.prompt for r in engine.requests.values() if r.sid == s) for s in current[0]]
-    try:
-        yield
-    finally:
-        del model.forward  # the instance attribute goes; the class's forward shows through again
+def _failed(outputs) -> str | None:
+    """Why a gate cannot compare these outputs: a request that did not finish by length or stop."""
+    bad = [o for o in outputs if o.finish_reason not in ("length", "stop")]
+    return None if not bad else f"a request finished with {bad[0].finish_reason!r}: {bad[0].error or 'no reason'}"
 
 
 def check_batch(model: MiniDSA, tol: float, hold: bool) -> tuple[bool, list[str]]:
     """(ok, a line per row): each row of a batch against the same prompt alone. With ``hold``, the alone runs
     record their choices and the batch replays them (eager steps: a graph replay runs no Python)."""
-    engine = Engine(model, max_num_seqs=4, enable_prefix_caching=False, cuda_graphs="off" if hold else "auto")
+    held = HeldChoices(model) if hold else None
+    engine = Engine(model, max_num_seqs=4, enable_prefix_caching=False, cuda_graphs="off" if hold else "auto",
+                    held_choices=held)
+    if hold:  # each sequence's record is its prompt's, however the engine numbers the sequences
+        held.key_of = lambda sid: next(r.prompt for r in engine.requests.values() if r.sid == sid)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     texts = prompts(model)
-    held = HeldChoices(model) if hold else None
-    with rows_of(model, engine, held) if hold else contextlib.nullcontext():
-        with held.recording() if hold else contextlib.nullcontext():
-            alone = [engine.generate([text], params, progress=False)[0] for text in texts]
-        with held.replaying() if hold else contextlib.nullcontext():
-            batch = engine.generate(texts, params, progress=False)
+    with held.recording() if hold else contextlib.nullcontext():
+        alone = [engine.generate([text], params, progress=False)[0] for text in texts]
+    with held.replaying() if hold else contextlib.nullcontext():
+        batch = engine.generate(texts, params, progress=False)
+    if why := _failed(alone + batch):
+        return False, [why]
     ok, lines = True, []
     for text, row, one in zip(texts, batch, alone):
         why = parting(model, _text_embeds(model), row.prompt_token_ids, row.token_ids, one.token_ids, tol, held, text)
@@ -132,27 +126,31 @@ def check_batch(model: MiniDSA, tol: float, hold: bool) -> tuple[bool, list[str]
 def check_media(model: MiniDSA, tol: float, hold: bool) -> tuple[bool, list[str]]:
     """(ok, a line per request): an image and a two-frame video, greedy through the engine, each token
     against the full forward over the same embeddings (with ``hold``, on the engine run's choices)."""
-    engine = Engine(model, max_num_seqs=2, enable_prefix_caching=False, cuda_graphs="off" if hold else "auto")
+    held = HeldChoices(model) if hold else None
+    engine = Engine(model, max_num_seqs=2, enable_prefix_caching=False, cuda_graphs="off" if hold else "auto",
+                    held_choices=held)
     params = SamplingParams(temperature=0, max_tokens=MEDIA_TOKENS)
     frame = drawn_image()
     cases = {"image": (f"{IMAGE_MARKER}\nQ: colour and shape?\nA: ", [frame], None),
              "video": (f"{VIDEO_MARKER}\nQ: colour and shape?\nA: ", None, [[frame, frame[:, ::-1].copy()]])}
-    held = HeldChoices(model) if hold else None
     ok, lines = True, []
     for kind, (text, images, videos) in cases.items():
         ids, feats = encode_prompts(model, [text], [images] if images else None, True, [videos] if videos else None)
         if hold:
-            held.keys = lambda kind=kind: [kind]
+            held.key_of = lambda sid, kind=kind: kind
         with held.recording() if hold else contextlib.nullcontext():
             req = engine.enqueue(text, ids[0], feats[0], params)
             while not req.finished:
                 engine.step()
+        if req.finish_reason not in ("length", "stop"):
+            return False, [f"{kind}: the request finished with {req.finish_reason!r}: {req.error or 'no reason'}"]
         out = list(req.output_ids)
 
         def embeds_of(seq, feats=feats[0]):
             return model.embed(torch.tensor([seq], device=model.device), feats)
         with torch.inference_mode(), held.replaying() if hold else contextlib.nullcontext():
-            full = model(inputs_embeds=embeds_of(ids[0] + out[:-1]))[0, len(ids[0]) - 1:].argmax(-1).tolist()
+            full = model(inputs_embeds=embeds_of(ids[0] + out[:-1]), trace=held.trace() if hold else None)
+            full = full[0, len(ids[0]) - 1:].argmax(-1).tolist()
         why = parting(model, embeds_of, ids[0], out, full, tol, held, kind)
         ok &= why is None or why.startswith("near-tie")
         lines.append(f"{kind} ({len(ids[0])} prompt tokens): {req.text!r}; "

@@ -68,17 +68,19 @@ def _layer_inputs(model: MiniDSA, modules: dict, ids: torch.Tensor) -> dict[str,
     return seen
 
 
-def _cached_layer(model: MiniDSA, module, x: torch.Tensor, pieces, attention: bool) -> torch.Tensor:
-    """``module`` over ``x`` piece by piece, an attention layer through a fresh cache of its own."""
+def _cached_layer(model: MiniDSA, module, x: torch.Tensor, pieces, attention: bool, trace=None) -> torch.Tensor:
+    """``module`` over ``x`` piece by piece, an attention layer through a fresh cache of its own; ``trace()``
+    (when given) makes each call's ForwardTrace."""
     cache = model.new_cache(num_blocks=-(-x.shape[1] // model.config.kv_block_size) + 1) if attention else None
     sid = cache.add_sequence() if attention else None
     outs = []
     for a, b in pieces:
+        kw = {} if trace is None else {"trace": trace()}
         if not attention:
-            outs.append(module(x[:, a:b]))
+            outs.append(module(x[:, a:b], **kw))
             continue
         ctx = cache.prepare([sid], b - a, x.device, max_len=model.config.max_seq_len, rows=1)
-        outs.append(module(x[:, a:b], ctx))
+        outs.append(module(x[:, a:b], ctx, **kw))
         ctx.publish()
     return torch.cat(outs, dim=1)
 
@@ -95,10 +97,12 @@ def check_layers(model: MiniDSA, prompt_len: int, steps: int, hold: bool) -> tup
         held = HeldChoices(model)
         attention = kind in ("mla", "kda")
         with torch.inference_mode(), ops.use_backend(model.backend):
+            # a dense MLP chooses nothing: it takes no trace
+            trace = (lambda: held.trace() if hold else None) if kind != "mlp" else None
             with held.recording() if hold else contextlib.nullcontext():
-                full = module(inputs[kind])
+                full = module(inputs[kind]) if trace is None else module(inputs[kind], trace=trace())
             with held.replaying() if hold else contextlib.nullcontext():
-                cached = _cached_layer(model, module, inputs[kind], _pieces(prompt_len, steps), attention)
+                cached = _cached_layer(model, module, inputs[kind], _pieces(prompt_len, steps), attention, trace)
         diff = _relative(cached, full)
         worst = max(worst, diff)
         ok = diff <= tol.value
@@ -118,13 +122,17 @@ def _sync(model: MiniDSA) -> None:
         torch.cuda.synchronize(model.device)
 
 
-def _cached_request(model: MiniDSA, prompt: torch.Tensor, steps: int, forced: list[int] | None):
-    """(logits [steps, V] of each step, tokens, prefill s, decode s per token): greedy, or teacher-forced."""
+def _cached_request(model: MiniDSA, prompt: torch.Tensor, steps: int, forced: list[int] | None,
+                    held: HeldChoices | None = None):
+    """(logits [steps, V] of each step, tokens, prefill s, decode s per token): greedy, or teacher-forced;
+    with ``held``, every forward hands its choices to it."""
     cache = model.new_cache(num_blocks=-(-(prompt.shape[1] + steps) // model.config.kv_block_size) + 1)
     sid = cache.add_sequence()
     _sync(model)
     t0 = time.perf_counter()
-    logits = [model(prompt, cache=cache, seq_ids=[sid])[0, -1]]
+    def trace():
+        return None if held is None else held.trace()
+    logits = [model(prompt, cache=cache, seq_ids=[sid], trace=trace())[0, -1]]
     _sync(model)
     t1 = time.perf_counter()
     tokens = []
@@ -132,7 +140,7 @@ def _cached_request(model: MiniDSA, prompt: torch.Tensor, steps: int, forced: li
         tokens.append(int(logits[-1].argmax()) if forced is None else forced[i])
         if i + 1 < steps:
             nxt = torch.tensor([[tokens[-1]]], device=model.device)
-            logits.append(model(nxt, cache=cache, seq_ids=[sid])[0, -1])
+            logits.append(model(nxt, cache=cache, seq_ids=[sid], trace=trace())[0, -1])
     _sync(model)
     t2 = time.perf_counter()
     return torch.stack(logits), tokens, t1 - t0, (t2 - t1) / max(1, steps - 1)
@@ -149,10 +157,10 @@ def check_request(model: MiniDSA, prompt_len: int, steps: int, hold: bool) -> di
         whole = torch.cat([prompt, torch.tensor([tokens[:-1]], device=model.device, dtype=prompt.dtype)], dim=1)
         held = HeldChoices(model)
         with held.recording() if hold else contextlib.nullcontext():
-            full = model(whole)[0, prompt_len - 1:]
+            full = model(whole, trace=held.trace() if hold else None)[0, prompt_len - 1:]
         if hold:  # the same tokens again, now on the full forward's choices
             with held.replaying():
-                cached = _cached_request(model, prompt, steps, tokens)[0]
+                cached = _cached_request(model, prompt, steps, tokens, held)[0]
     # where the full forward's argmax is another token, how far apart the two tokens' logits are (0: same)
     picked = full.gather(-1, cached.argmax(-1, keepdim=True))[:, 0]  # the cached run's greedy picks
     gaps = ((full.max(-1).values - picked) / full.abs().max()).tolist()

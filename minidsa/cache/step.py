@@ -120,6 +120,11 @@ class StepContext:
         """Pieces of one token (the first ones)."""
         return sum(1 for r in self.rows if r < self.num_decode)
 
+    def pieces_on_axis(self, decode: bool) -> list[tuple[int, int]]:
+        """(sequence id, tokens) of the decode pieces (or the prefill ones) in the order of the token axis."""
+        n = self.num_decode
+        return [(s, k) for r, s, k in sorted(zip(self.rows, self.seq_ids, self.lengths)) if (r < n) == decode]
+
     def span(self, i: int) -> tuple[int, int]:
         """Token range [a, b) of piece ``i``."""
         a = self.query_start[self.rows[i]]

@@ -21,7 +21,7 @@ from .kda import KimiDeltaAttention
 from .mla import GatedMLA
 from .moe import LatentMoE
 from .norm import RMSNorm
-from .trace import ForwardTrace
+from .trace import ForwardTrace, token_pieces
 
 
 def mix_sources(sources: torch.Tensor | list[torch.Tensor], norm: RMSNorm, proj: nn.Linear, name: str,
@@ -82,9 +82,9 @@ class DecoderLayer(nn.Module):
     def attention(self, h: torch.Tensor, ctx: CacheContext | None, trace: ForwardTrace | None) -> torch.Tensor:
         return self.self_attn(self.input_layernorm(h, self.compute_dtype), ctx, trace)
 
-    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
-        ffn = self.block_sparse_moe if self.is_moe else self.mlp
-        return ffn(self.post_attention_layernorm(h, self.compute_dtype))
+    def feed_forward(self, h: torch.Tensor, trace: ForwardTrace | None = None) -> torch.Tensor:
+        h = self.post_attention_layernorm(h, self.compute_dtype)
+        return self.block_sparse_moe(h, trace) if self.is_moe else self.mlp(h)
 
 
 class TextDecoder(nn.Module):
@@ -113,6 +113,8 @@ class TextDecoder(nn.Module):
         reads a prefix of the buffer as it is: nothing is stacked per mixer.
         """
         acc = acc_dtype(emb)
+        if trace is not None:  # the token axis by sequence: the choices a trace holds are kept per sequence
+            trace.pieces = token_pieces(ctx, *emb.shape[:2])
         if self.two_phase:
             return self._forward_two_phase(cast(emb, acc), ctx, trace)
         sources = _add_to(emb.new_zeros((-(-len(self.layers) // self.layers_per_block) + 1, *emb.shape), dtype=acc),
@@ -122,7 +124,7 @@ class TextDecoder(nn.Module):
             h = layer.mix_attn(sources[: n + 1], trace) if n else sources[0]
             n += l % self.layers_per_block == 0  # a new block starts: the finished one stays stored
             sources = _add_to(sources, n, layer.attention(h, ctx, trace))
-            sources = _add_to(sources, n, layer.feed_forward(layer.mix_ffn(sources[: n + 1], trace)))
+            sources = _add_to(sources, n, layer.feed_forward(layer.mix_ffn(sources[: n + 1], trace), trace))
         out = mix_sources(sources[: n + 1], self.output_attn_res_norm, self.output_attn_res_proj, "out", trace)
         return self.norm(out, self.compute_dtype)
 
@@ -156,7 +158,7 @@ class TextDecoder(nn.Module):
                 h = merge(2 * j, partial, layer.self_attention_res_norm, layer.self_attention_res_proj, f"{l}.attn")
                 partial = partial + cast(layer.attention(h, ctx, trace), acc)
             h = merge(2 * j + 1, partial, layer.mlp_res_norm, layer.mlp_res_proj, f"{l}.ffn")
-            partial = partial + cast(layer.feed_forward(h), acc)
+            partial = partial + cast(layer.feed_forward(h, trace), acc)
         out = mix_sources(blocks + [partial], self.output_attn_res_norm, self.output_attn_res_proj, "out", trace)
         return self.norm(out, self.compute_dtype)
 

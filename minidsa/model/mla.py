@@ -31,7 +31,7 @@ from ..ops import acc_dtype, cast
 from .fused import FusedLinears
 from .indexer import LightningIndexer
 from .norm import RMSNorm
-from .trace import ForwardTrace
+from .trace import ForwardTrace, held_choice
 
 # The released modeling code builds the two latent norms without an eps, so they run at the RMSNorm class
 # default, 1e-6, not the model's rms_norm_eps (1e-5), as DeepSeek-V3.2 does (docs/design.md §2).
@@ -106,11 +106,11 @@ class GatedMLA(nn.Module):
         gets the selected positions int32 [B, T, topk]."""
         proj = self._project(x)
         if isinstance(ctx, StepContext):
-            idx, o = self._forward_step(ctx, proj)
+            idx, o = self._forward_step(ctx, proj, trace)
         elif ctx is None:
-            idx, o = self._forward_uncached(proj)
+            idx, o = self._forward_uncached(proj, trace)
         else:
-            idx = self._store_and_select(ctx, proj)
+            idx = self._store_and_select(ctx, proj, trace)
             # The path is chosen from the number of query tokens (docs/design.md §4).
             o = self._attend_decode(ctx, proj, idx) if x.shape[1] == 1 else self._attend_prefill(ctx, proj, idx)
         if trace is not None:
@@ -118,15 +118,16 @@ class GatedMLA(nn.Module):
         return self._finish(o, proj["gate"])
 
     # ---------------------------------------------------------------- no cache: the reference
-    def _forward_uncached(self, proj: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_uncached(self, proj: dict, trace: ForwardTrace | None) -> tuple[torch.Tensor, torch.Tensor]:
         B, T = proj["q"].shape[:2]
         q_pos = torch.arange(T, device=proj["q"].device).expand(B, T)
-        idx = self.indexer.select(proj["q_idx"], proj["w_idx"], self.indexer.dequant_keys(proj), q_pos)
+        idx = self._select([(None, T)] * B, trace, lambda: self.indexer.select(
+            proj["q_idx"], proj["w_idx"], self.indexer.dequant_keys(proj), q_pos))
         k, v = self.decompress(proj["kv_latent"], proj["k_pe"])
         return idx, ops.sparse_attention(proj["q"], k, v, idx, self.softmax_scale)
 
     # ---------------------------------------------------------------- one packed engine step
-    def _forward_step(self, step: StepContext, proj: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_step(self, step: StepContext, proj: dict, trace: ForwardTrace | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens of several sequences on one axis ([1, N, ...]): every new row stored with one call, then the
         decode rows selected and attended together, then the prefill pieces together, each over its own
         sequence's keys.
@@ -137,20 +138,30 @@ class GatedMLA(nn.Module):
         if n:
             ctx = step.decode_part()
             rows = {k: v[0, :n].unsqueeze(1) for k, v in proj.items()}  # [n, 1, ...]: one row per sequence
-            idx = self.indexer.select_paged(rows["q_idx"], rows["w_idx"], planes, ctx)
+            idx = self._select(step.pieces_on_axis(True), trace,
+                               lambda: self.indexer.select_paged(rows["q_idx"], rows["w_idx"], planes, ctx))
             parts.append((idx.view(1, n, -1), self._attend_decode(ctx, rows, idx).flatten(0, 1).unsqueeze(0)))
         if step.prefill_rows:  # every prefill piece in one [P', T_max] rectangle, padded where lengths differ
             ctx = step.prefill_part()
             rect = {k: step.pad(proj[k]) for k in ("q", "q_idx", "w_idx")}
-            idx = self.indexer.select_paged(rect["q_idx"], rect["w_idx"], planes, ctx)  # -1 on padding rows
+            idx = self._select(step.pieces_on_axis(False), trace,  # -1 on padding rows
+                               lambda: self.indexer.select_paged(rect["q_idx"], rect["w_idx"], planes, ctx),
+                               lambda i: step.unpad(i)[0], lambda f: step.pad(f.unsqueeze(0), fill=-1))
             parts.append((step.unpad(idx), step.unpad(self._attend_prefill(ctx, rect, idx))))
         return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
 
     # ---------------------------------------------------------------- cached paths: projections + ops
-    def _store_and_select(self, ctx: CacheContext, proj: dict) -> torch.Tensor:
+    def _store_and_select(self, ctx: CacheContext, proj: dict, trace: ForwardTrace | None) -> torch.Tensor:
         """Store the new tokens' rows, then select over every cached key (new ones included): int32 [B, T, topk]."""
         planes = self._store(ctx.cache, ctx.slot_mapping, proj)
-        return self.indexer.select_paged(proj["q_idx"], proj["w_idx"], planes, ctx)
+        T = proj["q"].shape[1]
+        return self._select([(sid, T) for sid in ctx.seq_ids], trace,
+                            lambda: self.indexer.select_paged(proj["q_idx"], proj["w_idx"], planes, ctx))
+
+    def _select(self, pieces, trace: ForwardTrace | None, select, flat=None, unflat=None) -> torch.Tensor:
+        """select() -> int32 [R, T, topk], or the selection a trace holds for ``pieces`` (model/trace.py)."""
+        return held_choice(trace, self.indexer, pieces, select, flat or (lambda i: i.flatten(0, 1)),
+                           unflat or (lambda f: f.view(len(pieces), -1, f.shape[-1])))
 
     def _store(self, cache, slot_mapping: torch.Tensor, proj: dict) -> dict[str, torch.Tensor]:
         """Write every new token's row of each plane at its slot (slot_mapping [n], -1 = skip); -> this layer's planes."""

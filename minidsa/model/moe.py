@@ -24,6 +24,7 @@ from .experts import ExpertWorkspace, RoutedExperts
 from .ffn import SituGluMLP, situ_glu
 from .fused import FusedLinears
 from .norm import RMSNorm
+from .trace import ForwardTrace, held_choice
 
 
 class LatentMoE(nn.Module):
@@ -50,22 +51,26 @@ class LatentMoE(nn.Module):
         self.experts = RoutedExperts(cfg, workspace)  # storage, residency, the workspace: model/experts.py
 
     # ---------------------------------------------------------------- forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, trace: ForwardTrace | None = None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        ids, weights, z, gate, up = self.project(x)
+        ids, weights, z, gate, up = self.project(x, trace, shape[0])
         y_lat = self.experts(z, ids, weights, acc_dtype(x))  # sum_i w_i E_i(z), [N, latent]
         if self.parallel is not None:  # each rank summed its own experts: the sum is whole before the norm
             y_lat = self.parallel.ep_all_reduce(y_lat)
         return self.combine(y_lat, gate, up, x.dtype).reshape(shape)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def project(self, x: torch.Tensor, trace: ForwardTrace | None = None, rows: int = 1) -> tuple[torch.Tensor, ...]:
         """x [N, d] -> (ids, weights, z [N, latent] in x's dtype, the shared expert's gate and up projections):
         everything the layer computes from x, as one input product. The router's rows are in fp32 in every
         model but a float64 one (its weight is kept fp32). The expert ops accumulate in fp32 whatever z's
-        dtype; the GPU's kernels read a bf16 z as it is (and need one tensor-core product for it, not two)."""
+        dtype; the GPU's kernels read a bf16 z as it is (and need one tensor-core product for it, not two).
+        A ``trace`` may hold the route (model/trace.py): x's N tokens are then ``rows`` pieces unless it says."""
         logits, z, gate, up = self.input_proj(x)
-        ids, weights = self.choose(cast(logits, acc_dtype(x)))
+        logits = cast(logits, acc_dtype(x))
+        pieces = [(None, x.shape[0] // rows)] * rows if trace is None or trace.pieces is None else trace.pieces
+        ids, weights = held_choice(trace, self, pieces, lambda: self.choose(logits), lambda out: out[0],
+                                   lambda ids: (ids, self.route_weights(torch.sigmoid(logits), ids)))
         return ids, weights, z, gate, up
 
     def combine(self, y_lat: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

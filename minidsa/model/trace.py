@@ -7,8 +7,11 @@ for one generated sequence, a row per token across the prefill and every decode 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+
+from ..cache.step import StepContext
 
 
 @dataclass
@@ -18,10 +21,37 @@ class ForwardTrace:
     selected[layer]: int32 [B, T, topk] key positions chosen by the DSA indexer of MLA layer ``layer``.
     depth_weights[mixer]: [N, B, T] softmax weights of an AttnRes mixer over its N sources (stored
     blocks, then the partial sum); mixers are named "{layer}.attn", "{layer}.ffn" and "out".
+
+    ``held`` (an ``acceptance.HeldChoices``) records the discrete choices this forward makes (which keys each
+    indexer selects, which experts each router picks) or makes it take recorded ones instead: the door
+    through which two paths are compared on the same choices (``held_choice``). ``pieces`` is the token
+    axis as (cache sequence id or None, tokens) in order, set by the forward that runs the layers; a layer
+    called alone on [B, T] rows counts them as B pieces of no sequence.
     """
 
     selected: dict[int, torch.Tensor] = field(default_factory=dict)
     depth_weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    held: object | None = None
+    pieces: list[tuple[int | None, int]] | None = None
+
+
+def token_pieces(ctx, rows: int, tokens: int) -> list[tuple[int | None, int]]:
+    """(cache sequence id or None, tokens) along a forward's token axis: a packed step's pieces (decode rows
+    first), a cached forward's rows, or ``rows`` rows of no sequence."""
+    if ctx is None:
+        return [(None, tokens)] * rows
+    if isinstance(ctx, StepContext):
+        return ctx.pieces_on_axis(True) + ctx.pieces_on_axis(False)
+    return [(sid, tokens) for sid in ctx.seq_ids]
+
+
+def held_choice(trace: ForwardTrace | None, module, pieces: list[tuple[int | None, int]], compute: Callable,
+                flat: Callable = lambda c: c, unflat: Callable = lambda f: f):
+    """A layer's discrete choice under ``trace``: compute() (the choice, or a tuple led by it), unless the trace
+    holds choices (``acceptance.HeldChoices.take``): ``flat`` lays a computed choice out as [N, ...] over
+    ``pieces`` (sequence id, tokens) in order and ``unflat`` turns such rows back into what compute() returns."""
+    held = None if trace is None else trace.held
+    return compute() if held is None else held.take(module, pieces, compute, flat, unflat)
 
 
 @dataclass

@@ -61,11 +61,11 @@ class Engine:
                  enable_chunked_prefill: bool = True, cuda_graphs: str = "auto", compile_decode: bool = False,
                  max_checkpoints: int | None = None,
                  checkpoint_interval: int | None = None, memory_bytes: int | None = None, cache=None,
-                 raise_errors: bool = False) -> None:
+                 raise_errors: bool = False, held_choices=None) -> None:
         if not isinstance(model, MiniDSA):
             raise TypeError(f"model must be a MiniDSA (minidsa.load(...)), got {type(model).__name__}")
         cfg = model.config
-        self.model = model
+        self.model, self.held_choices = model, held_choices  # held: an acceptance.HeldChoices (model/trace.py)
         self.max_num_seqs = cfg.max_sequences if max_num_seqs is None else max_num_seqs
         self.max_num_batched_tokens = (max(cfg.max_seq_len, 512) if max_num_batched_tokens is None
                                        else max_num_batched_tokens)
@@ -247,7 +247,8 @@ class Engine:
     def _run(self, group: list[tuple[EngineRequest, int, int]]) -> list[EngineRequest]:
         """One packed forward of tokens [start, end) of each request; sample where a piece reached its end."""
         reqs = [g[0] for g in group]
-        tr = ForwardTrace() if any(r.trace is not None for r in reqs) else None
+        held = self.held_choices
+        tr = ForwardTrace(held=held) if held is not None or any(r.trace is not None for r in reqs) else None
         ends = [row for row, (req, _, end) in enumerate(group) if end == req.num_tokens and not req.pending_finish]
         keep = self._checkpoints(group)
         try:

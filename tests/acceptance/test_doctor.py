@@ -15,6 +15,7 @@ from minidsa import ops
 from minidsa.checkpoint.manifest import PRETRAINED
 from minidsa.cli import main
 from minidsa.formats import shards
+from minidsa.serving import Engine, SamplingParams
 
 RUNGS = ["checkpoint", "single operators", "single layers", "single request", "batched requests", "multimodal",
          "the service"]
@@ -144,19 +145,39 @@ def test_held_choices_replay_the_recorded_rows():
     held = HeldChoices(model)
     with torch.inference_mode():
         with held.recording():
-            full = model(ids)
+            full = model(ids, trace=held.trace())
         cache = model.new_cache()
         sid = cache.add_sequence()
         with held.replaying():
-            pre = model(ids[:, :20], cache=cache, seq_ids=[sid])
-            rest = [model(ids[:, t:t + 1], cache=cache, seq_ids=[sid]) for t in range(20, 30)]
-        held.keys = lambda: ["a sequence never recorded"]
+            pre = model(ids[:, :20], cache=cache, seq_ids=[sid], trace=held.trace())
+            rest = [model(ids[:, t:t + 1], cache=cache, seq_ids=[sid], trace=held.trace()) for t in range(20, 30)]
+        held.key_of = lambda sid: "a sequence never recorded"
         with pytest.raises(RuntimeError, match="do not cover the same tokens"), held.replaying():
-            model(ids[:, :1])
+            model(ids[:, :1], trace=held.trace())
     cached = torch.cat([pre] + rest, dim=1)
     # fp32 in two orders of summation: a few 1e-6 of the logit scale; a replayed wrong row would cost O(1)
     assert ((cached - full).abs().max() / full.abs().max()).item() < 1e-5
-    assert "select" not in model.language_model.model.layers[3].self_attn.indexer.__dict__  # unpatched after
+
+
+def test_held_choices_are_taken_by_packed_engine_steps():
+    """An engine built with held_choices records every step's choices per prompt and replays them in a batch
+    whose sequences are numbered and packed differently; a replayed choice is what the layers then use."""
+    from minidsa.acceptance.held import HeldChoices
+    model = minidsa.load("default")
+    held = HeldChoices(model)
+    engine = Engine(model, max_num_seqs=4, enable_prefix_caching=False, held_choices=held)
+    held.key_of = lambda sid: next(r.prompt for r in engine.requests.values() if r.sid == sid)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    texts = ["the pass key is 40271. the pass key is", "abc " * 9]
+    with held.recording():
+        alone = [engine.generate([t], params, progress=False)[0] for t in texts]
+    modules = {key[0] for key in held.log}
+    assert len(modules) == sum(1 for m in model.modules() if type(m).__name__ in ("LightningIndexer", "LatentMoE"))
+    assert {key[1] for key in held.log} == set(texts)
+    with held.replaying():
+        batch = engine.generate(texts, params, progress=False)
+    assert [o.token_ids for o in batch] == [o.token_ids for o in alone]
+    assert all(held.cursor[key] == sum(len(r) for r in rows) for key, rows in held.log.items())  # every row replayed
 
 
 @pytest.mark.slow  # a doctor run each, seconds on one core
@@ -220,3 +241,16 @@ def test_the_engine_rung_fails_a_replay_that_differs_from_the_eager_step(monkeyp
     monkeypatch.setattr(DecodeGraphs, "run", lambda self, sids, toks: replay(self, sids, toks) * 1.01)  # stale memory
     ok, lines = end_to_end.check_graphs(model, 1e-4)
     assert not ok and ("worst logits 1.0e-02" in lines[0] or "worst logits 9.9" in lines[0])
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_the_batch_gate_fails_when_its_requests_fail(monkeypatch, hold):
+    """Requests that end in error have no tokens to compare: the gate must say so, not find them equal."""
+    from minidsa.acceptance import end_to_end
+    from minidsa.serving.runner import ModelRunner
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a broken step")
+    monkeypatch.setattr(ModelRunner, "execute", broken)
+    ok, lines = end_to_end.check_batch(minidsa.load("default"), 1e-3, hold)
+    assert not ok and "'error'" in lines[0] and "a broken step" in lines[0]
