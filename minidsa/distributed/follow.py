@@ -1,18 +1,15 @@
 """The engine on rank 0, the other ranks following it step by step.
 
-Requests reach rank 0 only (a server, a script). ``lead(engine)`` makes rank 0's engine send every call
-that changes what it will run, a queued request (with its seed fixed, so every rank samples alike), an
-abort, a step, to the other ranks before running it; ``follow(engine)`` makes another rank's engine run
-those calls in the same order until ``stop``. The scheduler is deterministic and every rank's logits are
+Requests reach rank 0 only (a server, a script). ``lead(engine)`` gives rank 0's engine a listener that
+sends every call that changes what it will run, a queued request (with its seed fixed, so every rank
+samples alike), an abort, a step, to the other ranks (a step before it runs); ``follow(engine)`` makes
+another rank's engine run those calls in the same order until ``stop``. The scheduler is deterministic and every rank's logits are
 the same bits (parallel.py), so every rank schedules, preempts and samples exactly as rank 0 does, and
 only these small commands cross between processes (``broadcast_object_list``, among the job's own ranks).
 A rank that dies makes the others' next command or step raise ``PeerLostError`` naming it (failures.py).
 """
 
 from __future__ import annotations
-
-import dataclasses
-import os
 
 import torch.distributed as dist
 
@@ -25,26 +22,23 @@ def _send(command: tuple) -> None:
         dist.broadcast_object_list([command], src=0)
 
 
-def lead(engine: Engine) -> Engine:
-    """Rank 0: mirror ``enqueue``, ``abort`` and ``step`` to the followers (returns the same engine)."""
-    enqueue, abort, step = engine.enqueue, engine.abort, engine.step
+class Leader:
+    """Rank 0's engine listener (``Engine.add_listener``): each queued request (its seed as drawn, so every rank
+    samples alike), abort and step goes to the followers, the step before it runs."""
 
-    def mirrored_enqueue(prompt, ids, features, params, request_id=None, trace=None):
-        if params.seed is None:  # a seed drawn here, not on each rank
-            params = dataclasses.replace(params, seed=int.from_bytes(os.urandom(6), "little"))
-        req = enqueue(prompt, ids, features, params, request_id, trace)
-        _send(("enqueue", prompt, list(ids), [f.cpu() for f in features], params, req.request_id))
-        return req
+    def queued(self, prompt, ids, features, params, request_id) -> None:
+        _send(("enqueue", prompt, list(ids), [f.cpu() for f in features], params, request_id))
 
-    def mirrored_abort(request_id):
-        abort(request_id)
+    def aborted(self, request_id) -> None:
         _send(("abort", request_id))
 
-    def mirrored_step():
+    def stepping(self) -> None:
         _send(("step",))
-        return step()
 
-    engine.enqueue, engine.abort, engine.step = mirrored_enqueue, mirrored_abort, mirrored_step
+
+def lead(engine: Engine) -> Engine:
+    """Rank 0: mirror ``enqueue``, ``abort`` and ``step`` to the followers (returns the same engine)."""
+    engine.add_listener(Leader())
     return engine
 
 

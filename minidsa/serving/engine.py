@@ -98,6 +98,7 @@ class Engine:
         if self.runner.graphs is not None:  # a GPU engine: compile the prefill path before the first request
             self.runner.warm_up(self.max_num_batched_tokens)
         self.requests: dict[str, EngineRequest] = {}
+        self.listeners: list = []  # see add_listener
         # A library call (generate()) wants a failed forward as its own exception; a service fails the step's
         # requests and goes on with the others.
         self.raise_errors = bool(raise_errors)
@@ -181,6 +182,8 @@ class Engine:
                             RequestMetrics(time.perf_counter(), num_prompt_tokens=len(ids)), trace=trace)
         self.requests[rid] = req
         self.scheduler.waiting.append(req)
+        for listener in self.listeners:  # the seed as drawn: a mirror samples exactly as this engine does
+            listener.queued(prompt, ids, features, dataclasses.replace(params, seed=seed), rid)
         return req
 
     def admit_all(self, requests: list[EngineRequest]) -> None:
@@ -204,6 +207,15 @@ class Engine:
             raise ValueError(f"unknown request id {request_id!r}; live requests: {sorted(self.requests)}")
         self._finish(req, "abort")
         del self.requests[request_id]
+        for listener in self.listeners:
+            listener.aborted(request_id)
+
+    def add_listener(self, listener) -> None:
+        """Call ``listener.queued(prompt, ids, features, params, request_id)`` after each queued request (params
+        with the seed it samples with), ``listener.aborted(request_id)`` after each abort and
+        ``listener.stepping()`` before each step: every call that changes what this engine runs, in order, so
+        that another engine can mirror it (distributed/follow.py)."""
+        self.listeners.append(listener)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
@@ -211,6 +223,8 @@ class Engine:
     # ---------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one step; the outputs of every request that moved."""
+        for listener in self.listeners:
+            listener.stepping()
         now = time.perf_counter()
         work = self.scheduler.schedule()
         decode_only = bool(work) and all(n == 1 and req.num_computed >= len(req.prompt_ids) for req, n in work)

@@ -438,3 +438,40 @@ def test_bench_prints_the_vllm_fields(capsys):
                   "Median TTFT (ms):", "P99 TPOT (ms):", "Mean ITL (ms):", "Preemptions:",
                   "Engine / sequential throughput:"):
         assert field in out, field
+
+
+def test_a_listener_sees_every_call_that_changes_the_run_and_can_mirror_it(model):
+    """Engine.add_listener: queued requests (with the seed they sample with), aborts and steps, in order. A
+    second engine fed those calls runs the same steps and samples the same tokens, sampled rows included."""
+    class Mirror:
+        def __init__(self, engine):
+            self.engine, self.calls = engine, []
+
+        def queued(self, prompt, ids, features, params, request_id):
+            self.calls.append(("queued", request_id, params.seed))
+            self.engine.enqueue(prompt, ids, features, params, request_id)
+
+        def aborted(self, request_id):
+            self.calls.append(("aborted", request_id))
+            self.engine.abort(request_id)
+
+        def stepping(self):
+            self.calls.append(("stepping",))
+            self.outs.append(self.engine.step())
+
+    lead, other = Engine(model, max_num_seqs=2), Engine(model, max_num_seqs=2)
+    mirror = Mirror(other)
+    mirror.outs = []
+    lead.add_listener(mirror)
+    params = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True)  # no seed: the engine draws one
+    a = lead.add_request(text_of_len(20), params)
+    b = lead.add_request(text_of_len(30, 1), params)
+    mine = [lead.step()]
+    lead.abort(b)
+    while lead.has_unfinished_requests():
+        mine.append(lead.step())
+    assert mirror.calls[:3] == [("queued", a, mirror.calls[0][2]), ("queued", b, mirror.calls[1][2]), ("stepping",)]
+    assert mirror.calls[0][2] is not None and mirror.calls[3] == ("aborted", b)
+    assert len(mirror.calls) == 2 + len(mine) + 1 and not other.has_unfinished_requests()
+    tokens = [[(o.request_id, list(o.token_ids)) for o in step] for step in mine]
+    assert tokens == [[(o.request_id, list(o.token_ids)) for o in step] for step in mirror.outs]
