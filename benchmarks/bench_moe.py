@@ -64,25 +64,25 @@ def make_experts(E: int, L: int, I: int, dev: str, gen: torch.Generator):
 
 
 def route(N: int, E: int, k: int, dev: str, gen: torch.Generator):
-    """Uniform random top-k routing -> (conversion plan experts [m], gates [m, N]) as LatentMoE builds them:
+    """Uniform random top-k routing -> (conversion plan experts [m], routing [m, N]) as LatentMoE builds them:
     routed experts first in ascending id order, then unrouted placeholders, m = min(N*k, E)."""
     ids = torch.rand(N, E, generator=gen).topk(k, dim=-1).indices
     w = torch.rand(N, k, generator=gen) + 0.1
     w = w / w.sum(-1, keepdim=True)
     routed = torch.zeros(E, dtype=torch.bool).index_fill_(0, ids.reshape(-1), True)
     experts = torch.sort((~routed).to(torch.int8), stable=True).indices[: min(N * k, E)]
-    gates = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * w).sum(-1)
-    return experts.to(dev), gates.to(dev), int(routed.sum())
+    routing = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * w).sum(-1)
+    return experts.to(dev), routing.to(dev), int(routed.sum())
 
 
-def reference_by_chunks(z, packed, scales, experts, gates, chunk: int = 16):
+def reference_by_chunks(z, packed, scales, experts, routing, chunk: int = 16):
     """The reference op over the routed slots, 16 slots at a time (its fp32 dequantisation of every slot
     would not fit at once); only slots with a routed token are evaluated."""
-    live = (gates != 0).any(1).nonzero().view(-1)
+    live = (routing != 0).any(1).nonzero().view(-1)
     out = torch.zeros(z.shape[0], z.shape[1], dtype=torch.float32, device=z.device)
     for s in range(0, live.numel(), chunk):
         sl = live[s: s + chunk]
-        out += ref.expert_mlp_mxfp4_ref(z, packed, scales, experts[sl], gates[sl], BETA_G, BETA_U)
+        out += ref.expert_mlp_mxfp4_ref(z, packed, scales, experts[sl], routing[sl], BETA_G, BETA_U)
     return out
 
 
@@ -94,20 +94,20 @@ def bf16_weights(packed, scales, ids, L: int, I: int):
     return out
 
 
-def peer_decode(z, w, gates, L: int, I: int):
-    """bf16 plain-torch peer over r routed experts: w [r, 3, I*L] bf16, gates [r, N] -> y [N, L] fp32."""
+def peer_decode(z, w, routing, L: int, I: int):
+    """bf16 plain-torch peer over r routed experts: w [r, 3, I*L] bf16, routing [r, N] -> y [N, L] fp32."""
     zb = z.to(torch.bfloat16)
     g = torch.matmul(zb, w[:, 0].view(-1, I, L).mT)  # [r, N, I]: one batched matmul over the experts
     u = torch.matmul(zb, w[:, 1].view(-1, I, L).mT)
-    h = situ_glu_values(g.float(), u.float(), BETA_G, BETA_U) * gates.unsqueeze(-1)
+    h = situ_glu_values(g.float(), u.float(), BETA_G, BETA_U) * routing.unsqueeze(-1)
     return torch.matmul(h.to(torch.bfloat16), w[:, 2].view(-1, L, I).mT).float().sum(0)
 
 
-def peer_prefill(z, w, gates, L: int, I: int):
+def peer_prefill(z, w, routing, L: int, I: int):
     """bf16 peer at prefill: each expert's routed tokens gathered and padded to the largest group, three
     bmm, then the weighted rows added back per token (index_add_). w [E, 3, I*L] in expert order."""
-    E, N = gates.shape
-    routed = gates != 0
+    E, N = routing.shape
+    routed = routing != 0
     cap = int(routed.sum(1).max())
     order = torch.sort((~routed).to(torch.int8), dim=1, stable=True).indices[:, :cap]  # [E, cap] tokens
     valid = torch.gather(routed, 1, order)
@@ -116,7 +116,7 @@ def peer_prefill(z, w, gates, L: int, I: int):
     x = zb[idx]  # [E, cap, L]
     g = torch.bmm(x, w[:, 0].view(E, I, L).mT)
     u = torch.bmm(x, w[:, 1].view(E, I, L).mT)
-    gate = torch.where(valid, torch.gather(gates, 1, order), 0.0)
+    gate = torch.where(valid, torch.gather(routing, 1, order), 0.0)
     h = situ_glu_values(g.float(), u.float(), BETA_G, BETA_U) * gate.unsqueeze(-1)
     y = torch.bmm(h.to(torch.bfloat16), w[:, 2].view(E, L, I).mT).float()
     return torch.zeros(N + 1, L, device=z.device).index_add_(0, idx.reshape(-1), y.reshape(-1, L))[:N]
@@ -190,16 +190,16 @@ def gpu_time(s: Setup, fn) -> float:
 
 
 def bench_decode(s: Setup, kern, N: int, results: dict) -> bool:
-    experts, gates, r = route(N, s.E, s.k, s.dev, s.gen)
+    experts, routing, r = route(N, s.E, s.k, s.dev, s.gen)
     m = experts.numel()
     z = torch.randn(N, s.L, generator=s.gen).to(s.dev)
     print(f"decode N={N}: top-{s.k} of {s.E} experts -> {m} slots, {r} routed (the rest placeholders)")
 
     def fused_call():
-        return kern.expert_mlp_mxfp4(z, s.packed, s.scales, experts, gates, BETA_G, BETA_U)
+        return kern.expert_mlp_mxfp4(z, s.packed, s.scales, experts, routing, BETA_G, BETA_U)
 
     def ws_call():
-        return kern.expert_mlp_fp8(z, *s.ws, gates, BETA_G, BETA_U)
+        return kern.expert_mlp_fp8(z, *s.ws, routing, BETA_G, BETA_U)
 
     def online():
         kern.mxfp4_to_fp8(s.packed, s.scales, experts, *s.ws)
@@ -213,13 +213,13 @@ def bench_decode(s: Setup, kern, N: int, results: dict) -> bool:
     ws = ws_call()
     t_ws, t_online = gpu_time(s, ws_call), gpu_time(s, online)
     w = bf16_weights(s.packed, s.scales, experts[:r].tolist(), s.L, s.I)  # routed slots come first
-    peer = peer_decode(z, w, gates[:r], s.L, s.I)
-    t_peer = gpu_time(s, lambda: peer_decode(z, w, gates[:r], s.L, s.I))
+    peer = peer_decode(z, w, routing[:r], s.L, s.I)
+    t_peer = gpu_time(s, lambda: peer_decode(z, w, routing[:r], s.L, s.I))
     del w
     print(f"    (fused kernel eager, host launch cost included: {t_eager * 1e3:.3f} ms; GPU times below)")
     t_ref = None
     if N == 1:
-        t_ref = s.bench(lambda: ref.expert_mlp_mxfp4_ref(z, s.packed, s.scales, experts, gates, BETA_G, BETA_U),
+        t_ref = s.bench(lambda: ref.expert_mlp_mxfp4_ref(z, s.packed, s.scales, experts, routing, BETA_G, BETA_U),
                         rep_ms=100)
     res = {"fused": line("expert_mlp_mxfp4 (fused kernel)", t_fused, r * s.b_mx),
            "workspace_mlp": line("expert_mlp_fp8 (converted slots)", t_ws, r * s.b_fp8, t_fused),
@@ -230,7 +230,7 @@ def bench_decode(s: Setup, kern, N: int, results: dict) -> bool:
     target_bw, target_peer = res["fused"]["pct_hbm"] >= 50, t_peer / t_fused >= 1.5
     print(f"    targets: >= 50 % of 4.3 TB/s {'reached' if target_bw else 'not reached'}; >= 1.5x the bf16 peer "
           f"{'reached' if target_peer else 'not reached'} ({t_peer / t_fused:.2f}x)")
-    want = reference_by_chunks(z, s.packed, s.scales, experts, gates)
+    want = reference_by_chunks(z, s.packed, s.scales, experts, routing)
     tol = 1e-3 if s.dev == "cuda" else 1e-4
     # One token: both variants multiply exact fp32 weights by fp32 activations on the FMA units, so only
     # the summation order differs (1e-6). Several tokens: the FP8 MLP runs tensor-core passes whose
@@ -244,24 +244,24 @@ def bench_decode(s: Setup, kern, N: int, results: dict) -> bool:
 
 
 def bench_prefill(s: Setup, kern, N: int, results: dict) -> bool:
-    experts, gates, r = route(N, s.E, s.k, s.dev, s.gen)
+    experts, routing, r = route(N, s.E, s.k, s.dev, s.gen)
     m = experts.numel()
     z = torch.randn(N, s.L, generator=s.gen).to(s.dev)
-    pairs = int((gates != 0).sum())
+    pairs = int((routing != 0).sum())
     flops = 2 * pairs * 3 * s.I * s.L
     print(f"prefill N={N}: top-{s.k} of {s.E} experts -> {m} slots, {r} routed, {pairs} (token, expert) pairs, "
           f"{flops / 1e12:.2f} TFLOP")
-    fused = kern.expert_mlp_mxfp4(z, s.packed, s.scales, experts, gates, BETA_G, BETA_U)
-    t_fused = s.bench(lambda: kern.expert_mlp_mxfp4(z, s.packed, s.scales, experts, gates, BETA_G, BETA_U),
+    fused = kern.expert_mlp_mxfp4(z, s.packed, s.scales, experts, routing, BETA_G, BETA_U)
+    t_fused = s.bench(lambda: kern.expert_mlp_mxfp4(z, s.packed, s.scales, experts, routing, BETA_G, BETA_U),
                       rep_ms=500)
 
     def online():
         kern.mxfp4_to_fp8(s.packed, s.scales, experts, *s.ws)
-        return kern.expert_mlp_fp8(z, *s.ws, gates, BETA_G, BETA_U)
+        return kern.expert_mlp_fp8(z, *s.ws, routing, BETA_G, BETA_U)
     ws = online()
     t_online = s.bench(online, rep_ms=500)
     # Offline: the FP8 copy holds expert e in row e, so the routing rows go in expert-id order.
-    by_id = torch.zeros(s.E, N, device=s.dev).index_copy_(0, experts, gates)
+    by_id = torch.zeros(s.E, N, device=s.dev).index_copy_(0, experts, routing)
     offline = kern.expert_mlp_fp8(z, *s.offline, by_id, BETA_G, BETA_U)
     t_offline = s.bench(lambda: kern.expert_mlp_fp8(z, *s.offline, by_id, BETA_G, BETA_U), rep_ms=500)
     w = bf16_weights(s.packed, s.scales, list(range(s.E)), s.L, s.I)
@@ -278,7 +278,7 @@ def bench_prefill(s: Setup, kern, N: int, results: dict) -> bool:
     print(f"    online / offline = {ratio:.3f} (target <= 1.25: {'reached' if ratio <= 1.25 else 'not reached'}); "
           f"conversion of {m} slots moves {m * s.b_conv / 1e9:.1f} GB")
     n_chk = min(64, N)
-    want = reference_by_chunks(z[:n_chk], s.packed, s.scales, experts, gates[:, :n_chk])
+    want = reference_by_chunks(z[:n_chk], s.packed, s.scales, experts, routing[:, :n_chk])
     tol = 1e-3 if s.dev == "cuda" else 1e-4
     ok = check(f"fused vs reference ({n_chk} tokens)", fused[:n_chk], want, tol)
     ok &= check("online workspace vs fused", ws, fused, 1e-6) & check("offline vs online", offline, ws, 1e-5)

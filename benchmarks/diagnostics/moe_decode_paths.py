@@ -38,14 +38,14 @@ def main() -> None:
     for N in (2, 8, 16, 32, 64):
         z = torch.randn(N, L, device="cuda")
         ids = torch.stack([torch.randperm(E, device="cuda")[:TOP_K] for _ in range(N)])
-        gates = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * torch.rand(N, TOP_K, device="cuda")).sum(-1)
+        routing = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * torch.rand(N, TOP_K, device="cuda")).sum(-1)
 
         def mxfp4():
-            return mlp.expert_mlp_mxfp4(z, packed, scales, experts, gates, 4.0, 25.0)
+            return mlp.expert_mlp_mxfp4(z, packed, scales, experts, routing, 4.0, 25.0)
 
         def convert():
             minidsa.ops.mxfp4_to_fp8(packed, scales, experts, ws_e, ws_s, backend="triton")
-            return minidsa.ops.expert_mlp_fp8(z, ws_e, ws_s, gates, 4.0, 25.0, backend="triton")
+            return minidsa.ops.expert_mlp_fp8(z, ws_e, ws_s, routing, 4.0, 25.0, backend="triton")
 
         kept = mlp.MXFP4_GEMV_MAX_TOKENS
         try:
@@ -56,8 +56,8 @@ def main() -> None:
         finally:
             mlp.MXFP4_GEMV_MAX_TOKENS = kept
         times["convert + FP8"] = bench(convert)
-        want = expert_mlp_mxfp4_ref(z, packed, scales, experts, gates, 4.0, 25.0)
-        routed = int((gates != 0).any(1).sum())
+        want = expert_mlp_mxfp4_ref(z, packed, scales, experts, routing, 4.0, 25.0)
+        routed = int((routing != 0).any(1).sum())
         floor = routed * 3 * I * L * (0.5 + 1 / 32) / HBM * 1e6
         print(f"N={N}: {routed} routed experts, {floor:.1f} us at HBM speed | "
               + " | ".join(f"{k} {v:.1f} us ({floor / v:.1%} of HBM)" for k, v in times.items())

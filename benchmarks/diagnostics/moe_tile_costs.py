@@ -58,8 +58,8 @@ def run(variant: str) -> None:
     z = torch.randn(N, L, device="cuda", generator=gen)
     ids = torch.rand(N, E, device="cuda", generator=gen).topk(k, dim=1).indices
     experts = torch.arange(E, device="cuda")
-    gates = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * torch.rand(N, k, device="cuda", generator=gen)).sum(-1)
-    us = per_call([lambda p=p: mlp.expert_mlp_mxfp4(z, *p, experts, gates, BETA_G, BETA_U) for p in layers])
+    routing = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * torch.rand(N, k, device="cuda", generator=gen)).sum(-1)
+    us = per_call([lambda p=p: mlp.expert_mlp_mxfp4(z, *p, experts, routing, BETA_G, BETA_U) for p in layers])
     print(f"  {variant:10s} {us:7.2f} us per call (32 tokens, 64 experts, top 8)", flush=True)
 
 

@@ -196,11 +196,11 @@ def sweep_moe() -> None:
         z = torch.randn(N, L, device="cuda", generator=gen)
         ids = torch.rand(N, E, device="cuda", generator=gen).topk(k, dim=1).indices
         experts = torch.arange(E, device="cuda") if N > 1 else ids[0]
-        gates = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * torch.rand(N, k, device="cuda", generator=gen)).sum(-1)
+        routing = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * torch.rand(N, k, device="cuda", generator=gen)).sum(-1)
         mlp._config = base
-        want = mlp.expert_mlp_mxfp4(z, *layers[0], experts, gates, BETA_G, BETA_U)
+        want = mlp.expert_mlp_mxfp4(z, *layers[0], experts, routing, BETA_G, BETA_U)
         print(f"expert MLP N={N} (E={E}, top {k}, L=I={L}, {n} copies of {per_layer / 2**20:.1f} MiB)")
-        record("moe_shipped", (N,), {}, per_call([lambda p=p: mlp.expert_mlp_mxfp4(z, *p, experts, gates, BETA_G, BETA_U)
+        record("moe_shipped", (N,), {}, per_call([lambda p=p: mlp.expert_mlp_mxfp4(z, *p, experts, routing, BETA_G, BETA_U)
                                                   for p in layers]))
         if N == 1:
             continue
@@ -208,8 +208,8 @@ def sweep_moe() -> None:
             cfg = dict(BLOCK_T=bt, BLOCK_R=br, BLOCK_K=bk, num_warps=warps, num_stages=stages, BLOCK_S=16, BLOCK_L=256)
             mlp._config = lambda on_gpu, dense, N=1, c=cfg: c if dense else base(on_gpu, dense, N)
             try:
-                us = per_call([lambda p=p: mlp.expert_mlp_mxfp4(z, *p, experts, gates, BETA_G, BETA_U) for p in layers])
-                err = (mlp.expert_mlp_mxfp4(z, *layers[0], experts, gates, BETA_G, BETA_U) - want).abs().max().item()
+                us = per_call([lambda p=p: mlp.expert_mlp_mxfp4(z, *p, experts, routing, BETA_G, BETA_U) for p in layers])
+                err = (mlp.expert_mlp_mxfp4(z, *layers[0], experts, routing, BETA_G, BETA_U) - want).abs().max().item()
             except Exception as e:  # noqa: BLE001
                 print(f"  {cfg}: {type(e).__name__}")
                 continue

@@ -42,9 +42,9 @@ def main() -> None:
         print(f"  BLOCK {block:6d} warps {warps:2d}: {t * 1e3:.3f} ms {moved / t / HBM * 100:5.1f} % HBM "
               f"{'exact' if ok else 'WRONG'}")
     z = torch.randn(1, L, generator=gen).to(dev)
-    gates = torch.rand(slots, 1, generator=gen).to(dev)
+    routing = torch.rand(slots, 1, generator=gen).to(dev)
     base = mlp._config
-    want = mlp.expert_mlp_fp8(z, elements, ws_scales, gates, BETA_G, BETA_U)
+    want = mlp.expert_mlp_fp8(z, elements, ws_scales, routing, BETA_G, BETA_U)
     w_bytes = {"fp8": slots * 3 * I * L * (1 + 1 / 32), "mxfp4": slots * 3 * I * L * (0.5 + 1 / 32)}
     print("decode MLP, 1 token, 16 slots")
     for R, K, warps, stages in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3,)):
@@ -52,9 +52,9 @@ def main() -> None:
                                                    num_stages=stages, BLOCK_S=16, BLOCK_L=256): \
             c if dense else base(on_gpu, dense)
         try:
-            t8 = run(lambda: mlp.expert_mlp_fp8(z, elements, ws_scales, gates, BETA_G, BETA_U))
-            t4 = run(lambda: mlp.expert_mlp_mxfp4(z, packed, scales, experts, gates, BETA_G, BETA_U))
-            got = mlp.expert_mlp_fp8(z, elements, ws_scales, gates, BETA_G, BETA_U)
+            t8 = run(lambda: mlp.expert_mlp_fp8(z, elements, ws_scales, routing, BETA_G, BETA_U))
+            t4 = run(lambda: mlp.expert_mlp_mxfp4(z, packed, scales, experts, routing, BETA_G, BETA_U))
+            got = mlp.expert_mlp_fp8(z, elements, ws_scales, routing, BETA_G, BETA_U)
             err = (got - want).abs().max().item()
         except Exception as e:  # a tile that does not compile (shared memory) is reported, not fatal
             print(f"  R {R:3d} K {K:3d} warps {warps} stages {stages}: {type(e).__name__}")

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ops import cast, paged_slots
+from ..ops import cast, paged_kv_slots
 from .layout import CacheLayout, OutOfKVBlocksError
 
 
@@ -283,8 +283,8 @@ class PagedKVCache:
             raise ValueError(f"unknown sequence id {sid!r}; live sequences: {sorted(self._tables)} (add_sequence() makes one)")
 
     # ---------------------------------------------------------------- addressing
-    def slots(self, sid: int, positions: torch.Tensor) -> torch.Tensor:
-        """Physical slots of logical ``positions`` (any shape, int) of sequence ``sid``; -1 stays -1.
+    def kv_slots(self, sid: int, positions: torch.Tensor) -> torch.Tensor:
+        """Physical KV slots of logical ``positions`` (any shape, int) of sequence ``sid``; -1 stays -1.
 
         Raises if a position lies outside the reserved blocks (an off-by-one here would otherwise
         write into another sequence's block).
@@ -321,12 +321,12 @@ class PagedKVCache:
             self._check_sid(sid)
         return torch.tensor([self._state_slot[s] for s in sids], dtype=torch.long)
 
-    def read_state(self, layer: int, name: str, slots: torch.Tensor) -> torch.Tensor:
-        """State ``name`` of KDA cache layer ``layer`` at state ``slots`` [B] -> [B, *shape] (a copy)."""
-        return self.state[layer][name][slots]
+    def read_state(self, layer: int, name: str, state_slots: torch.Tensor) -> torch.Tensor:
+        """State ``name`` of KDA cache layer ``layer`` at ``state_slots`` [B] -> [B, *shape] (a copy)."""
+        return self.state[layer][name][state_slots]
 
-    def write_state(self, layer: int, name: str, slots: torch.Tensor, value: torch.Tensor) -> None:
-        self.state[layer][name][slots] = cast(value, self.layout.state_dtype)
+    def write_state(self, layer: int, name: str, state_slots: torch.Tensor, value: torch.Tensor) -> None:
+        self.state[layer][name][state_slots] = cast(value, self.layout.state_dtype)
 
     # ---------------------------------------------------------------- one forward
     @_locked
@@ -370,15 +370,15 @@ class PagedKVCache:
         starts, tables_before = self.reserve_more(seq_ids, [num_tokens] * len(seq_ids), max_len)
         positions = torch.tensor(starts).unsqueeze(1) + torch.arange(num_tokens)  # [B, T], host
         table = self.block_table_tensor(seq_ids, device="cpu")
-        slots = paged_slots(table, positions, self.block_size)
+        kv_slots = paged_kv_slots(table, positions, self.block_size)
         lens = torch.tensor([s + num_tokens for s in starts])
         # One upload for all metadata (a host-to-device copy per tensor would be one wait each).
-        packed = torch.cat([positions.reshape(-1), slots.reshape(-1), table.reshape(-1).long(), lens,
+        packed = torch.cat([positions.reshape(-1), kv_slots.reshape(-1), table.reshape(-1).long(), lens,
                             self.state_slots(seq_ids)]).to(device)
         B, T = positions.shape
         sizes = [B * T, B * T, table.numel(), B, B]
-        pos, slot_mapping, tab, context_lens, state_slots = packed.split(sizes)
-        return CacheContext(self, list(seq_ids), starts, pos.view(B, T), slot_mapping, tab.view(table.shape).int(),
+        pos, kv_slots, tab, context_lens, state_slots = packed.split(sizes)
+        return CacheContext(self, list(seq_ids), starts, pos.view(B, T), kv_slots, tab.view(table.shape).int(),
                             context_lens.int(), state_slots, tables_before)
 
 def check_cache_layout(cache, layout_for) -> None:
@@ -404,7 +404,7 @@ class CacheContext:
     seq_ids: list[int]  # cache sequence of each batch row
     starts: list[int]  # tokens each sequence held before this forward (host copy)
     positions: torch.Tensor  # int64 [B, T] absolute positions of the new tokens
-    slot_mapping: torch.Tensor  # int64 [B * T] physical slot of each new token, row-major
+    kv_slots: torch.Tensor  # int64 [B * T] physical slot of each new token, row-major
     block_table: torch.Tensor  # int32 [B, max_blocks] physical block of each logical block, -1 past the end
     context_lens: torch.Tensor  # int32 [B] tokens each sequence holds once this forward's are stored
     state_slots: torch.Tensor  # int64 [B] KDA state slot of each sequence

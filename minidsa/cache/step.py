@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ops import paged_slots
+from ..ops import paged_kv_slots
 from .paged import CacheContext, PagedKVCache
 
 
@@ -85,7 +85,7 @@ class StepContext:
     query_start: list[int]  # [R + 1] host: row r is tokens query_start[r] .. query_start[r + 1]
     num_decode: int  # rows of one token, placed first: they run the decode forms together
     positions: torch.Tensor  # int64 [N] absolute position of each token in its sequence, -1 on padding
-    slot_mapping: torch.Tensor  # int64 [N] physical KV slot of each token, -1 on padding
+    kv_slots: torch.Tensor  # int64 [N] physical KV slot of each token, -1 on padding
     block_table: torch.Tensor  # int32 [R, width], -1 past each sequence's last block
     context_lens: torch.Tensor  # int32 [R] tokens each sequence holds once the step's are stored
     state_slots: torch.Tensor  # int64 [R] KDA state slot of each row's sequence
@@ -134,7 +134,7 @@ class StepContext:
         """The decode rows as a [num_decode, 1] context (the rectangle decode's)."""
         n, d = self.num_decode, self.decode_pieces
         return _Part(self.cache, self.seq_ids[:d], self.starts[:d], self.positions[:n].view(n, 1),
-                     self.slot_mapping[:n], self.block_table[:n], self.context_lens[:n], self.state_slots[:n],
+                     self.kv_slots[:n], self.block_table[:n], self.context_lens[:n], self.state_slots[:n],
                      parent=self, decode=True)
 
     @property
@@ -147,12 +147,12 @@ class StepContext:
         n, d = self.num_decode, self.decode_pieces
         a = self.query_start[n]
         if self.padded:
-            slots = self.pad(self.slot_mapping[a:].unsqueeze(0), fill=-1).reshape(-1)
+            kv_slots = self.pad(self.kv_slots[a:].unsqueeze(0), fill=-1).reshape(-1)
         else:
-            slots = self.slot_mapping[a:]
+            kv_slots = self.kv_slots[a:]
         positions = self.positions[a:].view(self.prefill_rows, self.prefill_max) if self.prefill_positions is None \
             else self.prefill_positions
-        return _Part(self.cache, self.seq_ids[d:], self.starts[d:], positions, slots, self.block_table[n:],
+        return _Part(self.cache, self.seq_ids[d:], self.starts[d:], positions, kv_slots, self.block_table[n:],
                      self.context_lens[n:], self.state_slots[n:], parent=self, decode=False)
 
     def pad(self, t: torch.Tensor, fill: float = 0) -> torch.Tensor:
@@ -179,9 +179,9 @@ class StepContext:
         """The forward succeeded: write the staged KDA states of the pieces' rows and commit the new lengths
         (a padding row's state is never written)."""
         d = self.decode_pieces
-        for layer, name, slots, value, decode in self.staged:
+        for layer, name, state_slots, value, decode in self.staged:
             real = d if decode else self.num_pieces - d  # a part's pieces fill its first rows
-            self.cache.write_state(layer, name, slots[:real], value[:real])
+            self.cache.write_state(layer, name, state_slots[:real], value[:real])
         for sid, start, n in zip(self.seq_ids, self.starts, self.lengths):
             self.cache.commit(sid, start + n)
 
@@ -214,11 +214,11 @@ def _check_pieces(seq_ids: list[int], num_tokens: list[int], allow_none: bool = 
 
 
 def _keep_pairs(keep: Sequence[tuple[int, int]], num_tokens: list[int], num_decode: int, lay: dict,
-                slots: int) -> torch.Tensor:
-    """int64 [slots, 2]: ``keep``'s (piece, tokens into it) pairs as (prefill row, tokens), then padding pairs."""
-    if len(keep) > slots:
-        raise ValueError(f"{len(keep)} kept states do not fit the step's {slots}")
-    out = torch.tensor([-1, 0], dtype=torch.long).repeat(slots, 1)
+                capacity: int) -> torch.Tensor:
+    """int64 [capacity, 2]: ``keep``'s (piece, tokens into it) pairs as (prefill row, tokens), then padding pairs."""
+    if len(keep) > capacity:
+        raise ValueError(f"{len(keep)} kept states do not fit the step's {capacity}")
+    out = torch.tensor([-1, 0], dtype=torch.long).repeat(capacity, 1)
     for m, (i, t) in enumerate(keep):
         if not num_decode <= i < len(num_tokens) or not 0 < t < num_tokens[i]:
             raise ValueError(f"keep pair (piece {i}, {t} tokens) is not inside a prefill piece; pieces "
@@ -286,7 +286,7 @@ def _shaped_layout(starts: list[int], num_tokens: list[int], num_decode: int, ta
 
 def _host_tensors(cache: PagedKVCache, seq_ids: list[int], starts: list[int], num_tokens: list[int],
                   lay: dict) -> list[torch.Tensor]:
-    """The step's metadata on the host, in upload order: positions, slots, block table, context lengths, state
+    """The step's metadata on the host, in upload order: positions, KV slots, block table, context lengths, state
     slots, query starts, the pad destinations and positions, the prefill rows' lengths, the lm_head rows."""
     query_start, rows, R = lay["query_start"], lay["rows"], len(lay["query_start"]) - 1
     N = query_start[-1]
@@ -300,14 +300,14 @@ def _host_tensors(cache: PagedKVCache, seq_ids: list[int], starts: list[int], nu
         positions[at] = torch.tensor(starts)[piece] + offset
         token_row[at] = row_t[piece]
     wide = lay["table"]
-    slots = paged_slots(wide, positions, cache.block_size, rows=token_row) if N and wide.shape[1] else \
+    kv_slots = paged_kv_slots(wide, positions, cache.block_size, rows=token_row) if N and wide.shape[1] else \
         torch.full_like(positions, -1)
     lens, state, lengths = (torch.zeros(R, dtype=torch.long) for _ in range(3))
     if rows:
         lens[rows] = torch.tensor([s + n for s, n in zip(starts, num_tokens)])
         state[rows] = cache.state_slots(seq_ids)
         lengths[rows] = torch.tensor(num_tokens)
-    return [positions, slots.long(), wide.reshape(-1).long(), lens, state, torch.tensor(query_start), lay["dest"],
+    return [positions, kv_slots.long(), wide.reshape(-1).long(), lens, state, torch.tensor(query_start), lay["dest"],
             lay["pad_pos"].reshape(-1), lengths[lay["num_decode"]:], torch.tensor(lay["logits_rows"], dtype=torch.long)]
 
 
@@ -328,9 +328,9 @@ def prepare_step(cache: PagedKVCache, seq_ids: list[int], num_tokens: list[int],
     try:
         lay = _tight_layout(starts, num_tokens, num_decode, table, sample) if shape is None else \
             _shaped_layout(starts, num_tokens, num_decode, table, sample, shape)
-        slots = len(keep) if shape is None else shape.kept
+        capacity = len(keep) if shape is None else shape.kept
         parts = _host_tensors(cache, seq_ids, starts, num_tokens, lay)
-        parts.append(_keep_pairs(keep, num_tokens, num_decode, lay, slots).reshape(-1))
+        parts.append(_keep_pairs(keep, num_tokens, num_decode, lay, capacity).reshape(-1))
         if into is not None and (into.packed.numel() != sum(p.numel() for p in parts)
                                  or into.block_table.shape != lay["table"].shape):
             raise ValueError("prepare_step(into=...) needs a step laid out to the same shape")
@@ -347,11 +347,11 @@ def prepare_step(cache: PagedKVCache, seq_ids: list[int], num_tokens: list[int],
         into.query_start_loc.copy_(qsl)
         return dataclasses.replace(into, staged=[], kept=[], **new)
     packed = host.to(device)  # one upload for all metadata (a copy per tensor would be one wait each)
-    pos, slot_mapping, tab, context_lens, state_slots, qsl, dest, pad_pos, lengths, logit_rows, kp = packed.split(sizes)
+    pos, kv_slots, tab, context_lens, state_slots, qsl, dest, pad_pos, lengths, logit_rows, kp = packed.split(sizes)
     D, T = lay["num_decode"], lay["t_max"]
     P = len(lay["query_start"]) - 1 - D
     prefill_positions = pad_pos.view(P, T) if pad_pos.numel() else None
-    return StepContext(cache, num_decode=D, positions=pos, slot_mapping=slot_mapping,
+    return StepContext(cache, num_decode=D, positions=pos, kv_slots=kv_slots,
                        block_table=tab.view(lay["table"].shape).int(), context_lens=context_lens.int(),
                        state_slots=state_slots, query_start_loc=qsl.int(), prefill_max=T, ragged=lay["ragged"],
                        prefill_dest=dest if dest.numel() else None, prefill_positions=prefill_positions,

@@ -132,7 +132,7 @@ class GatedMLA(nn.Module):
         decode rows selected and attended together, then the prefill pieces together, each over its own
         sequence's keys.
         -> (int32 [1, N, topk], o [1, N, H, dv])."""
-        planes = self._store(step.cache, step.slot_mapping, proj)
+        planes = self._store(step.cache, step.kv_slots, proj)
         parts = []
         n = step.num_decode
         if n:
@@ -153,7 +153,7 @@ class GatedMLA(nn.Module):
     # ---------------------------------------------------------------- cached paths: projections + ops
     def _store_and_select(self, ctx: CacheContext, proj: dict, trace: ForwardTrace | None) -> torch.Tensor:
         """Store the new tokens' rows, then select over every cached key (new ones included): int32 [B, T, topk]."""
-        planes = self._store(ctx.cache, ctx.slot_mapping, proj)
+        planes = self._store(ctx.cache, ctx.kv_slots, proj)
         T = proj["q"].shape[1]
         return self._select([(sid, T) for sid in ctx.seq_ids], trace,
                             lambda: self.indexer.select_paged(proj["q_idx"], proj["w_idx"], planes, ctx))
@@ -163,11 +163,11 @@ class GatedMLA(nn.Module):
         return held_choice(trace, self.indexer, pieces, select, flat or (lambda i: i.flatten(0, 1)),
                            unflat or (lambda f: f.view(len(pieces), -1, f.shape[-1])))
 
-    def _store(self, cache, slot_mapping: torch.Tensor, proj: dict) -> dict[str, torch.Tensor]:
-        """Write every new token's row of each plane at its slot (slot_mapping [n], -1 = skip); -> this layer's planes."""
+    def _store(self, cache, kv_slots: torch.Tensor, proj: dict) -> dict[str, torch.Tensor]:
+        """Write every new token's row of each plane at its slot (kv_slots [n], -1 = skip); -> this layer's planes."""
         planes = {name: cache.plane(self.cache_layer, name) for name in cache.layout.plane_names}
         for name, plane in planes.items():
-            ops.store_kv(plane, slot_mapping, proj[name].reshape(slot_mapping.numel(), -1))
+            ops.store_kv(plane, kv_slots, proj[name].reshape(kv_slots.numel(), -1))
         return planes
 
     def _attend_prefill(self, ctx: CacheContext, proj: dict, idx: torch.Tensor) -> torch.Tensor:

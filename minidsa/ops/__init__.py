@@ -78,13 +78,13 @@ from .moe_experts.reference import (
 )
 from .moe_router.reference import moe_plan, moe_plan_ref, moe_route, moe_route_ref, route_weights
 from .norm.reference import rms_norm, rms_norm_ref
-from .paging import gather_positions, paged_slots
+from .paging import gather_positions, paged_kv_slots
 
 __all__ = ["BACKENDS", "TRITON_KERNELS", "CPU_FORMS", "OPS", "REFERENCES", "acc_dtype", "cast", "current_backend",
            "set_backend", "register_custom_ops", "pick",
            "use_backend", "index_scores", "paged_index_scores", "topk_indices", "sparse_attention",
            "masked_dense_attention", "indices_to_mask", "gather_rows", "store_kv", "sparse_mla_decode",
-           "sparse_mla_prefill", "decompress_kv", "paged_slots", "gather_positions", "PREFILL_TILE",
+           "sparse_mla_prefill", "decompress_kv", "paged_kv_slots", "gather_positions", "PREFILL_TILE",
            "kda_recurrent", "kda_chunk", "attn_res_mix", "attn_res_block_scores", "attn_res_merge",
            "mxfp4_to_fp8", "expert_mlp_fp8", "expert_mlp_mxfp4", "situ_glu", "situ_glu_backward",
            "linear", "linear_sum", "moe_route", "moe_plan", "route_weights", "kda_decode", "kda_step_inputs",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 
-def paged_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int,
+def paged_kv_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
     """block_table int [B, max_blocks] (-1 = no block), positions int [B, N] (-1 = padding)
     -> physical slots int64 [B, N], -1 wherever the position is padding or has no block. With ``rows``
@@ -29,14 +29,14 @@ def paged_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: 
     return torch.where(valid, physical * block_size + pos.clamp_min(0) % block_size, torch.full_like(pos, -1))
 
 
-def gather_slots(plane: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """plane [num_blocks, block_size, W], slots int [B, N] (-1 = none) -> rows [B, N, W] in plane.dtype,
+def gather_kv_slots(plane: torch.Tensor, kv_slots: torch.Tensor) -> torch.Tensor:
+    """plane [num_blocks, block_size, W], kv_slots int [B, N] (-1 = none) -> rows [B, N, W] in plane.dtype,
     zeros where the slot is -1 (that memory is selected away, never used)."""
     flat = plane.reshape(-1, plane.shape[-1])
-    rows = flat[slots.clamp_min(0)]
-    return torch.where((slots >= 0).unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+    rows = flat[kv_slots.clamp_min(0)]
+    return torch.where((kv_slots >= 0).unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
 def gather_positions(plane: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rows of logical ``positions`` [B, N] (-1 = padding) of each batch row's sequence -> [B, N, W]."""
-    return gather_slots(plane, paged_slots(block_table, positions, plane.shape[1]))
+    return gather_kv_slots(plane, paged_kv_slots(block_table, positions, plane.shape[1]))

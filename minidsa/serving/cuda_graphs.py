@@ -53,16 +53,16 @@ def padded_decode_context(cache: PagedKVCache, seq_ids: list[int], rows: int, ma
         table[:B, : own.shape[1]] = own
     positions = torch.full((rows, 1), -1, dtype=torch.long)
     positions[:B, 0] = torch.tensor(starts, dtype=torch.long)
-    slots = torch.full((rows,), -1, dtype=torch.long)
-    slots[:B] = ops.paged_slots(table[:B], positions[:B], cache.block_size).reshape(-1)
+    kv_slots = torch.full((rows,), -1, dtype=torch.long)
+    kv_slots[:B] = ops.paged_kv_slots(table[:B], positions[:B], cache.block_size).reshape(-1)
     lens = torch.zeros(rows, dtype=torch.int32)
     lens[:B] = torch.tensor([s + 1 for s in starts], dtype=torch.int32)
     state = torch.zeros(rows, dtype=torch.long)
     state[:B] = cache.state_slots(seq_ids)
     if into is None:
-        return CacheContext(cache, list(seq_ids), starts, positions.to(device), slots.to(device), table.to(device),
+        return CacheContext(cache, list(seq_ids), starts, positions.to(device), kv_slots.to(device), table.to(device),
                             lens.to(device), state.to(device))
-    for static, value in ((into.positions, positions), (into.slot_mapping, slots), (into.block_table, table),
+    for static, value in ((into.positions, positions), (into.kv_slots, kv_slots), (into.block_table, table),
                           (into.context_lens, lens), (into.state_slots, state)):
         static.copy_(value, non_blocking=True)
     into.seq_ids, into.starts = list(seq_ids), starts
@@ -87,9 +87,9 @@ def decode_logits(model: MiniDSA, ids: torch.Tensor, ctx: CacheContext) -> torch
 def publish_rows(ctx: CacheContext, num_rows: int) -> None:
     """Write the staged KDA states of the first ``num_rows`` rows and commit their new lengths."""
     cache = ctx.cache
-    slots = ctx.state_slots[:num_rows]
+    state_slots = ctx.state_slots[:num_rows]
     for (layer, name), value in ctx.staged.items():
-        cache.write_state(layer, name, slots, value[:num_rows])
+        cache.write_state(layer, name, state_slots, value[:num_rows])
     for sid, start in zip(ctx.seq_ids, ctx.starts):
         cache.commit(sid, start + 1)
 

@@ -34,12 +34,12 @@ def test_slot_mapping_with_interleaved_sequences():
     assert ta != list(range(ta[0], ta[0] + len(ta))), "tables must interleave for this test"
     pos = torch.arange(9)
     expect = torch.tensor([ta[p // 4] * 4 + p % 4 for p in range(9)])
-    assert torch.equal(c.slots(a, pos), expect)
-    assert torch.equal(c.slots(a, torch.tensor([-1, 2])), torch.tensor([-1, ta[0] * 4 + 2]))
+    assert torch.equal(c.kv_slots(a, pos), expect)
+    assert torch.equal(c.kv_slots(a, torch.tensor([-1, 2])), torch.tensor([-1, ta[0] * 4 + 2]))
     assert set(ta).isdisjoint(c.block_table(b))
     assert all(c.block_owner[x] == a for x in ta)
     with pytest.raises(ValueError, match="reserve"):
-        c.slots(a, torch.tensor([12]))
+        c.kv_slots(a, torch.tensor([12]))
     bt = c.block_table_tensor([a, b])
     assert bt.dtype == torch.int32 and bt[0].tolist() == ta
 
@@ -65,12 +65,12 @@ def test_store_skips_minus_one_and_gather_never_reads_it():
     plane.fill_(float("nan"))  # garbage everywhere, as after reuse
     s = c.add_sequence()
     c.reserve({s: 3})
-    slots = c.slots(s, torch.tensor([0, 1, -1]))
+    slots = c.kv_slots(s, torch.tensor([0, 1, -1]))
     ops.store_kv(plane, slots, torch.arange(9.0).view(3, 3))
     table = c.block_table_tensor([s])
     got = ops.gather_positions(plane, table, torch.tensor([[1, -1, 0, -1]]))
     assert torch.equal(got, torch.tensor([[[3.0, 4, 5], [0, 0, 0], [0, 1, 2], [0, 0, 0]]]))
-    third = c.slots(s, torch.tensor([2]))
+    third = c.kv_slots(s, torch.tensor([2]))
     assert torch.isnan(plane.view(-1, 3)[third]).all(), "the -1 row must not have written anything"
 
 

@@ -62,14 +62,14 @@ def test_topk_cpu_form_rejects_nan():
 
 
 def _expert_inputs(gen, E=5, m=4, N=11, L=64, I=96, dtype=torch.float32):
-    """Random MXFP4 experts (every code and scales around 2^0), a workspace of m slots, z [N, L], gates [m, N]
+    """Random MXFP4 experts (every code and scales around 2^0), a workspace of m slots, z [N, L], routing [m, N]
     with most pairs unrouted as top-k routing leaves them (so the routed-rows path runs at N >= 8)."""
     packed = torch.randint(0, 256, (E, 3, I * L // 2), generator=gen, dtype=torch.uint8)
     scales = torch.randint(124, 130, (E, 3, I * L // 32), generator=gen, dtype=torch.uint8)
     experts = torch.tensor([3, 0, 4, 1][:m])
     z = torch.randn(N, L, generator=gen, dtype=dtype)
-    gates = torch.rand(m, N, generator=gen, dtype=dtype) * (torch.rand(m, N, generator=gen) < 0.3)
-    return packed, scales, experts, z, gates
+    routing = torch.rand(m, N, generator=gen, dtype=dtype) * (torch.rand(m, N, generator=gen) < 0.3)
+    return packed, scales, experts, z, routing
 
 
 def test_moe_cpu_forms_equal_the_references():
@@ -80,14 +80,14 @@ def test_moe_cpu_forms_equal_the_references():
     from minidsa.ops.moe_experts import reference as ref
 
     gen = torch.Generator().manual_seed(7)
-    packed, scales, experts, z, gates = _expert_inputs(gen)
+    packed, scales, experts, z, routing = _expert_inputs(gen)
     els = [torch.zeros(6, 3, packed.shape[-1] * 2, dtype=torch.float8_e4m3fn) for _ in range(2)]
     scs = [torch.zeros(6, 3, scales.shape[-1], dtype=torch.uint8) for _ in range(2)]
     ref.mxfp4_to_fp8_ref(packed, scales, experts, els[0], scs[0])
     cpu.mxfp4_to_fp8(packed, scales, experts, els[1], scs[1])
     assert torch.equal(els[0].view(torch.uint8), els[1].view(torch.uint8)) and torch.equal(scs[0], scs[1])
     for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
-        zz, gg = z.to(dtype), gates.to(dtype)
+        zz, gg = z.to(dtype), routing.to(dtype)
         want = ref.expert_mlp_mxfp4_ref(zz, packed, scales, experts, gg, 4.0, 25.0)
         torch.testing.assert_close(cpu.expert_mlp_mxfp4(zz, packed, scales, experts, gg, 4.0, 25.0), want,
                                    rtol=tol, atol=tol * want.abs().max().item())
@@ -186,9 +186,9 @@ def test_cpu_forms_carry_gradients_like_the_references():
     inputs += [torch.randn(B, T, H, V, generator=gen, dtype=torch.float64),
                -3.0 * torch.rand(B, T, H, K, generator=gen, dtype=torch.float64),
                torch.rand(B, T, H, generator=gen, dtype=torch.float64)]
-    packed, scales, experts, z, gates = _expert_inputs(gen, N=12, dtype=torch.float64)
+    packed, scales, experts, z, routing = _expert_inputs(gen, N=12, dtype=torch.float64)
     cases = [(kda_chunk_ref, chunk_cpu.kda_chunk, inputs, lambda f, x: f(*x, chunk_size=16)[0]),
-             (ref.expert_mlp_mxfp4_ref, cpu.expert_mlp_mxfp4, [z, gates],
+             (ref.expert_mlp_mxfp4_ref, cpu.expert_mlp_mxfp4, [z, routing],
               lambda f, x: f(x[0], packed, scales, experts, x[1], 4.0, 25.0))]
     for reference, form, xs, call in cases:
         grads = []
@@ -197,5 +197,5 @@ def test_cpu_forms_carry_gradients_like_the_references():
             call(f, leaves).pow(2).sum().backward()
             grads.append([leaf.grad for leaf in leaves])
         for x, a, b in zip(xs, *grads):
-            keep = (x != 0) if x is gates else torch.ones_like(x, dtype=torch.bool)
+            keep = (x != 0) if x is routing else torch.ones_like(x, dtype=torch.bool)
             torch.testing.assert_close(a[keep], b[keep], rtol=1e-10, atol=1e-10 * a.abs().max().item())

@@ -25,8 +25,8 @@ def routed_inputs(moe, x):
     ids, weights = moe.choose(logits.to(acc))
     z = z.to(acc)
     experts, _, _ = moe.experts.plan(ids, weights)
-    gates = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * weights).sum(-1)
-    return z, experts, gates
+    routing = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * weights).sum(-1)
+    return z, experts, routing
 
 
 def layer_y_lat(moe, x):
@@ -83,14 +83,14 @@ def test_reference_ops_reproduce_the_layer(model, layer, tokens):
     x = torch.randn(tokens, model.config.hidden_size)
     with torch.no_grad():
         want = layer_y_lat(moe, x)
-        z, experts, gates = routed_inputs(moe, x)
+        z, experts, routing = routed_inputs(moe, x)
         cap = model.config.moe.workspace_experts
         n = moe.experts.packed.shape[-1]
         elements = torch.empty(cap, 3, 2 * n, dtype=torch.float8_e4m3fn)
         scales = torch.empty(cap, 3, n // 16, dtype=torch.uint8)
         ref.mxfp4_to_fp8_ref(moe.experts.packed, moe.experts.scales, experts, elements, scales)
-        got_fp8 = ref.expert_mlp_fp8_ref(z, elements, scales, gates, moe.experts.beta_gate, moe.experts.beta_up)
-        got_mx = ref.expert_mlp_mxfp4_ref(z, moe.experts.packed, moe.experts.scales, experts, gates,
+        got_fp8 = ref.expert_mlp_fp8_ref(z, elements, scales, routing, moe.experts.beta_gate, moe.experts.beta_up)
+        got_mx = ref.expert_mlp_mxfp4_ref(z, moe.experts.packed, moe.experts.scales, experts, routing,
                                           moe.experts.beta_gate, moe.experts.beta_up)
     assert got_fp8.dtype == torch.float32 and got_fp8.shape == want.shape
     # The same operations on the same values in the same order: equal to the bit.
@@ -103,15 +103,15 @@ def test_fp64_inputs_stay_fp64_and_match_the_dequantised_experts():
     moe = model64.moe_layers()[0]
     x = torch.randn(3, model64.config.hidden_size, dtype=torch.float64)
     with torch.no_grad():
-        z, experts, gates = routed_inputs(moe, x)
-        got = ref.expert_mlp_mxfp4_ref(z, moe.experts.packed, moe.experts.scales, experts, gates, 4.0, 25.0)
+        z, experts, routing = routed_inputs(moe, x)
+        got = ref.expert_mlp_mxfp4_ref(z, moe.experts.packed, moe.experts.scales, experts, routing, 4.0, 25.0)
         want = layer_y_lat(moe, x)
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
     # and against the MXFP4 dequantisation of mxfp4.py, token by token
     w = {k: mxfp4.dequantize(*moe.experts.matrix(k), torch.float64) for k in ("w1", "w3", "w2")}
     for t in range(3):
-        y = sum(gates[j, t] * w["w2"][e] @ situ_glu_values(w["w1"][e] @ z[t], w["w3"][e] @ z[t], 4.0, 25.0)
+        y = sum(routing[j, t] * w["w2"][e] @ situ_glu_values(w["w1"][e] @ z[t], w["w3"][e] @ z[t], 4.0, 25.0)
                 for j, e in enumerate(experts.tolist()))
         torch.testing.assert_close(got[t], y, atol=1e-12, rtol=1e-12)
 
@@ -121,17 +121,17 @@ def test_bad_inputs_raise_naming_the_tensor():
     packed = torch.zeros(E, 3, I * L // 2, dtype=torch.uint8)
     scales = torch.zeros(E, 3, I * L // 32, dtype=torch.uint8)
     els = torch.zeros(2, 3, I * L, dtype=torch.float8_e4m3fn)
-    z, gates, experts = torch.zeros(4, L), torch.zeros(2, 4), torch.tensor([0, 2])
+    z, routing, experts = torch.zeros(4, L), torch.zeros(2, 4), torch.tensor([0, 2])
     bad = [
-        (ref.expert_mlp_fp8_ref, (z[:, :20], els, scales[:2], gates, 4.0, 25.0), ValueError, "z"),
-        (ref.expert_mlp_fp8_ref, (z, els.float(), scales[:2], gates, 4.0, 25.0), TypeError, "elements"),
-        (ref.expert_mlp_fp8_ref, (z, els, scales, gates, 4.0, 25.0), ValueError, "scales"),
-        (ref.expert_mlp_fp8_ref, (z, els, scales[:2], gates[:, :3], 4.0, 25.0), ValueError, "gates"),
+        (ref.expert_mlp_fp8_ref, (z[:, :20], els, scales[:2], routing, 4.0, 25.0), ValueError, "z"),
+        (ref.expert_mlp_fp8_ref, (z, els.float(), scales[:2], routing, 4.0, 25.0), TypeError, "elements"),
+        (ref.expert_mlp_fp8_ref, (z, els, scales, routing, 4.0, 25.0), ValueError, "scales"),
+        (ref.expert_mlp_fp8_ref, (z, els, scales[:2], routing[:, :3], 4.0, 25.0), ValueError, "routing"),
         (ref.expert_mlp_fp8_ref, (z, els, scales[:2], torch.zeros(3, 4), 4.0, 25.0), ValueError, "slots"),
-        (ref.expert_mlp_mxfp4_ref, (z, packed, scales, experts.float(), gates, 4.0, 25.0), TypeError, "experts"),
-        (ref.expert_mlp_mxfp4_ref, (z, packed, scales, torch.tensor([0, 3]), gates, 4.0, 25.0), ValueError,
+        (ref.expert_mlp_mxfp4_ref, (z, packed, scales, experts.float(), routing, 4.0, 25.0), TypeError, "experts"),
+        (ref.expert_mlp_mxfp4_ref, (z, packed, scales, torch.tensor([0, 3]), routing, 4.0, 25.0), ValueError,
          "experts"),
-        (ref.expert_mlp_mxfp4_ref, (z, packed.int(), scales, experts, gates, 4.0, 25.0), TypeError, "packed"),
+        (ref.expert_mlp_mxfp4_ref, (z, packed.int(), scales, experts, routing, 4.0, 25.0), TypeError, "packed"),
         (ref.mxfp4_to_fp8_ref, (packed, scales, torch.tensor([0, 1, 2]), els, scales[:2]), ValueError, "fit"),
         (ref.mxfp4_to_fp8_ref, (packed, scales, experts, els.view(torch.uint8), scales[:2]), TypeError,
          "out_elements"),
@@ -148,13 +148,13 @@ def test_routed_rows_equal_the_dense_form():
     m, N, L, I = 6, cpu.ROUTED_ROWS_MIN_TOKENS + 17, 20, 12
     z = torch.randn(N, L, generator=gen, dtype=torch.float64)
     values = torch.randn(m, 3, I * L, generator=gen, dtype=torch.float64) / 4
-    gates = torch.rand(m, N, generator=gen, dtype=torch.float64)
-    gates[torch.rand(m, N, generator=gen) < 0.8] = 0  # most slots get no token of a row, as top-k routing gives
-    gates[2] = 0  # a slot no token is routed to
+    routing = torch.rand(m, N, generator=gen, dtype=torch.float64)
+    routing[torch.rand(m, N, generator=gen) < 0.8] = 0  # most slots get no token of a row, as top-k routing gives
+    routing[2] = 0  # a slot no token is routed to
     w13 = values[:, :2].reshape(m, 2 * I, L)
     w2 = values[:, 2].unflatten(-1, (L, I))
     gu = z @ w13.mT
-    dense = ((situ_glu_values(gu[..., :I], gu[..., I:], 3.0, 5.0) * gates.unsqueeze(-1)) @ w2.mT).sum(0)
-    got = ref.expert_mlp(z, values, gates, 3.0, 5.0)
+    dense = ((situ_glu_values(gu[..., :I], gu[..., I:], 3.0, 5.0) * routing.unsqueeze(-1)) @ w2.mT).sum(0)
+    got = ref.expert_mlp(z, values, routing, 3.0, 5.0)
     torch.testing.assert_close(got, dense, rtol=0, atol=1e-12)
-    torch.testing.assert_close(cpu._routed_rows(z, w13, w2, gates, 3.0, 5.0), dense, rtol=0, atol=1e-12)
+    torch.testing.assert_close(cpu._routed_rows(z, w13, w2, routing, 3.0, 5.0), dense, rtol=0, atol=1e-12)

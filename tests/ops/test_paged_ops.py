@@ -1,6 +1,6 @@
 """Paged ops against the dense ops they must equal, and the backend dispatcher.
 
-The caches here are built with plain Python loops over the block table (not with ops.paged_slots),
+The caches here are built with plain Python loops over the block table (not with ops.paged_kv_slots),
 and every byte of a plane that the op must not read holds NaN, so any stray read shows up.
 """
 

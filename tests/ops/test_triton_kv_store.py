@@ -42,7 +42,7 @@ def test_store_kv_rejects_bad_shapes():
     plane = torch.zeros(2, 4, 8)
     with pytest.raises(ValueError, match="values"):
         store_kv(plane, torch.tensor([0, 1]), torch.zeros(2, 7))
-    with pytest.raises(TypeError, match="slot_mapping"):
+    with pytest.raises(TypeError, match="kv_slots"):
         store_kv(plane, torch.tensor([0.0, 1.0]), torch.zeros(2, 8))
 
 

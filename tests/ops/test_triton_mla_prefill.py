@@ -23,7 +23,7 @@ from minidsa.ops.mla import prefill_form as pf  # noqa: E402
 from minidsa.ops.mla import prefill_triton as mp  # noqa: E402
 from minidsa.ops.mla import prefill_union_triton as pu  # noqa: E402
 from minidsa.ops.mla.reference import sparse_mla_prefill_ref  # noqa: E402
-from minidsa.ops.paging import paged_slots  # noqa: E402
+from minidsa.ops.paging import paged_kv_slots  # noqa: E402
 
 # fp32: IEEE dots (no TF32) and an online softmax: the union form differs from the reference only in the
 # order of the sums (a few fp32 ulps at O(1) values); the absorbed form also reorders the W_kvb products.
@@ -113,7 +113,7 @@ def test_tile_unions_and_masks_list_exactly_the_selections():
     pairs, selected, total = stats.tolist()
     words = [(int(c) + 31) // 32 * BM for c in count.view(-1)]  # BM words per 32 union slots
     assert off.tolist() == [sum(words[:i]) for i in range(len(words))] and total == sum(words)
-    valid = paged_slots(table, idx.reshape(B, -1), bs).view(B, T, K) >= 0
+    valid = paged_kv_slots(table, idx.reshape(B, -1), bs).view(B, T, K) >= 0
     assert n_valid.tolist() == valid.sum(-1).view(-1).tolist() and selected == int(valid.sum())
     sel = [[set(idx[b, t][valid[b, t]].tolist()) for t in range(T)] for b in range(B)]
     for b, t in [(0, 0), (0, T - 1), (B - 1, T // 2)]:

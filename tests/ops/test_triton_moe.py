@@ -54,25 +54,25 @@ def experts_store():
 
 def case(store, N, seed=0):
     """z [N, L]; slots -> experts [3, 0, 1, 4] with expert 1 (NaN) an unrouted placeholder; random
-    sparse gates with at least one routed token per live slot (slot 3: all); the converted FP8 workspace."""
+    sparse routing with at least one routed token per live slot (slot 3: all); the converted FP8 workspace."""
     packed, scales = store
     g = torch.Generator().manual_seed(seed)
     experts = torch.tensor([3, 0, 1, 4], device=DEV)
-    gates = torch.rand(4, N, generator=g) * (torch.rand(4, N, generator=g) < 0.5)
-    gates[:, 0] = torch.rand(4, generator=g) + 0.1
-    gates[3] = torch.rand(N, generator=g) + 0.1  # every token: at N = 19 its compact list spans two tiles
-    gates[2] = 0.0  # the placeholder slot
+    routing = torch.rand(4, N, generator=g) * (torch.rand(4, N, generator=g) < 0.5)
+    routing[:, 0] = torch.rand(4, generator=g) + 0.1
+    routing[3] = torch.rand(N, generator=g) + 0.1  # every token: at N = 19 its compact list spans two tiles
+    routing[2] = 0.0  # the placeholder slot
     z = torch.randn(N, L, generator=g).to(DEV)
     els = torch.empty(5, 3, I * L, dtype=torch.float8_e4m3fn, device=DEV)
     scs = torch.empty(5, 3, I * L // 32, dtype=torch.uint8, device=DEV)
     ref.mxfp4_to_fp8_ref(packed, scales, experts, els, scs)
-    return z, experts, gates.to(DEV), els, scs
+    return z, experts, routing.to(DEV), els, scs
 
 
-def live_reference(z, store, experts, gates):
+def live_reference(z, store, experts, routing):
     """The reference over the routed slots only (the placeholder's NaN would poison a dense sum)."""
     keep = torch.tensor([0, 1, 3], device=DEV)
-    return ref.expert_mlp_mxfp4_ref(z, *store, experts[keep], gates[keep], 4.0, 25.0)
+    return ref.expert_mlp_mxfp4_ref(z, *store, experts[keep], routing[keep], 4.0, 25.0)
 
 
 def test_conversion_is_bit_exact(experts_store):
@@ -111,10 +111,10 @@ def test_fp8_and_mxfp4_mlps_match_the_reference(experts_store, N, dense, monkeyp
     # it must not compact, which reads the pair counts back to the host) or compact (prefill).
     if dense is None:
         monkeypatch.setattr(mlp, "compact_lists", lambda *a: pytest.fail("a decode-sized call synchronised"))
-    z, experts, gates, els, scs = case(experts_store, N)
-    want = live_reference(z, experts_store, experts, gates)
-    got_fp8 = mlp._launch_mlp(z, els, scs, None, gates, 4.0, 25.0, L, I, dense=dense)
-    got_mx = mlp._launch_mlp(z, *experts_store, experts, gates, 4.0, 25.0, L, I, dense=dense)
+    z, experts, routing, els, scs = case(experts_store, N)
+    want = live_reference(z, experts_store, experts, routing)
+    got_fp8 = mlp._launch_mlp(z, els, scs, None, routing, 4.0, 25.0, L, I, dense=dense)
+    got_mx = mlp._launch_mlp(z, *experts_store, experts, routing, 4.0, 25.0, L, I, dense=dense)
     assert got_fp8.dtype == torch.float32 and torch.isfinite(got_fp8).all(), "the unrouted NaN slot was read"
     torch.testing.assert_close(got_fp8, want, **TOL)
     torch.testing.assert_close(got_mx, want, **TOL)
@@ -148,10 +148,10 @@ def test_mxfp4_decode_with_a_half_group_tail():
     packed, scales = packed.to(DEV), scales.to(DEV)
     assert matvec._k_parts(i_tail) == dict(GA=4, GB=2, HC=2)
     experts = torch.tensor([1, 0], device=DEV)
-    gates = (torch.rand(2, 3, generator=g) + 0.1).to(DEV)
+    routing = (torch.rand(2, 3, generator=g) + 0.1).to(DEV)
     z = torch.randn(3, L, generator=g).to(DEV)
-    want = ref.expert_mlp_mxfp4_ref(z, packed, scales, experts, gates, 4.0, 25.0)
-    got = mlp._launch_mlp(z, packed, scales, experts, gates, 4.0, 25.0, L, i_tail, dense=True)
+    want = ref.expert_mlp_mxfp4_ref(z, packed, scales, experts, routing, 4.0, 25.0)
+    got = mlp._launch_mlp(z, packed, scales, experts, routing, 4.0, 25.0, L, i_tail, dense=True)
     torch.testing.assert_close(got, want, **TOL)
 
 
@@ -270,22 +270,22 @@ def test_e8m0_bf16_is_the_scale_exactly():
 def test_bf16_z_is_read_as_it_is(experts_store):
     # A bf16 model's z goes to the kernels unconverted; its values are exact in bf16, so the up pass's single
     # bf16 product gives exactly what the fp32 copy's two give (the low halves are zero).
-    z, experts, gates, _, _ = case(experts_store, 5, seed=2)
+    z, experts, routing, _, _ = case(experts_store, 5, seed=2)
     zb = z.to(torch.bfloat16)
-    got = mlp._launch_mlp(zb, *experts_store, experts, gates, 4.0, 25.0, L, I)
-    assert torch.equal(got, mlp._launch_mlp(zb.float(), *experts_store, experts, gates, 4.0, 25.0, L, I))
-    one = mlp._launch_mlp(zb[:1], *experts_store, experts, gates[:, :1], 4.0, 25.0, L, I)  # matrix-vector path
-    assert torch.equal(one, mlp._launch_mlp(zb[:1].float(), *experts_store, experts, gates[:, :1], 4.0, 25.0, L, I))
+    got = mlp._launch_mlp(zb, *experts_store, experts, routing, 4.0, 25.0, L, I)
+    assert torch.equal(got, mlp._launch_mlp(zb.float(), *experts_store, experts, routing, 4.0, 25.0, L, I))
+    one = mlp._launch_mlp(zb[:1], *experts_store, experts, routing[:, :1], 4.0, 25.0, L, I)  # matrix-vector path
+    assert torch.equal(one, mlp._launch_mlp(zb[:1].float(), *experts_store, experts, routing[:, :1], 4.0, 25.0, L, I))
 
 
 def test_public_kernels_and_unrouted_tokens(experts_store):
     # A token routed nowhere gets exactly 0; the public entry points pick the layout themselves.
-    z, experts, gates, els, scs = case(experts_store, 4, seed=1)
-    gates[:, 2] = 0.0
-    got = mlp.expert_mlp_mxfp4(z, *experts_store, experts, gates, 4.0, 25.0)
+    z, experts, routing, els, scs = case(experts_store, 4, seed=1)
+    routing[:, 2] = 0.0
+    got = mlp.expert_mlp_mxfp4(z, *experts_store, experts, routing, 4.0, 25.0)
     assert torch.equal(got[2], torch.zeros(L, device=DEV))
-    torch.testing.assert_close(got, live_reference(z, experts_store, experts, gates), **TOL)
-    got_fp8 = mlp.expert_mlp_fp8(z, els, scs, gates, 4.0, 25.0)
+    torch.testing.assert_close(got, live_reference(z, experts_store, experts, routing), **TOL)
+    got_fp8 = mlp.expert_mlp_fp8(z, els, scs, routing, 4.0, 25.0)
     assert torch.equal(got_fp8[2], torch.zeros(L, device=DEV))
     torch.testing.assert_close(got_fp8, got, **TOL)
 
@@ -293,9 +293,9 @@ def test_public_kernels_and_unrouted_tokens(experts_store):
 @pytest.mark.parametrize("N", [2, pytest.param(20, marks=pytest.mark.slow)])  # matrix-vector and tensor-core paths
 def test_kernels_are_deterministic(experts_store, N, monkeypatch):
     monkeypatch.setattr(mlp, "DENSE_MAX_TOKENS", 16)  # 20 tokens take the compact (prefill) layout, two tiles
-    z, experts, gates, els, scs = case(experts_store, N, seed=2)
-    a = mlp.expert_mlp_mxfp4(z, *experts_store, experts, gates, 4.0, 25.0)
-    b = mlp.expert_mlp_mxfp4(z, *experts_store, experts, gates, 4.0, 25.0)
+    z, experts, routing, els, scs = case(experts_store, N, seed=2)
+    a = mlp.expert_mlp_mxfp4(z, *experts_store, experts, routing, 4.0, 25.0)
+    b = mlp.expert_mlp_mxfp4(z, *experts_store, experts, routing, 4.0, 25.0)
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
@@ -311,22 +311,22 @@ def test_kernel_reproduces_the_tiny_layer():
         ids, weights = moe.route(x)
         z = moe.routed_expert_down_proj(x)
         experts, _, _ = moe.experts.plan(ids, weights)
-        gates = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * weights).sum(-1)
+        routing = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * weights).sum(-1)
     on = lambda t: t.to(DEV)  # noqa: E731
-    got = mlp.expert_mlp_mxfp4(on(z), on(moe.experts.packed), on(moe.experts.scales), on(experts), on(gates),
+    got = mlp.expert_mlp_mxfp4(on(z), on(moe.experts.packed), on(moe.experts.scales), on(experts), on(routing),
                                moe.experts.beta_gate, moe.experts.beta_up)
     torch.testing.assert_close(got.cpu(), seen[0], **TOL)
 
 
 def test_bad_inputs_raise_like_the_reference(experts_store):
-    z, experts, gates, els, scs = case(experts_store, 3)
+    z, experts, routing, els, scs = case(experts_store, 3)
     packed, scales = experts_store
     calls = [
-        ("expert_mlp_fp8", (z[:, :40], els, scs, gates, 4.0, 25.0)),
-        ("expert_mlp_fp8", (z, els.view(torch.uint8), scs, gates, 4.0, 25.0)),
+        ("expert_mlp_fp8", (z[:, :40], els, scs, routing, 4.0, 25.0)),
+        ("expert_mlp_fp8", (z, els.view(torch.uint8), scs, routing, 4.0, 25.0)),
         ("expert_mlp_fp8", (z, els, scs, torch.zeros(6, 3, device=DEV), 4.0, 25.0)),
-        ("expert_mlp_mxfp4", (z, packed, scales, experts[:3], gates, 4.0, 25.0)),
-        ("expert_mlp_mxfp4", (z, packed, scales[:, :2], experts, gates, 4.0, 25.0)),
+        ("expert_mlp_mxfp4", (z, packed, scales, experts[:3], routing, 4.0, 25.0)),
+        ("expert_mlp_mxfp4", (z, packed, scales[:, :2], experts, routing, 4.0, 25.0)),
         ("mxfp4_to_fp8", (packed, scales, experts.float(), els, scs)),
         ("mxfp4_to_fp8", (packed, scales, torch.arange(5, device=DEV).repeat(2), els, scs)),
     ]
@@ -336,13 +336,13 @@ def test_bad_inputs_raise_like_the_reference(experts_store):
         with pytest.raises(want.type, match=str(want.value).replace("(", r"\(").replace(")", r"\)")):
             KERNELS[name](*args)
     with pytest.raises(ValueError, match="contiguous"):
-        mlp.expert_mlp_mxfp4(z, packed.transpose(0, 1).contiguous().transpose(0, 1), scales, experts, gates,
+        mlp.expert_mlp_mxfp4(z, packed.transpose(0, 1).contiguous().transpose(0, 1), scales, experts, routing,
                              4.0, 25.0)  # matrices of one expert not adjacent
 
 
 def test_fp64_goes_to_the_reference(experts_store):
-    z, experts, gates, els, scs = case(experts_store, 2)
-    z64, g64 = z.double(), gates.double()
+    z, experts, routing, els, scs = case(experts_store, 2)
+    z64, g64 = z.double(), routing.double()
     keep = torch.tensor([0, 1, 3], device=DEV)
     got = mlp.expert_mlp_fp8(z64, els[keep], scs[keep], g64[keep], 4.0, 25.0)
     assert got.dtype == torch.float64
@@ -352,15 +352,15 @@ def test_fp64_goes_to_the_reference(experts_store):
 def test_a_pair_bound_sizes_the_compact_layout_without_reading_back(experts_store, monkeypatch):
     """With max_pairs (a MoE layer passes N * top_k) the prefill layout reads nothing back to the host and gives
     the counted layout's result bit for bit; a bound below the real count is refused, not overrun."""
-    z, experts, gates, els, scs = case(experts_store, 5)
-    counted = mlp._launch_mlp(z, els, scs, None, gates, 4.0, 25.0, L, I, dense=False)
-    pairs = int((gates != 0).sum())
+    z, experts, routing, els, scs = case(experts_store, 5)
+    counted = mlp._launch_mlp(z, els, scs, None, routing, 4.0, 25.0, L, I, dense=False)
+    pairs = int((routing != 0).sum())
     monkeypatch.setattr(torch.Tensor, "tolist", lambda *a: pytest.fail("the pair count was read back"))
-    bounded = mlp._launch_mlp(z, els, scs, None, gates, 4.0, 25.0, L, I, dense=False, max_pairs=pairs + 7)
+    bounded = mlp._launch_mlp(z, els, scs, None, routing, 4.0, 25.0, L, I, dense=False, max_pairs=pairs + 7)
     assert torch.equal(bounded, counted)
     if DEV == "cpu":  # on a GPU the assertion stops the device for good: the process (this test run) is over
         with pytest.raises(RuntimeError, match="more routed pairs than max_pairs"):
-            mlp._launch_mlp(z, els, scs, None, gates, 4.0, 25.0, L, I, dense=False, max_pairs=pairs - 1)
+            mlp._launch_mlp(z, els, scs, None, routing, 4.0, 25.0, L, I, dense=False, max_pairs=pairs - 1)
 
 
 def test_the_tile_list_walks_each_slots_tokens_once(experts_store):
@@ -368,18 +368,18 @@ def test_the_tile_list_walks_each_slots_tokens_once(experts_store):
     tiles, the placeholder (none), a slot of one; the grid holds a bound on the list, and programs past its end
     do nothing. The MLP over it equals the reference."""
     N = 19
-    z, experts, gates, els, scs = case(experts_store, N, seed=3)
-    gates[0] = 0.0
-    gates[1] = torch.rand(N, device=DEV) + 0.1  # every token: two tiles of 16 (the interpreter's BLOCK_T)
-    gates[3] = 0.0
-    gates[3, [2, 7, 18]] = 0.5
+    z, experts, routing, els, scs = case(experts_store, N, seed=3)
+    routing[0] = 0.0
+    routing[1] = torch.rand(N, device=DEV) + 0.1  # every token: two tiles of 16 (the interpreter's BLOCK_T)
+    routing[3] = 0.0
+    routing[3, [2, 7, 18]] = 0.5
     block_t = mlp._config(DEV != "cpu", False)["BLOCK_T"]
-    *_, tile_end, pairs, tiles = lists.compact_lists(gates, block_t)
+    *_, tile_end, pairs, tiles = lists.compact_lists(routing, block_t)
     per_slot = [0, -(-N // block_t), 0, 1]
     assert tile_end.tolist() == [sum(per_slot[:j + 1]) for j in range(4)] and pairs == N + 3
     assert sum(per_slot) <= tiles <= -(-pairs // block_t) + 4
-    got = mlp._launch_mlp(z, els, scs, None, gates, 4.0, 25.0, L, I, dense=False)
-    torch.testing.assert_close(got, live_reference(z, experts_store, experts, gates), **TOL)
+    got = mlp._launch_mlp(z, els, scs, None, routing, 4.0, 25.0, L, I, dense=False)
+    torch.testing.assert_close(got, live_reference(z, experts_store, experts, routing), **TOL)
 
 
 @pytest.mark.parametrize("m,N,density", [(4, 19, 0.5), (5, 70, 0.3), (64, 300, 8 / 64), (3, 33, 0.0)])
@@ -387,9 +387,9 @@ def test_the_lists_are_the_torch_expressions(m, N, density):
     """The three list-building launches against the expressions they replace: ranks (inclusive running counts per
     slot), counts, offsets, the tile list's ends and every routed token at its place in its slot's list."""
     g = torch.Generator().manual_seed(m + N)
-    gates = (torch.rand(m, N, generator=g) * (torch.rand(m, N, generator=g) < density)).to(DEV)
-    rank, count, offset, token, tile_end, pairs, tiles = lists.compact_lists(gates, 16)
-    routed = (gates != 0).cpu()
+    routing = (torch.rand(m, N, generator=g) * (torch.rand(m, N, generator=g) < density)).to(DEV)
+    rank, count, offset, token, tile_end, pairs, tiles = lists.compact_lists(routing, 16)
+    routed = (routing != 0).cpu()
     want_rank = torch.cumsum(routed, 1, dtype=torch.int32)
     want_count = want_rank[:, -1]
     want_offset = torch.cumsum(want_count, 0, dtype=torch.int32) - want_count

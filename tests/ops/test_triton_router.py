@@ -48,7 +48,7 @@ def routing(N, E, k, seed=0):
 @pytest.mark.parametrize("N,E,k", [(1, 64, 8), (7, 60, 6), (33, 32, 1), (3, 5, 4), (40, 64, 8)])
 @pytest.mark.parametrize("launches", ["one", "three"])
 def test_plan_matches_reference(N, E, k, launches, monkeypatch):
-    """Slots (routed ascending, then placeholders), gates and the count: exactly the reference's, on odd
+    """Slots (routed ascending, then placeholders), routing and the count: exactly the reference's, on odd
     expert counts, a batch routing to every expert (3 x 4 pairs over 5) and one using a few; by the
     decode-sized single program and by the prefill-sized three launches."""
     from minidsa.ops.moe_router import plan_triton
@@ -62,7 +62,7 @@ def test_plan_matches_reference(N, E, k, launches, monkeypatch):
         assert a.dtype == b.dtype and torch.equal(a.cpu(), b)
     m = min(N * k, E)
     assert want[0].shape == (m,) and want[1].shape == (m, N) and int(want[2]) == len(ids.unique())
-    # each token's weights sit in the rows of its experts, nothing else: the gates are the routing itself
+    # each token's weights sit in the rows of its experts, nothing else: the routing matrix is the routing itself
     rows = {int(e): j for j, e in enumerate(want[0])}
     dense = torch.zeros(m, N)
     for t in range(N):

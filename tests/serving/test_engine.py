@@ -108,7 +108,7 @@ def test_prefill_equals_shorter_prefill_plus_decode_steps(model):
     torch.testing.assert_close(stepped, one_shot, rtol=0, atol=1e-10)  # fp64: both sums of the same terms
     for layer in range(cache.layout.num_layers):
         for name in cache.layout.plane_names:
-            rows = [cache.plane(layer, name).flatten(0, 1)[cache.slots(s, torch.arange(len(ids)))] for s in (a, b)]
+            rows = [cache.plane(layer, name).flatten(0, 1)[cache.kv_slots(s, torch.arange(len(ids)))] for s in (a, b)]
             torch.testing.assert_close(rows[1], rows[0], rtol=0, atol=1e-10)
     for sa, sb in zip(cache.snapshot_state(a), cache.snapshot_state(b)):
         for name in sa:

@@ -12,7 +12,7 @@ import torch
 from .._checks import acc_dtype, check_tensor
 from .._dispatch import op
 from .._library import result_like
-from ..paging import gather_slots, paged_slots
+from ..paging import gather_kv_slots, paged_kv_slots
 from .checks import check_paged_scores_args, check_topk_args
 
 
@@ -95,26 +95,26 @@ def paged_index_scores(q: torch.Tensor, w: torch.Tensor, key_plane: torch.Tensor
         and at any position whose block is -1 (nothing there to select).
     """
     B, bs, MB = check_paged_scores_args(q, w, key_plane, key_scale_plane, block_table, context_lens, q_pos)
-    positions, slots, keys = paged_keys(key_plane, key_scale_plane, block_table, MB * bs, acc_dtype(q, w))
-    return mask_paged_scores(index_scores_ref(q, keys, w, scale), positions, slots, context_lens, q_pos)
+    positions, kv_slots, keys = paged_keys(key_plane, key_scale_plane, block_table, MB * bs, acc_dtype(q, w))
+    return mask_paged_scores(index_scores_ref(q, keys, w, scale), positions, kv_slots, context_lens, q_pos)
 
 
 def paged_keys(key_plane, key_scale_plane, block_table, S: int, dtype) -> tuple[torch.Tensor, ...]:
-    """Each sequence's keys at positions 0..S-1 through its block table -> (positions int64 [B, S], slots [B, S]
+    """Each sequence's keys at positions 0..S-1 through its block table -> (positions int64 [B, S], kv_slots [B, S]
     (-1 where the block is -1), keys [B, S, D] in ``dtype``, scaled by their per-key scales if any)."""
     B, bs = block_table.shape[0], key_plane.shape[1]
     positions = torch.arange(S, device=key_plane.device).expand(B, S)
-    slots = paged_slots(block_table, positions, bs)
-    keys = gather_slots(key_plane, slots).to(dtype)
+    kv_slots = paged_kv_slots(block_table, positions, bs)
+    keys = gather_kv_slots(key_plane, kv_slots).to(dtype)
     if key_scale_plane is not None:
-        keys = keys * gather_slots(key_scale_plane, slots).to(dtype)
-    return positions, slots, keys
+        keys = keys * gather_kv_slots(key_scale_plane, kv_slots).to(dtype)
+    return positions, kv_slots, keys
 
 
-def mask_paged_scores(scores, positions, slots, context_lens, q_pos) -> torch.Tensor:
+def mask_paged_scores(scores, positions, kv_slots, context_lens, q_pos) -> torch.Tensor:
     """scores [B, T, S] -> -inf at every position past the sequence's context, without a block, or (q_pos
     given) after the query's own position."""
-    keep = ((positions < context_lens.long().unsqueeze(1)) & (slots >= 0)).unsqueeze(1)  # [B, 1, S]
+    keep = ((positions < context_lens.long().unsqueeze(1)) & (kv_slots >= 0)).unsqueeze(1)  # [B, 1, S]
     if q_pos is not None:
         keep = keep & (positions.unsqueeze(1) <= q_pos.long().unsqueeze(-1))  # [B, T, S]
     return torch.where(keep, scores, torch.full_like(scores, float("-inf")))

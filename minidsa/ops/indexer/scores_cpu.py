@@ -25,11 +25,11 @@ def live_extent(q_pos: torch.Tensor) -> list[tuple[int, int]]:
 def paged_index_scores(q, w, key_plane, key_scale_plane, block_table, context_lens, scale, q_pos=None):
     """``paged_index_scores_ref`` (see there for shapes), skipping the pairs past each row's causal bound."""
     B, bs, MB = check_paged_scores_args(q, w, key_plane, key_scale_plane, block_table, context_lens, q_pos)
-    positions, slots, keys = paged_keys(key_plane, key_scale_plane, block_table, MB * bs, acc_dtype(q, w))
+    positions, kv_slots, keys = paged_keys(key_plane, key_scale_plane, block_table, MB * bs, acc_dtype(q, w))
     if q_pos is None or not q_pos.numel() or q_pos.shape[1] == 1:
         scores = index_scores_ref(q, keys, w, scale)
     else:
         scores = q.new_zeros((B, q.shape[1], MB * bs), dtype=keys.dtype)  # the pairs left out are masked below
         for b, (n, hi) in enumerate(live_extent(q_pos.cpu())):
             scores[b, :n, :hi] = index_scores_ref(q[b:b + 1, :n], keys[b:b + 1, :hi], w[b:b + 1, :n], scale)[0]
-    return mask_paged_scores(scores, positions, slots, context_lens, q_pos)
+    return mask_paged_scores(scores, positions, kv_slots, context_lens, q_pos)

@@ -96,15 +96,15 @@ def _tiles(B: int, H: int, K: int, cuda: bool) -> tuple[int, int]:
     return bv, 4 if bk * bv <= 1024 else 2
 
 
-def kda_decode(projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, lower_bound, conv_pool, state_pool, slots,
+def kda_decode(projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, lower_bound, conv_pool, state_pool, state_slots,
                scale=None):
     """One fused decode step: (o [B, H, K], new recurrent states [B, H, K, K], new conv states [B, W-1, 3HK]),
     fp32; see kda_decode_ref."""
-    B, H, K, W = check_decode(projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, conv_pool, state_pool, slots)
+    B, H, K, W = check_decode(projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, conv_pool, state_pool, state_slots)
     tensors = (projected, f_a, b, conv_weight, w_fb, conv_pool, state_pool)
     if W < 2 or any(t.dtype == torch.float64 for t in tensors):  # no conv state / exactness tests only
         return kda_decode_ref(projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, lower_bound, conv_pool,
-                              state_pool, slots, scale)
+                              state_pool, state_slots, scale)
     dev = projected.device
     o = torch.empty(B, H, K, dtype=torch.float32, device=dev)
     state = torch.empty(B, H, K, K, dtype=torch.float32, device=dev)
@@ -117,7 +117,7 @@ def kda_decode(projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, lower_bound
     bv, warps = _tiles(B, H, K, dev.type == "cuda")
     _decode_kernel[(B * H, triton.cdiv(K, bv))](
         projected, f_a, b, conv_weight.contiguous(), w_fb.contiguous(), A_log, dt_bias.contiguous(),
-        conv_pool.contiguous(), state_pool.contiguous(), slots.contiguous(), o, state, conv,
+        conv_pool.contiguous(), state_pool.contiguous(), state_slots.contiguous(), o, state, conv,
         H, K, R, projected.stride(0), f_a.stride(0), b.stride(0), float(lower_bound), scale, L2_EPS,
         W=W, BLOCK_K=triton.next_power_of_2(K), BLOCK_V=bv, BLOCK_R=min(triton.next_power_of_2(R), 32),
         num_warps=warps)

@@ -292,7 +292,7 @@ def kda_inputs(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: torch
 
 
 def check_decode(projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, conv_pool, state_pool,
-                 slots) -> tuple[int, int, int, int]:
+                 state_slots) -> tuple[int, int, int, int]:
     """(B, H, K, W) after checking the shapes (T = 1; value heads = key heads, K = V, as in the model)."""
     _, H, K, V = check_tensor("state_pool", state_pool, shape=(None, None, None, None), floating=True)
     if V != K:
@@ -310,27 +310,28 @@ def check_decode(projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, conv_pool
         raise ValueError(f"A_log has shape {tuple(A_log.shape)}; it needs at least {H} entries (one per head)")
     check_tensor("dt_bias", dt_bias, shape=(H * K,), floating=True)
     check_tensor("conv_pool", conv_pool, shape=(state_pool.shape[0], W - 1, C), floating=True)
-    check_tensor("slots", slots, shape=(B,), integer=True)
+    check_tensor("state_slots", state_slots, shape=(B,), integer=True)
     return B, H, K, W
 
 
 @op(kernel="decode_triton",
-    fake=lambda projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, lower_bound, conv_pool, state_pool, slots, scale=None: (
+    fake=lambda projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, lower_bound, conv_pool, state_pool, state_slots,
+    scale=None: (
         result_like(projected, (projected.shape[0], *state_pool.shape[1:3])),
         result_like(projected, (projected.shape[0], *state_pool.shape[1:])),
         result_like(projected, (projected.shape[0], *conv_pool.shape[1:]))))
 def kda_decode(projected: torch.Tensor, f_a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
                    w_fb: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
-                   conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+                   conv_pool: torch.Tensor, state_pool: torch.Tensor, state_slots: torch.Tensor,
                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decode step of a KDA layer from its projections: projected [B, 3*H*K] (W_q x, W_k x, W_v x side by
     side), f_a [B, R] (W_fa x), b [B, H] (W_b x), conv_weight [3*H*K, 1, W], w_fb [H*K, R], A_log [>= H],
-    dt_bias [H*K], conv_pool [S, W-1, 3*H*K] and state_pool [S, H, K, K] (both read only, at slots int [B])
+    dt_bias [H*K], conv_pool [S, W-1, 3*H*K] and state_pool [S, H, K, K] (both read only, at state_slots int [B])
     -> (o [B, H, K], the new recurrent states [B, H, K, K], the new conv states [B, W-1, 3*H*K]), all in the
     accumulation dtype (fp32; fp64 for fp64 inputs)."""
-    B, H, K, _ = check_decode(projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, conv_pool, state_pool, slots)
+    B, H, K, _ = check_decode(projected, f_a, b, conv_weight, w_fb, A_log, dt_bias, conv_pool, state_pool, state_slots)
     acc = acc_dtype(projected)
-    rows = slots.long()
+    rows = state_slots.long()
     y, conv = causal_conv(cast(projected, acc).unsqueeze(1), conv_weight, conv_pool[rows])
     qkv = torch.nn.functional.silu(y).view(B, 3, H, K)
     z = cast(torch.nn.functional.linear(cast(f_a, w_fb.dtype), w_fb), acc)

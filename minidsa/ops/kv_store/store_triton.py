@@ -1,7 +1,7 @@
 """Triton kernel of the paged KV store, ``store_kv``: the contract of ``store_kv_ref`` in
 ``minidsa/ops/kv_store/reference.py``.
 
-Each new token's row of width W goes to row ``slot_mapping[i]`` of a cache plane viewed as
+Each new token's row of width W goes to row ``kv_slots[i]`` of a cache plane viewed as
 [num_blocks * block_size, W]; slot -1 means "no write".
 
 Why a kernel is simple here, and the reference is not: the reference must avoid a boolean-mask write
@@ -32,21 +32,21 @@ from .checks import check_store_args
 
 # The row count and the slots' address (a slice of the step's metadata) vary from step to step: not specialised
 # on, so a new step compiles no new variant.
-@triton.jit(do_not_specialize=["N"], do_not_specialize_on_alignment=["slots_ptr"])
-def _store_rows(plane_ptr, slots_ptr, values_ptr, N, W, values_stride,
+@triton.jit(do_not_specialize=["N"], do_not_specialize_on_alignment=["kv_slots_ptr"])
+def _store_rows(plane_ptr, kv_slots_ptr, values_ptr, N, W, values_stride,
                 BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    slots = tl.load(slots_ptr + rows, mask=rows < N, other=-1).to(tl.int64)  # int64: slot * W can pass 2^31
-    mask = (slots >= 0)[:, None] & (cols < W)[None, :]
+    kv_slots = tl.load(kv_slots_ptr + rows, mask=rows < N, other=-1).to(tl.int64)  # int64: slot * W can pass 2^31
+    mask = (kv_slots >= 0)[:, None] & (cols < W)[None, :]
     v = tl.load(values_ptr + rows.to(tl.int64)[:, None] * values_stride + cols[None, :], mask=mask)
-    tl.store(plane_ptr + slots[:, None] * W + cols[None, :], v.to(plane_ptr.dtype.element_ty), mask=mask)
+    tl.store(plane_ptr + kv_slots[:, None] * W + cols[None, :], v.to(plane_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv(plane: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
-    """In place: plane [num_blocks, block_size, W] gets ``values[i]`` [N, W] at row ``slot_mapping[i]``
+def store_kv(plane: torch.Tensor, kv_slots: torch.Tensor, values: torch.Tensor) -> None:
+    """In place: plane [num_blocks, block_size, W] gets ``values[i]`` [N, W] at row ``kv_slots[i]``
     (integer [N], -1 = skip). Real slots must be distinct (as the reference requires)."""
-    N, W = check_store_args(plane, slot_mapping, values)
+    N, W = check_store_args(plane, kv_slots, values)
     if N == 0:
         return
     if not plane.is_contiguous():
@@ -58,4 +58,4 @@ def store_kv(plane: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tens
     # variant per batch size and prompt length (N itself is left unspecialised for the same reason).
     BLOCK_N = max(1, 16384 // (BLOCK_W * values.element_size()))
     grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(W, BLOCK_W))
-    _store_rows[grid](plane, slot_mapping, values, N, W, values.stride(0), BLOCK_N=BLOCK_N, BLOCK_W=BLOCK_W)
+    _store_rows[grid](plane, kv_slots, values, N, W, values.stride(0), BLOCK_N=BLOCK_N, BLOCK_W=BLOCK_W)

@@ -21,7 +21,7 @@ from .._checks import acc_dtype, check_tensor
 from .._dispatch import op
 from .._library import result_like
 from ..attention.reference import attend, indices_to_mask, masked_dense_attention
-from ..paging import gather_slots, paged_slots
+from ..paging import gather_kv_slots, paged_kv_slots
 
 PREFILL_TILE = 64  # queries whose selected blocks are gathered together in prefill
 
@@ -85,12 +85,12 @@ def sparse_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_plan
     B, T, H, r, dr, K = check_decode_args(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices)
     acc = acc_dtype(q_latent, q_pe)
     flat = indices.reshape(B, T * K)
-    slots = paged_slots(block_table, flat, kv_latent_plane.shape[1])  # one address computation, two planes
-    c_kv = gather_slots(kv_latent_plane, slots).to(acc).view(B, T, K, 1, r)
-    k_pe = gather_slots(k_pe_plane, slots).to(acc).view(B, T, K, 1, dr)
+    kv_slots = paged_kv_slots(block_table, flat, kv_latent_plane.shape[1])  # one address computation, two planes
+    c_kv = gather_kv_slots(kv_latent_plane, kv_slots).to(acc).view(B, T, K, 1, r)
+    k_pe = gather_kv_slots(k_pe_plane, kv_slots).to(acc).view(B, T, K, 1, dr)
     q = torch.cat([q_latent.to(acc), q_pe.to(acc)], dim=-1)
     # A position with no block (table entry -1, or past the table) is padding too: not read, not counted.
-    return attend(q, torch.cat([c_kv, k_pe], dim=-1), c_kv, (slots >= 0).view(B, T, K), scale)
+    return attend(q, torch.cat([c_kv, k_pe], dim=-1), c_kv, (kv_slots >= 0).view(B, T, K), scale)
 
 
 @op(kernel="prefill_triton",
@@ -132,15 +132,15 @@ def _prefill_tile(q, kv_latent_plane, k_pe_plane, table, tile, kv_b_weight, scal
     if blocks.numel() == 0:
         return q.new_zeros(q.shape[:3] + (kv_b_weight.shape[0] // H - (q.shape[-1] - dr),), dtype=acc_dtype(q))
     positions = (blocks.view(-1, 1) * bs + torch.arange(bs, device=q.device)).view(1, -1)  # whole blocks
-    slots = paged_slots(table, positions, bs)  # one address computation, two planes
-    latent = gather_slots(kv_latent_plane, slots)
-    k_pe = gather_slots(k_pe_plane, slots)
+    kv_slots = paged_kv_slots(table, positions, bs)  # one address computation, two planes
+    latent = gather_kv_slots(kv_latent_plane, kv_slots)
+    k_pe = gather_kv_slots(k_pe_plane, kv_slots)
     k, v = decompress_kv(latent, k_pe, kv_b_weight, H, q.shape[-1] - dr)  # [1, U, H, *] over the union
     rank = torch.full((int(blocks.max()) + 1,), -1, dtype=torch.long, device=q.device)
     rank[blocks] = torch.arange(blocks.numel(), device=q.device)
     safe = tile.clamp_min(0)
     local = torch.where(tile >= 0, rank[safe // bs] * bs + safe % bs, torch.full_like(tile, -1))
-    has_block = (slots[0] >= 0)[local.clamp_min(0)]  # a position whose block is -1 is padding too
+    has_block = (kv_slots[0] >= 0)[local.clamp_min(0)]  # a position whose block is -1 is padding too
     mask = indices_to_mask(torch.where(has_block, local, torch.full_like(local, -1)), k.shape[1])  # [1, t, U]
     # Scores against the whole union, the unselected masked out: a dense product, not a gather per query.
     # A union row no query selected (past the written length of a block) may hold anything, even NaN:

@@ -43,10 +43,10 @@ def check_conversion(packed, scales, experts, out_elements, out_scales) -> tuple
     return n, M, P
 
 
-def check_mlp_inputs(z, gates, per_element: int, width: int) -> tuple[int, int, int, int]:
+def check_mlp_inputs(z, routing, per_element: int, width: int) -> tuple[int, int, int, int]:
     """Shapes (N, L, I, m) of the MLP ops' shared arguments; ``width`` is the stored row of one matrix."""
     N, L = check_tensor("z", z, ndim=2, floating=True)
-    m = check_tensor("gates", gates, shape=(None, N), floating=True)[0]
+    m = check_tensor("routing", routing, shape=(None, N), floating=True)[0]
     if L == 0 or L % GROUP:
         raise ValueError(f"z has latent width {L}; MXFP4 experts need a positive multiple of {GROUP}")
     if (width * per_element) % L or (width * per_element // L) % GROUP:
@@ -55,21 +55,21 @@ def check_mlp_inputs(z, gates, per_element: int, width: int) -> tuple[int, int, 
     return N, L, width * per_element // L, m
 
 
-def check_fp8_mlp(z, elements, scales, gates) -> tuple[int, int, int, int]:
+def check_fp8_mlp(z, elements, scales, routing) -> tuple[int, int, int, int]:
     """Argument checks of ``expert_mlp_fp8``: returns (N, L, I, m)."""
     cap, _, width = check_block("elements", elements, torch.float8_e4m3fn, (None, 3, None))
-    N, L, I, m = check_mlp_inputs(z, gates, 1, width)
+    N, L, I, m = check_mlp_inputs(z, routing, 1, width)
     check_block("scales", scales, torch.uint8, (cap, 3, width // GROUP))
     if m > cap:
-        raise ValueError(f"gates has {m} slots but the workspace holds {cap}")
+        raise ValueError(f"routing has {m} slots but the workspace holds {cap}")
     return N, L, I, m
 
 
-def check_mxfp4_mlp(z, packed, scales, experts, gates) -> tuple[int, int, int, int]:
+def check_mxfp4_mlp(z, packed, scales, experts, routing) -> tuple[int, int, int, int]:
     """Argument checks of ``expert_mlp_mxfp4``: returns (N, L, I, m)."""
     E, _, width = check_block("packed", packed, torch.uint8, (None, 3, None))
-    N, L, I, m = check_mlp_inputs(z, gates, 2, width)
+    N, L, I, m = check_mlp_inputs(z, routing, 2, width)
     check_block("scales", scales, torch.uint8, (E, 3, 2 * width // GROUP))
     if check_experts(experts, E) != m:
-        raise ValueError(f"experts has {experts.shape[0]} entries but gates has {m} slots")
+        raise ValueError(f"experts has {experts.shape[0]} entries but routing has {m} slots")
     return N, L, I, m

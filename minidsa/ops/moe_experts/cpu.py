@@ -95,54 +95,54 @@ def mxfp4_to_fp8(packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tens
     torch.index_select(scales, 0, experts, out=out_scales[:n])
 
 
-def _expert_mlp(z: torch.Tensor, values: torch.Tensor, gates: torch.Tensor, beta_gate: float,
+def _expert_mlp(z: torch.Tensor, values: torch.Tensor, routing: torch.Tensor, beta_gate: float,
                 beta_up: float) -> torch.Tensor:
-    """z [N, L], values [m, 3, I*L] (w1, w3 [I, L]; w2 [L, I]), gates [m, N], one float dtype -> y_lat [N, L]."""
+    """z [N, L], values [m, 3, I*L] (w1, w3 [I, L]; w2 [L, I]), routing [m, N], one float dtype -> y_lat [N, L]."""
     L = z.shape[1]
     I = values.shape[-1] // L
     w13 = values[:, :2].reshape(values.shape[0], 2 * I, L)  # w1 rows, then w3 rows: one matmul for both
     w2 = values[:, 2].unflatten(-1, (L, I))
-    if on_host(z, gates) and z.shape[0] >= ROUTED_ROWS_MIN_TOKENS and 2 * int((gates != 0).sum()) < gates.numel():
-        return _routed_rows(z, w13, w2, gates, beta_gate, beta_up)
+    if on_host(z, routing) and z.shape[0] >= ROUTED_ROWS_MIN_TOKENS and 2 * int((routing != 0).sum()) < routing.numel():
+        return _routed_rows(z, w13, w2, routing, beta_gate, beta_up)
     gu = z @ w13.mT  # [m, N, 2I]
     h = situ_glu_values(gu[..., :I], gu[..., I:], beta_gate, beta_up)  # [m, N, I]
-    return ((h * gates.unsqueeze(-1)) @ w2.mT).sum(0)  # [m, N, L] summed over slots in one reduction
+    return ((h * routing.unsqueeze(-1)) @ w2.mT).sum(0)  # [m, N, L] summed over slots in one reduction
 
 
-def _routed_rows(z, w13, w2, gates, beta_gate: float, beta_up: float) -> torch.Tensor:
+def _routed_rows(z, w13, w2, routing, beta_gate: float, beta_up: float) -> torch.Tensor:
     """The sum over the slots, each slot's MLP run on the tokens routed to it only. At prefill most of the
     dense form's rows have gate 0. The routed (slot, token) pairs are gathered once, grouped by slot: two
-    matrix products per slot, the activation and the gates once over all pairs, and one index_add that adds
+    matrix products per slot, the activation and the routing weights once over all pairs, and one index_add that adds
     a token's terms in slot order, as the dense form's reduction adds them (its other terms are exact zeros)."""
     I = w2.shape[-1]
-    slot, rows = gates.nonzero(as_tuple=True)  # row-major over [m, N]: grouped by slot, tokens ascending
-    counts = torch.bincount(slot, minlength=gates.shape[0]).tolist()
+    slot, rows = routing.nonzero(as_tuple=True)  # row-major over [m, N]: grouped by slot, tokens ascending
+    counts = torch.bincount(slot, minlength=routing.shape[0]).tolist()
     used = [j for j, c in enumerate(counts) if c]
     zs = z.index_select(0, rows).split([counts[j] for j in used])
     gu = torch.cat([part @ w13[j].mT for j, part in zip(used, zs)])  # [pairs, 2I]
-    h = situ_glu_values(gu[:, :I], gu[:, I:], beta_gate, beta_up) * gates[slot, rows].unsqueeze(-1)
+    h = situ_glu_values(gu[:, :I], gu[:, I:], beta_gate, beta_up) * routing[slot, rows].unsqueeze(-1)
     y = torch.cat([part @ w2[j].mT for j, part in zip(used, h.split([counts[j] for j in used]))])
     return z.new_zeros(z.shape).index_add_(0, rows, y)
 
 
-def expert_mlp_fp8(z: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor, gates: torch.Tensor,
+def expert_mlp_fp8(z: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor, routing: torch.Tensor,
                    beta_gate: float, beta_up: float, max_pairs: int = 0) -> torch.Tensor:
     """``expert_mlp_fp8_ref``; ``max_pairs`` (a kernel's buffer bound) is not needed here."""
-    m = check_fp8_mlp(z, elements, scales, gates)[3]
-    acc = acc_dtype(z, gates)
+    m = check_fp8_mlp(z, elements, scales, routing)[3]
+    acc = acc_dtype(z, routing)
     fp8, e8m0 = _tables(z.device, acc)
     values = _fp8_values(elements[:m], fp8)  # exact: every e4m3 value is a float
     _apply_scales(values, _lookup(e8m0, scales[:m]))
-    return _expert_mlp(cast(z, acc), values, cast(gates, acc), beta_gate, beta_up)
+    return _expert_mlp(cast(z, acc), values, cast(routing, acc), beta_gate, beta_up)
 
 
 def expert_mlp_mxfp4(z: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,
-                     gates: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
+                     routing: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
     """``expert_mlp_mxfp4_ref``, decoding the packed bytes through the pair table."""
-    check_mxfp4_mlp(z, packed, scales, experts, gates)
-    acc = acc_dtype(z, gates)
+    check_mxfp4_mlp(z, packed, scales, experts, routing)
+    acc = acc_dtype(z, routing)
     e8m0 = _tables(z.device, acc)[1]
     experts = experts.long()
     values = _mxfp4_values(packed.index_select(0, experts), acc)  # [m, 3, I*L], exact
     _apply_scales(values, _lookup(e8m0, scales.index_select(0, experts)))
-    return _expert_mlp(cast(z, acc), values, cast(gates, acc), beta_gate, beta_up)
+    return _expert_mlp(cast(z, acc), values, cast(routing, acc), beta_gate, beta_up)

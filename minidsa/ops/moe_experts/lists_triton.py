@@ -1,6 +1,6 @@
 """The compact (prefill) layout's lists of routed tokens, built in three launches (``mlp_triton.py``).
 
-From gates [m, N] (0 = not routed), slot j's routed tokens, ascending, are listed from ``offset[j]``;
+From routing [m, N] (0 = not routed), slot j's routed tokens, ascending, are listed from ``offset[j]``;
 ``rank[j, t]`` counts slot j's routed tokens up to and including token t (what the combine pass reads to
 find a pair's row); the slots' token tiles form one list whose running ends are ``tile_end``. As torch ops
 that is about a dozen launches per MoE layer (cumulative sums, a scatter, an assertion and their
@@ -23,13 +23,13 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["m", "N"])
-def _block_counts_kernel(gates_ptr, counts_ptr, m, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _block_counts_kernel(routing_ptr, counts_ptr, m, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """counts[b, j] = tokens of block b routed to slot j."""
     b = tl.program_id(0)
     j = tl.arange(0, BLOCK_M)
     n = b * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (j < m)[:, None] & (n < N)[None, :]
-    g = tl.load(gates_ptr + j[:, None].to(tl.int64) * N + n[None, :], mask=ok, other=0.0)
+    g = tl.load(routing_ptr + j[:, None].to(tl.int64) * N + n[None, :], mask=ok, other=0.0)
     tl.store(counts_ptr + b * BLOCK_M + j, tl.sum((g != 0).to(tl.int32), axis=1))
 
 
@@ -53,7 +53,7 @@ def _offsets_kernel(counts_ptr, count_ptr, offset_ptr, tile_end_ptr, fits_ptr, m
 
 
 @triton.jit(do_not_specialize=["m", "N"])
-def _lists_kernel(gates_ptr, before_ptr, offset_ptr, rank_ptr, token_ptr, m, N, BLOCK_M: tl.constexpr,
+def _lists_kernel(routing_ptr, before_ptr, offset_ptr, rank_ptr, token_ptr, m, N, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr):
     """rank[j, t] (inclusive count of slot j's routed tokens up to t) for the block's tokens, and each routed
     token written into its slot's list."""
@@ -62,28 +62,28 @@ def _lists_kernel(gates_ptr, before_ptr, offset_ptr, rank_ptr, token_ptr, m, N, 
     n = b * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (j < m)[:, None] & (n < N)[None, :]
     row = j[:, None].to(tl.int64) * N + n[None, :]
-    routed = (tl.load(gates_ptr + row, mask=ok, other=0.0) != 0).to(tl.int32)
+    routed = (tl.load(routing_ptr + row, mask=ok, other=0.0) != 0).to(tl.int32)
     rank = tl.cumsum(routed, axis=1) + tl.load(before_ptr + b * BLOCK_M + j)[:, None]
     tl.store(rank_ptr + row, rank, mask=ok)
     dest = tl.load(offset_ptr + j, mask=j < m, other=0)[:, None] + rank - 1
     tl.store(token_ptr + dest, tl.broadcast_to(n[None, :], (BLOCK_M, BLOCK_N)), mask=ok & (routed == 1))
 
 
-def compact_lists(gates: torch.Tensor, block_t: int, max_pairs: int = 0) -> tuple:
+def compact_lists(routing: torch.Tensor, block_t: int, max_pairs: int = 0) -> tuple:
     """Per-slot lists of routed tokens and the token tiles that walk them: (rank int32 [m, N] inclusive, count
     int32 [m], offset int32 [m], token int32 [pairs + 1], tile_end int32 [m] (inclusive running sum of the
     slots' tiles of ``block_t`` tokens), pairs, a bound on the tiles). With ``max_pairs`` (a bound the caller
     knows, N * top_k) the buffers are sized by it and nothing is read back: a bound below the true count stops
     the device with an assertion. Without it the pair count is read back (one host synchronisation)."""
-    m, N = gates.shape
-    dev, on_gpu = gates.device, gates.is_cuda
+    m, N = routing.shape
+    dev, on_gpu = routing.device, routing.is_cuda
     block_m = triton.next_power_of_2(m)
     block_n = max(16, min(256 if on_gpu else 32, 8192 // block_m))  # a [BLOCK_M, BLOCK_N] tile per program
     n_blocks = triton.cdiv(N, block_n)
     counts = torch.empty(n_blocks, block_m, dtype=torch.int32, device=dev)
     count, offset, tile_end = (torch.empty(m, dtype=torch.int32, device=dev) for _ in range(3))
     fits = torch.empty((), dtype=torch.bool, device=dev)
-    _block_counts_kernel[(n_blocks,)](gates, counts, m, N, BLOCK_M=block_m, BLOCK_N=block_n)
+    _block_counts_kernel[(n_blocks,)](routing, counts, m, N, BLOCK_M=block_m, BLOCK_N=block_n)
     _offsets_kernel[(1,)](counts, count, offset, tile_end, fits, m, n_blocks, max_pairs, BLOCK_T=block_t,
                           BLOCK_M=block_m)
     if max_pairs > 0:
@@ -93,7 +93,7 @@ def compact_lists(gates: torch.Tensor, block_t: int, max_pairs: int = 0) -> tupl
         pairs = int(count.sum())
     rank = torch.empty(m, N, dtype=torch.int32, device=dev)
     token = torch.empty(pairs + 1, dtype=torch.int32, device=dev)
-    _lists_kernel[(n_blocks,)](gates, counts, offset, rank, token, m, N, BLOCK_M=block_m, BLOCK_N=block_n)
+    _lists_kernel[(n_blocks,)](routing, counts, offset, rank, token, m, N, BLOCK_M=block_m, BLOCK_N=block_n)
     # sum over slots of ceil(count / block_t) <= pairs / block_t + m, and never more than every slot's N tokens
     tiles = min(triton.cdiv(pairs, block_t) + m, m * triton.cdiv(N, block_t))
     return rank, count, offset, token, tile_end, pairs, tiles

@@ -243,24 +243,24 @@ def _down_token(h_ptr, w2, s2, part_ptr, pair, L, I, BLOCK_R: tl.constexpr, RB: 
 
 
 @triton.jit
-def _up_decode(z_ptr, w1, s1, sw_m, ss_m, gates_ptr, h_ptr, slot, N, L, I, beta_gate, beta_up,
+def _up_decode(z_ptr, w1, s1, sw_m, ss_m, routing_ptr, h_ptr, slot, N, L, I, beta_gate, beta_up,
                BLOCK_R: tl.constexpr, RB: tl.constexpr, GA: tl.constexpr, GB: tl.constexpr, HC: tl.constexpr,
                PTX: tl.constexpr):
     """The up pass at decode (MXFP4): each of the slot's routed tokens on its own (a second token's read
     of the rows can hit L2)."""
     for t in range(N):
-        gate = tl.load(gates_ptr + slot * N + t).to(tl.float32)
+        gate = tl.load(routing_ptr + slot * N + t).to(tl.float32)
         if gate != 0.0:
             _up_token(z_ptr, w1, s1, sw_m, ss_m, h_ptr, slot.to(tl.int64) * N + t, t, gate, L, I, beta_gate, beta_up,
                       BLOCK_R, RB, GA, GB, HC, PTX)
 
 
 @triton.jit
-def _down_decode(h_ptr, w2, s2, gates_ptr, part_ptr, slot, N, L, I, BLOCK_R: tl.constexpr, RB: tl.constexpr,
+def _down_decode(h_ptr, w2, s2, routing_ptr, part_ptr, slot, N, L, I, BLOCK_R: tl.constexpr, RB: tl.constexpr,
                  GA: tl.constexpr, GB: tl.constexpr, HC: tl.constexpr, PTX: tl.constexpr):
     """The down pass at decode (MXFP4), over the slot's routed tokens like _up_decode."""
     for t in range(N):
-        if tl.load(gates_ptr + slot * N + t).to(tl.float32) != 0.0:
+        if tl.load(routing_ptr + slot * N + t).to(tl.float32) != 0.0:
             _down_token(h_ptr, w2, s2, part_ptr, slot.to(tl.int64) * N + t, L, I, BLOCK_R, RB, GA, GB, HC, PTX)
 
 

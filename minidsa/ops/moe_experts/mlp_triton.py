@@ -21,7 +21,7 @@ Three launches, grouped over all slots, no Python loop over experts and no atomi
 For one token (the dense layout; MXFP4 up to ``MXFP4_GEMV_MAX_TOKENS``) the up and down programs run
 matrix-vector products on the FMA units instead of tensor-core tiles (``matvec_triton.py``).
 
-*Skipping unrouted pairs.* A token lane is live only where ``gates[slot, token] != 0``: dead lanes
+*Skipping unrouted pairs.* A token lane is live only where ``routing[slot, token] != 0``: dead lanes
 load nothing and store nothing, and a program with no live lane reads no weight at all, so
 placeholder slots (docs/design.md §14) cost a few gate loads. Two pair layouts, chosen by shape:
 - dense (decode: N <= BLOCK_T, or up to ``DENSE_MAX_TOKENS`` while its buffers stay under
@@ -146,7 +146,7 @@ def _program_tile(tile_end_ptr, m, DENSE: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _pairs(slot, tile, has, gates_ptr, count_ptr, offset_ptr, token_ptr, N, DENSE: tl.constexpr,
+def _pairs(slot, tile, has, routing_ptr, count_ptr, offset_ptr, token_ptr, N, DENSE: tl.constexpr,
            BLOCK_T: tl.constexpr):
     """The token lanes of a program: (pair row int64, token, gate fp32, live) [BLOCK_T] each."""
     j = tile * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -158,7 +158,7 @@ def _pairs(slot, tile, has, gates_ptr, count_ptr, offset_ptr, token_ptr, N, DENS
         inside = j < tl.where(has, tl.load(count_ptr + slot), 0)
         pair = tl.load(offset_ptr + slot).to(tl.int64) + j
         token = tl.load(token_ptr + pair, mask=inside, other=0)
-    gate = tl.load(gates_ptr + slot.to(tl.int64) * N + token, mask=inside, other=0.0).to(tl.float32)
+    gate = tl.load(routing_ptr + slot.to(tl.int64) * N + token, mask=inside, other=0.0).to(tl.float32)
     return pair, token, gate, inside & (gate != 0.0)
 
 
@@ -191,7 +191,7 @@ def _up_step(w1, w3, sg, su, z_ptr, token, live, L, k0, acc_g, acc_u, rows, row_
 # N (tokens) is left unspecialised in the three passes: a new token count (prompt length, batch) compiles
 # no new variant; it only masks token rows and scales offsets.
 @triton.jit(do_not_specialize=["m", "N"])
-def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_ptr, token_ptr, tile_end_ptr, h_ptr,
+def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, routing_ptr, count_ptr, offset_ptr, token_ptr, tile_end_ptr, h_ptr,
                m, N, L, I, sw_e, sw_m, ss_e, ss_m, beta_gate, beta_up,
                MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, DOTS: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GEMV: tl.constexpr,
@@ -201,11 +201,11 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_pt
     slot = tl.program_id(2)
     if GEMV and MXFP4:  # decode, MXFP4: matrix-vector products over the slot's routed tokens
         w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
-        _up_decode(z_ptr, w1, s1, sw_m, ss_m, gates_ptr, h_ptr, slot, N, L, I, beta_gate, beta_up, BLOCK_R, RB, GA, GB,
+        _up_decode(z_ptr, w1, s1, sw_m, ss_m, routing_ptr, h_ptr, slot, N, L, I, beta_gate, beta_up, BLOCK_R, RB, GA, GB,
                    HC, PTX)
         return
     if GEMV:  # one token, FP8: the slot's pair is row ``slot``
-        gate = tl.load(gates_ptr + slot).to(tl.float32)
+        gate = tl.load(routing_ptr + slot).to(tl.float32)
         if gate != 0.0:
             rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
             row_ok = rows < I
@@ -216,7 +216,7 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_pt
             tl.store(h_ptr + slot.to(tl.int64) * I + rows, h, mask=row_ok)
         return
     slot, tile, has = _program_tile(tile_end_ptr, m, DENSE, BLOCK_M)
-    pair, token, gate, live = _pairs(slot, tile, has, gates_ptr, count_ptr, offset_ptr, token_ptr, N, DENSE,
+    pair, token, gate, live = _pairs(slot, tile, has, routing_ptr, count_ptr, offset_ptr, token_ptr, N, DENSE,
                                      BLOCK_T)
     if tl.max(live.to(tl.int32), axis=0) > 0:  # no routed token here: read no weight at all
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -238,7 +238,7 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_pt
 
 
 @triton.jit(do_not_specialize=["m", "N"])
-def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_ptr, token_ptr, tile_end_ptr,
+def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, routing_ptr, count_ptr, offset_ptr, token_ptr, tile_end_ptr,
                  part_ptr, m, N, L, I, sw_e, sw_m, ss_e, ss_m,
                  MXFP4: tl.constexpr, HAS_MAP: tl.constexpr, DENSE: tl.constexpr, DOTS: tl.constexpr,
                  BLOCK_M: tl.constexpr,
@@ -249,11 +249,11 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_
     slot = tl.program_id(2)
     if GEMV and MXFP4:
         w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
-        _down_decode(h_ptr, w1 + 2 * sw_m, s1 + 2 * ss_m, gates_ptr, part_ptr, slot, N, L, I, BLOCK_R, RB, GA, GB, HC,
+        _down_decode(h_ptr, w1 + 2 * sw_m, s1 + 2 * ss_m, routing_ptr, part_ptr, slot, N, L, I, BLOCK_R, RB, GA, GB, HC,
                      PTX)
         return
     if GEMV:
-        if tl.load(gates_ptr + slot).to(tl.float32) != 0.0:
+        if tl.load(routing_ptr + slot).to(tl.float32) != 0.0:
             rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
             row_ok = rows < L
             w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
@@ -262,7 +262,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_
             tl.store(part_ptr + slot.to(tl.int64) * L + rows, part, mask=row_ok)
         return
     slot, tile, has = _program_tile(tile_end_ptr, m, DENSE, BLOCK_M)
-    pair, token, gate, live = _pairs(slot, tile, has, gates_ptr, count_ptr, offset_ptr, token_ptr, N, DENSE,
+    pair, token, gate, live = _pairs(slot, tile, has, routing_ptr, count_ptr, offset_ptr, token_ptr, N, DENSE,
                                      BLOCK_T)
     if tl.max(live.to(tl.int32), axis=0) > 0:
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -285,7 +285,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, gates_ptr, count_ptr, offset_
 
 
 @triton.jit(do_not_specialize=["m", "N"])
-def _combine_kernel(part_ptr, gates_ptr, rank_ptr, offset_ptr, out_ptr, m, N, L, DENSE: tl.constexpr,
+def _combine_kernel(part_ptr, routing_ptr, rank_ptr, offset_ptr, out_ptr, m, N, L, DENSE: tl.constexpr,
                     BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr):
     """y[token, cols] = sum over slots (fixed order) of the token's per-pair rows; unrouted slots skipped."""
     token = tl.program_id(0)
@@ -294,7 +294,7 @@ def _combine_kernel(part_ptr, gates_ptr, rank_ptr, offset_ptr, out_ptr, m, N, L,
     acc = tl.zeros((BLOCK_L,), tl.float32)
     for s0 in range(0, m, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
-        routed = (s < m) & (tl.load(gates_ptr + s.to(tl.int64) * N + token, mask=s < m, other=0.0) != 0.0)
+        routed = (s < m) & (tl.load(routing_ptr + s.to(tl.int64) * N + token, mask=s < m, other=0.0) != 0.0)
         if DENSE:
             pair = s.to(tl.int64) * N + token
         else:  # rank is the inclusive count of routed tokens up to this one in the slot's list
@@ -322,10 +322,10 @@ def _config(on_gpu: bool, dense: bool, N: int = 1) -> dict:
     return dict(BLOCK_T=128, BLOCK_R=64, BLOCK_K=64, num_warps=4, num_stages=3, BLOCK_S=16, BLOCK_L=256)
 
 
-def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool | None = None,
+def _launch_mlp(z, w, s, experts, routing, beta_gate, beta_up, L, I, dense: bool | None = None,
                 max_pairs: int = 0) -> torch.Tensor:
     """The three passes; ``experts`` None means slot j is storage row j (the FP8 workspace)."""
-    N, m = z.shape[0], gates.shape[0]
+    N, m = z.shape[0], routing.shape[0]
     if N == 0 or m == 0:
         return torch.zeros(N, L, dtype=torch.float32, device=z.device)
     out = torch.empty(N, L, dtype=torch.float32, device=z.device)  # the combine writes every element
@@ -337,18 +337,18 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
     # bf16 z (a bf16 model's activations) is read as it is: every value is exact in bf16, so the up pass's
     # tensor-core products need no low half of z (one bf16 dot per plane instead of two)
     z_bf16 = z.dtype == torch.bfloat16
-    z, gates = (z if z_bf16 else z.float()).contiguous(), gates.float().contiguous()
+    z, routing = (z if z_bf16 else z.float()).contiguous(), routing.float().contiguous()
     if dense:
-        rank = count = offset = token = tile_end = gates  # unused pointers
+        rank = count = offset = token = tile_end = routing  # unused pointers
         pairs = m * N
         tiles = triton.cdiv(N, cfg["BLOCK_T"])  # per slot (grid axis 2)
     else:
-        rank, count, offset, token, tile_end, pairs, tiles = compact_lists(gates, cfg["BLOCK_T"], max_pairs)
+        rank, count, offset, token, tile_end, pairs, tiles = compact_lists(routing, cfg["BLOCK_T"], max_pairs)
         if pairs == 0:  # no token routed anywhere
             return out.zero_()
     h = torch.empty(pairs, I, dtype=torch.float32, device=z.device)
     part = torch.empty(pairs, L, dtype=torch.float32, device=z.device)
-    shared = (w, s, gates if experts is None else experts.contiguous(), gates, count, offset, token, tile_end)
+    shared = (w, s, routing if experts is None else experts.contiguous(), routing, count, offset, token, tile_end)
     strides = (m, N, L, I, w.stride(0), w.stride(1), s.stride(0), s.stride(1))
     # BLOCK_M, the tile list's search width, is 1 where the dense layout ignores it: a decode batch's slot count
     # (min(N * top_k, E)) then compiles no new variant
@@ -369,30 +369,30 @@ def _launch_mlp(z, w, s, experts, gates, beta_gate, beta_up, L, I, dense: bool |
     _up_kernel[(tiles, triton.cdiv(I, meta["BLOCK_R"]), slots)](z, *shared, h, *strides, float(beta_gate),
                                                                 float(beta_up), **up_meta, **parts_up)
     _down_kernel[(tiles, triton.cdiv(L, meta["BLOCK_R"]), slots)](h, *shared, part, *strides, **meta, **parts_down)
-    _combine_kernel[(N, triton.cdiv(L, cfg["BLOCK_L"]))](part, gates, rank, offset, out, m, N, L, DENSE=dense,
+    _combine_kernel[(N, triton.cdiv(L, cfg["BLOCK_L"]))](part, routing, rank, offset, out, m, N, L, DENSE=dense,
                                                          BLOCK_S=cfg["BLOCK_S"], BLOCK_L=cfg["BLOCK_L"])
     return out
 
 
-def expert_mlp_fp8(z: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor, gates: torch.Tensor,
+def expert_mlp_fp8(z: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor, routing: torch.Tensor,
                    beta_gate: float, beta_up: float, max_pairs: int = 0) -> torch.Tensor:
     """Routed-expert MLPs over the FP8 workspace slots: z [N, L], elements float8_e4m3fn [cap, 3, I*L],
-    scales uint8 [cap, 3, I*L/32], gates [m, N] (0 = not routed) -> y_lat [N, L] fp32."""
-    N, L, I, m = check_fp8_mlp(z, elements, scales, gates)
-    if torch.float64 in (z.dtype, gates.dtype):
-        return expert_mlp_fp8_ref(z, elements, scales, gates, beta_gate, beta_up)
+    scales uint8 [cap, 3, I*L/32], routing [m, N] (0 = not routed) -> y_lat [N, L] fp32."""
+    N, L, I, m = check_fp8_mlp(z, elements, scales, routing)
+    if torch.float64 in (z.dtype, routing.dtype):
+        return expert_mlp_fp8_ref(z, elements, scales, routing, beta_gate, beta_up)
     _require_rows_contiguous("elements", elements)
     _require_rows_contiguous("scales", scales)
-    return _launch_mlp(z, elements, scales, None, gates, beta_gate, beta_up, L, I, max_pairs=max_pairs)
+    return _launch_mlp(z, elements, scales, None, routing, beta_gate, beta_up, L, I, max_pairs=max_pairs)
 
 
 def expert_mlp_mxfp4(z: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,
-                     gates: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
+                     routing: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
     """Routed-expert MLPs straight from MXFP4 storage: z [N, L], packed uint8 [E, 3, I*L/2], scales uint8
-    [E, 3, I*L/32], experts integer [m] (slot j = expert experts[j]), gates [m, N] -> y_lat [N, L] fp32."""
-    N, L, I, m = check_mxfp4_mlp(z, packed, scales, experts, gates)
-    if torch.float64 in (z.dtype, gates.dtype):
-        return expert_mlp_mxfp4_ref(z, packed, scales, experts, gates, beta_gate, beta_up)
+    [E, 3, I*L/32], experts integer [m] (slot j = expert experts[j]), routing [m, N] -> y_lat [N, L] fp32."""
+    N, L, I, m = check_mxfp4_mlp(z, packed, scales, experts, routing)
+    if torch.float64 in (z.dtype, routing.dtype):
+        return expert_mlp_mxfp4_ref(z, packed, scales, experts, routing, beta_gate, beta_up)
     _require_rows_contiguous("packed", packed)
     _require_rows_contiguous("scales", scales)
-    return _launch_mlp(z, packed, scales, experts, gates, beta_gate, beta_up, L, I)
+    return _launch_mlp(z, packed, scales, experts, routing, beta_gate, beta_up, L, I)

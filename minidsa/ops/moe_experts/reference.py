@@ -12,7 +12,7 @@ Every E2M1 value is exact in e4m3 and every (value * 2^(s-127)) product is exact
 ops see identical weight values. The MLP, dense over the m slots (docs/design.md §14):
 
     h_m    = SiTU-GLU(z W1_m^T, z W3_m^T)           [m, N, I]
-    y_lat  = sum_m (gates[m, :, None] * h_m) W2_m^T  [N, L]
+    y_lat  = sum_m (routing[m, :, None] * h_m) W2_m^T  [N, L]
 
 The fast CPU forms (lookup tables, routed rows) are ``cpu.py``; the argument checks ``checks.py``.
 """
@@ -41,13 +41,13 @@ def scaled(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (values.unflatten(-1, (-1, GROUP)) * group_scale).flatten(-2)
 
 
-def expert_mlp(z: torch.Tensor, w: torch.Tensor, gates: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
-    """z [N, L], weights w [m, 3, I*L] (w1, w3 [I, L]; w2 [L, I]), gates [m, N], one float dtype -> y_lat [N, L]."""
+def expert_mlp(z: torch.Tensor, w: torch.Tensor, routing: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
+    """z [N, L], weights w [m, 3, I*L] (w1, w3 [I, L]; w2 [L, I]), routing [m, N], one float dtype -> y_lat [N, L]."""
     L = z.shape[1]
     I = w.shape[-1] // L
     w1, w3, w2 = w[:, 0].unflatten(-1, (I, L)), w[:, 1].unflatten(-1, (I, L)), w[:, 2].unflatten(-1, (L, I))
     h = situ_glu_values(z @ w1.mT, z @ w3.mT, beta_gate, beta_up)  # [m, N, I]
-    return ((h * gates.unsqueeze(-1)) @ w2.mT).sum(0)
+    return ((h * routing.unsqueeze(-1)) @ w2.mT).sum(0)
 
 
 @op(kernel="convert_triton", cpu="cpu", mutates=("out_elements", "out_scales"),
@@ -70,8 +70,8 @@ def mxfp4_to_fp8(packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tens
 
 
 @op(kernel="mlp_triton", cpu="cpu",
-    fake=lambda z, elements, scales, gates, beta_gate, beta_up, max_pairs=0: result_like(z, z.shape))
-def expert_mlp_fp8(z: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor, gates: torch.Tensor,
+    fake=lambda z, elements, scales, routing, beta_gate, beta_up, max_pairs=0: result_like(z, z.shape))
+def expert_mlp_fp8(z: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor, routing: torch.Tensor,
                        beta_gate: float, beta_up: float, max_pairs: int = 0) -> torch.Tensor:
     """Routed-expert MLPs over the FP8 workspace; slot j holds one expert.
 
@@ -79,37 +79,37 @@ def expert_mlp_fp8(z: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor
         z: [N, L] latent inputs (``routed_expert_down_proj(x)``).
         elements: float8_e4m3fn [cap, 3, I*L] workspace elements (w1, w3 [I, L]; w2 [L, I]).
         scales: uint8 [cap, 3, I*L/32] their E8M0 group scales.
-        gates: [m, N] routing weight of token n for slot j (m <= cap), 0 = not routed.
+        routing: [m, N] routing weight of token n for slot j (m <= cap), 0 = not routed.
         beta_gate, beta_up: SiTU-GLU clip widths.
         max_pairs: a bound on the routed (slot, token) pairs that sizes the kernels' buffers; unused here.
     Returns:
-        y_lat [N, L] in fp32 (fp64 if z or gates is): sum_j gates[j, n] W2_j SiTU-GLU(W1_j z_n, W3_j z_n).
+        y_lat [N, L] in fp32 (fp64 if z or routing is): sum_j routing[j, n] W2_j SiTU-GLU(W1_j z_n, W3_j z_n).
     """
-    m = check_fp8_mlp(z, elements, scales, gates)[3]
-    acc = acc_dtype(z, gates)
+    m = check_fp8_mlp(z, elements, scales, routing)[3]
+    acc = acc_dtype(z, routing)
     w = scaled(elements[:m].to(acc), scales[:m])  # exact: every e4m3 value is a float
-    return expert_mlp(cast(z, acc), w, cast(gates, acc), beta_gate, beta_up)
+    return expert_mlp(cast(z, acc), w, cast(routing, acc), beta_gate, beta_up)
 
 
 @op(kernel="mlp_triton", cpu="cpu",
-    fake=lambda z, packed, scales, experts, gates, beta_gate, beta_up: result_like(z, z.shape))
+    fake=lambda z, packed, scales, experts, routing, beta_gate, beta_up: result_like(z, z.shape))
 def expert_mlp_mxfp4(z: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,
-                         gates: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
+                         routing: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
     """``expert_mlp_fp8_ref`` with the weights read straight from MXFP4 storage, no workspace.
 
     Args:
         z: [N, L]; packed: uint8 [E, 3, I*L/2]; scales: uint8 [E, 3, I*L/32] (``RoutedExperts.packed`` /
-        ``scales``); experts: integer [m], slot j computes expert experts[j]; gates: [m, N]
+        ``scales``); experts: integer [m], slot j computes expert experts[j]; routing: [m, N]
         (0 = not routed); beta_gate, beta_up: SiTU-GLU clip widths.
     Returns:
-        y_lat [N, L] fp32 (fp64 if z or gates is), equal to ``expert_mlp_fp8_ref`` after
+        y_lat [N, L] fp32 (fp64 if z or routing is), equal to ``expert_mlp_fp8_ref`` after
         ``mxfp4_to_fp8_ref`` of the same experts.
     """
-    check_mxfp4_mlp(z, packed, scales, experts, gates)
-    acc = acc_dtype(z, gates)
+    check_mxfp4_mlp(z, packed, scales, experts, routing)
+    acc = acc_dtype(z, routing)
     experts = experts.long()
     w = scaled(e2m1_values(packed[experts], acc), scales[experts])  # [m, 3, I*L], exact
-    return expert_mlp(cast(z, acc), w, cast(gates, acc), beta_gate, beta_up)
+    return expert_mlp(cast(z, acc), w, cast(routing, acc), beta_gate, beta_up)
 
 
 # The plain references by the names the kernels' fallbacks and the tests call them.

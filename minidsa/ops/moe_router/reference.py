@@ -61,7 +61,7 @@ def check_plan(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> tu
     result_like(weights, (min(ids.numel(), num_experts), ids.shape[0])), result_like(ids, (), torch.int64)))
 def moe_plan(ids: torch.Tensor, weights: torch.Tensor,
                  num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The experts a layer's tokens were routed to, as the slots of one expert batch, and their gates.
+    """The experts a layer's tokens were routed to, as the slots of one expert batch, and their routing weights.
 
     Args:
         ids: integer [N, top_k] chosen experts, in [0, num_experts). A row repeats an id only with weight 0
@@ -71,15 +71,15 @@ def moe_plan(ids: torch.Tensor, weights: torch.Tensor,
     Returns:
         experts: int64 [m], m = min(N * top_k, E), known from the shapes alone (no host sync): every routed
             expert in ascending id order, then unrouted ones in ascending order as placeholders;
-        gates: [m, N] fp32 (fp64 for fp64 weights): the weight token n gives experts[j], 0 where none;
+        routing: [m, N] fp32 (fp64 for fp64 weights): the weight token n gives experts[j], 0 where none;
         num_routed: int64 [], how many of the m slots hold routed experts.
     """
     check_plan(ids, weights, num_experts)
     routed = torch.zeros(num_experts, dtype=torch.bool, device=ids.device).index_fill_(0, ids.reshape(-1), True)
     order = torch.sort((~routed).to(torch.int8), stable=True).indices
     experts = order[: min(ids.numel(), num_experts)]
-    gates = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * weights).sum(-1)  # one nonzero term at most
-    return experts, cast(gates, acc_dtype(weights)), routed.sum()
+    routing = ((ids.unsqueeze(0) == experts.view(-1, 1, 1)) * weights).sum(-1)  # one nonzero term at most
+    return experts, cast(routing, acc_dtype(weights)), routed.sum()
 
 
 # The plain references by the names the kernels' fallbacks and the tests call them.
