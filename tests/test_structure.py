@@ -285,6 +285,15 @@ def test_no_intra_package_import_inside_a_function():
     assert not bad, "intra-package imports must be at module level:\n" + "\n".join(bad)
 
 
+def test_no_private_name_is_imported_from_another_file():
+    """A helper another file needs carries a public name; an underscore name stays in its own file (a module
+    whose name starts with an underscore, such as ``ops/_checks.py``, is the package's own and may be imported)."""
+    bad = [f"{path.relative_to(ROOT)}:{node.lineno} imports {alias.name} from {node.module}"
+           for path in package_files() for node in ast.walk(ast.parse(path.read_text()))
+           if isinstance(node, ast.ImportFrom)
+           for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert not bad, "private names imported across files:\n" + "\n".join(bad)
+
 # ------------------------------------------------------------------------------------------- 3. lengths
 def test_functions_are_at_most_50_lines():
     bad = []

@@ -48,7 +48,7 @@ def run(variant: str) -> None:
     if variant == "one_dot":
         mlp._dot = _dot_one
     if variant == "no_decode":
-        mlp._weight_planes = _planes_no_decode
+        mlp.weight_planes = _planes_no_decode
     warm_up("cuda")
     L = I = 512
     E, k, N = 64, 8, 32

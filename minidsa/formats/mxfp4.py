@@ -134,7 +134,7 @@ def _byte_to_fp8_pair(device=None) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _byte_pair_to_fp8_quad(device=None) -> torch.Tensor:
+def byte_pair_to_fp8_quad(device=None) -> torch.Tensor:
     """int32 [65536]: for every two packed bytes (read as uint16), their four e4m3 bytes in memory order.
     One gather then writes four elements: on a CPU, where a gather costs the same at any width up to
     16 bytes, that halves the conversion's time."""
@@ -144,7 +144,7 @@ def _byte_pair_to_fp8_quad(device=None) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _fp8_values(device=None) -> torch.Tensor:
+def fp8_values(device=None) -> torch.Tensor:
     """fp32 [256]: the value of every e4m3 bit pattern (a lookup is faster than a cast on the CPU)."""
     with torch.inference_mode(False):
         return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().to(device)
@@ -159,7 +159,7 @@ def _e8m0_values(device=None) -> torch.Tensor:
         return values.float().to(device)
 
 
-def _lookup(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+def table_lookup(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """table [256] indexed by uint8 ``codes`` [...] -> [...] (index_select on int32: the fastest gather on CPU)."""
     return table.index_select(0, codes.reshape(-1).int()).view(codes.shape)
 
@@ -172,14 +172,14 @@ def to_fp8(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
     shared workspace is the op ``ops.mxfp4_to_fp8``; this converts whole tensors, e.g. offline mode.)
     """
     _check_pair(packed, scales)
-    pairs = _lookup(_byte_to_fp8_pair(packed.device), packed)  # int16 [..., K/2]: both bytes at once
+    pairs = table_lookup(_byte_to_fp8_pair(packed.device), packed)  # int16 [..., K/2]: both bytes at once
     return pairs.view(torch.float8_e4m3fn).view(packed.shape[:-1] + (packed.shape[-1] * 2,)), scales
 
 
 def fp8_dequantize(elements: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """FP8 elements [..., K] with (validated) E8M0 group scales [..., K/32] -> [..., K] in ``dtype`` (exact)."""
-    values = _lookup(_fp8_values(elements.device), elements.view(torch.uint8))
-    scale = _lookup(_e8m0_values(scales.device), scales)
+    values = table_lookup(fp8_values(elements.device), elements.view(torch.uint8))
+    scale = table_lookup(_e8m0_values(scales.device), scales)
     values.view(*values.shape[:-1], -1, GROUP).mul_(scale.unsqueeze(-1))  # in place: one buffer, not two
     return values.to(dtype)
 

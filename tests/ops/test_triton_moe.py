@@ -218,7 +218,7 @@ def test_gpu_e2m1_ptx_decodes_every_code():
     # element order, for every code in every position.
     values = mxfp4.e2m1_table(torch.float64) * 2.0 ** -14
     for word in _words():
-        regs = _run_ptx(dequant._E2M1_PTX.value, {"$8": word})
+        regs = _run_ptx(dequant.E2M1_PTX.value, {"$8": word})
         got = torch.tensor([regs[f"${j}"] for j in range(8)], dtype=torch.int32).to(torch.int16)
         got = got.view(torch.float16).double()
         want = values[[(word >> 4 * j) & 15 for j in range(8)]]

@@ -18,7 +18,7 @@ from .._dispatch import op
 from .._library import result_like
 
 
-def _check(g, u, *more) -> None:
+def check_situ_glu_args(g, u, *more) -> None:
     shape = check_tensor("g", g, floating=True)
     check_tensor("u", u, shape=shape, floating=True)
     for t in more:
@@ -35,7 +35,7 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float,
                  dtype: torch.dtype | None = None) -> torch.Tensor:
     """g, u [...] -> h [...] in fp32 (fp64 if g or u is), computed so; ``dtype``: h rounded to it once at the end
     (the product that reads h wants the model's dtype)."""
-    _check(g, u)
+    check_situ_glu_args(g, u)
     acc = acc_dtype(g, u)
     h = situ_glu_values(cast(g, acc), cast(u, acc), beta_gate, beta_up)
     return h if dtype is None else cast(h, dtype)
@@ -46,7 +46,7 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float,
 def situ_glu_backward(g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor, beta_gate: float,
                           beta_up: float) -> tuple[torch.Tensor, torch.Tensor]:
     """g, u, grad (dLoss/dh) [...] -> (dLoss/dg, dLoss/du) [...] in fp32 (fp64 if any input is)."""
-    _check(g, u, grad)
+    check_situ_glu_args(g, u, grad)
     acc = acc_dtype(g, u, grad)
     g, u, grad = cast(g, acc), cast(u, acc), cast(grad, acc)
     tg, tu, sig = torch.tanh(g / beta_gate), torch.tanh(u / beta_up), torch.sigmoid(g)

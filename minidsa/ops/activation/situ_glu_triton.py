@@ -7,7 +7,7 @@ activations) the fused pass is what makes recomputation cheaper than keeping int
 built from exp (``_tanh``; relative error ~1e-7), so results agree with the references to fp32 rounding,
 not bitwise. Inputs of any shape and float dtype, read in place where their rows are dense (a slice of
 a fused projection's output); outputs fp32 and contiguous. The jit helpers ``_tanh``
-and ``_situ_glu`` are also what the routed-expert kernels (``ops/moe_experts``) apply in registers.
+and ``situ_glu_tl`` are also what the routed-expert kernels (``ops/moe_experts``) apply in registers.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..norm.rms_triton import _bf16_rne
-from .reference import _check, situ_glu_backward_ref, situ_glu_ref
+from ..norm.rms_triton import bf16_rne
+from .reference import check_situ_glu_args, situ_glu_backward_ref, situ_glu_ref
 
 BLOCK = {"cuda": 2048, "cpu": 64}
 
@@ -35,14 +35,14 @@ def _tanh(x):
 
 
 @triton.jit
-def _sigmoid(x):
+def sigmoid(x):
     """1 / (1 + e^-x) from e^-|x|, which cannot overflow (the gates of ``ops/gate`` and ``ops/kda``)."""
     e = tl.exp(-tl.abs(x))
     return tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
 @triton.jit
-def _situ_glu(g, u, beta_gate, beta_up):
+def situ_glu_tl(g, u, beta_gate, beta_up):
     """beta_gate * tanh(g / beta_gate) * sigmoid(g) * beta_up * tanh(u / beta_up) (minidsa.model.ffn.situ_glu)."""
     sig = 1.0 / (1.0 + tl.exp(-g))
     return (beta_gate * _tanh(g / beta_gate) * sig) * (beta_up * _tanh(u / beta_up))
@@ -58,9 +58,9 @@ def _fwd_kernel(g_ptr, u_ptr, h_ptr, n, F, stride_g, stride_u, beta_gate, beta_u
     row, col = offs // F, offs % F
     g = tl.load(g_ptr + row * stride_g + col, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + col, mask=ok, other=0.0).to(tl.float32)
-    h = _situ_glu(g, u, beta_gate, beta_up)
+    h = situ_glu_tl(g, u, beta_gate, beta_up)
     if RNE:  # a bf16 result rounded as torch rounds (ties to even): the interpreter's .to truncates
-        h = _bf16_rne(h)
+        h = bf16_rne(h)
     tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=ok)
 
 
@@ -83,7 +83,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
 
 
-def _rows(t: torch.Tensor, F: int) -> torch.Tensor:
+def as_rows(t: torch.Tensor, F: int) -> torch.Tensor:
     """t [..., F] as [R, F] rows with a row stride and dense columns: a view where the leading dimensions merge
     (a slice of a wider output, say), a copy otherwise. The elementwise kernels here and in ``ops/gate`` and
     ``ops/kda`` read their inputs so."""
@@ -94,7 +94,7 @@ def _rows(t: torch.Tensor, F: int) -> torch.Tensor:
 def situ_glu(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float,
              dtype: torch.dtype | None = None) -> torch.Tensor:
     """The contract of ``situ_glu_ref``: g, u [...] -> h [...] fp32, or in ``dtype``."""
-    _check(g, u)
+    check_situ_glu_args(g, u)
     if torch.float64 in (g.dtype, u.dtype, dtype):
         return situ_glu_ref(g, u, beta_gate, beta_up, dtype)
     h = torch.empty(g.shape, dtype=dtype or torch.float32, device=g.device)
@@ -102,7 +102,7 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float,
     if n:
         block = BLOCK["cuda" if g.is_cuda else "cpu"]
         F = g.shape[-1] if g.dim() else 1
-        g2, u2 = _rows(g, F), _rows(u, F)
+        g2, u2 = as_rows(g, F), as_rows(u, F)
         _fwd_kernel[(triton.cdiv(n, block),)](g2, u2, h.view(-1), n, g2.shape[1], g2.stride(0), u2.stride(0),
                                              float(beta_gate), float(beta_up), RNE=h.dtype == torch.bfloat16,
                                              BLOCK=block)
@@ -112,7 +112,7 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta_gate: float, beta_up: float,
 def situ_glu_backward(g: torch.Tensor, u: torch.Tensor, grad: torch.Tensor, beta_gate: float,
                       beta_up: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract of ``situ_glu_backward_ref``: (dLoss/dg, dLoss/du) fp32, one fused pass."""
-    _check(g, u, grad)
+    check_situ_glu_args(g, u, grad)
     if torch.float64 in (g.dtype, u.dtype, grad.dtype):
         return situ_glu_backward_ref(g, u, grad, beta_gate, beta_up)
     dg = torch.empty(g.shape, dtype=torch.float32, device=g.device)

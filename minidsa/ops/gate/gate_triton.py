@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..activation.situ_glu_triton import _rows, _sigmoid
-from ..norm.rms_triton import _bf16_rne
+from ..activation.situ_glu_triton import as_rows, sigmoid
+from ..norm.rms_triton import bf16_rne
 from .reference import check_output_gate, output_gate_ref
 
 _TILE = 4096  # elements a program gates (ROWS x BLOCK_K)
@@ -32,9 +32,9 @@ def _gate_kernel(o_ptr, g_ptr, w_ptr, y_ptr, n_rows, H, K, stride_g, eps, NORM: 
         x = x * inv[:, None] * tl.load(w_ptr + c, mask=c < K, other=0.0).to(tl.float32)[None, :]
     row, head = i // H, i % H
     g = tl.load(g_ptr + row[:, None] * stride_g + head[:, None] * K + c[None, :], mask=ok, other=0.0).to(tl.float32)
-    y = x * _sigmoid(g)
+    y = x * sigmoid(g)
     if RNE:
-        y = _bf16_rne(y)
+        y = bf16_rne(y)
     tl.store(y_ptr + i[:, None] * K + c[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
@@ -48,7 +48,7 @@ def output_gate(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None
     n = o.numel() // K if K else 0
     if n == 0:
         return y
-    rows, g = o.reshape(-1, K).contiguous(), _rows(gate, H * K)
+    rows, g = o.reshape(-1, K).contiguous(), as_rows(gate, H * K)
     block_k = triton.next_power_of_2(K)
     per = max(1, _TILE // block_k) if o.is_cuda else 1  # the interpreter: one row a program
     _gate_kernel[(triton.cdiv(n, per),)](rows, g, rows if weight is None else weight.contiguous(), y, n, H, K,

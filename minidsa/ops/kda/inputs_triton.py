@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..activation.situ_glu_triton import _rows, _sigmoid
+from ..activation.situ_glu_triton import as_rows, sigmoid
 from .reference import L2_EPS, check_inputs, kda_inputs_ref
 
 _TILE = 4096  # elements per program and tensor (ROWS x BLOCK_K)
@@ -36,9 +36,9 @@ def _inputs_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, dt_ptr, q_ptr, k_ptr, g_ptr, be
     z = tl.load(z_ptr + t[:, None] * stride_z + (h[:, None] * K + c[None, :]), mask=ok, other=0.0).to(tl.float32)
     z += tl.load(dt_ptr + h[:, None] * K + c[None, :], mask=ok, other=0.0).to(tl.float32)
     a = tl.exp(tl.load(a_ptr + h, mask=row_ok, other=0.0).to(tl.float32))
-    tl.store(g_ptr + out, lower_bound * _sigmoid(a[:, None] * z), mask=ok)
+    tl.store(g_ptr + out, lower_bound * sigmoid(a[:, None] * z), mask=ok)
     beta = tl.load(b_ptr + t * stride_b + h, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(beta_ptr + i, _sigmoid(beta), mask=row_ok)
+    tl.store(beta_ptr + i, sigmoid(beta), mask=row_ok)
 
 
 def kda_inputs(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -54,7 +54,7 @@ def kda_inputs(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: torch
     if n == 0:
         return q, k, g, beta
     qkv = qkv if qkv.is_contiguous() else qkv.contiguous()
-    z2, b2 = _rows(z, H * K), _rows(b, H)
+    z2, b2 = as_rows(z, H * K), as_rows(b, H)
     block_k = triton.next_power_of_2(K)
     per = max(1, _TILE // block_k) if qkv.is_cuda else 1  # the interpreter: one row a program
     _inputs_kernel[(triton.cdiv(n, per),)](qkv, z2, b2, A_log.contiguous(), dt_bias.contiguous(), q, k, g, beta, n,

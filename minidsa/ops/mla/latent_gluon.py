@@ -70,14 +70,14 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory one program may use on sm_90
 
 
 @functools.lru_cache(maxsize=None)
-def _is_sm90(device_index: int) -> bool:
+def is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)  # cached: microseconds of host time per query
 
 
 def gluon_fits(kv_plane: torch.Tensor, pe_plane: torch.Tensor, H: int) -> bool:
     """Whether this kernel handles the call (else the Triton kernel does)."""
     R, DR = kv_plane.shape[-1], pe_plane.shape[-1]
-    if kv_plane.device.type != "cuda" or not _is_sm90(kv_plane.device.index):
+    if kv_plane.device.type != "cuda" or not is_sm90(kv_plane.device.index):
         return False
     if kv_plane.dtype not in (torch.bfloat16, torch.float16) or pe_plane.dtype != kv_plane.dtype:
         return False
@@ -96,7 +96,7 @@ def gluon_fits(kv_plane: torch.Tensor, pe_plane: torch.Tensor, H: int) -> bool:
 
 
 @triton.constexpr_function
-def _nvmma(shape, dtype):
+def nvmma(shape, dtype):
     """The swizzled shared layout wgmma reads (the widest swizzle the row allows)."""
     return gl.NVMMASharedLayout.get_default_for(shape, dtype)
 
@@ -309,11 +309,11 @@ def _latent_attn_fwd_sm90(
     end = gl.minimum(start + keys_per_split, K)
     n_pairs = gl.cdiv(gl.cdiv(end - start, BLOCK_N), 2)  # an odd tile count ends with a tile of no valid position
     rows = rows_ptr + bt * K
-    q_smem = gl.allocate_shared_memory(dt, [1, BLOCK_H, R], _nvmma([BLOCK_H, R], dt))  # (indexed by _opaque_zero)
-    qpe_smem = gl.allocate_shared_memory(dt, [1, BLOCK_H, DR], _nvmma([BLOCK_H, DR], dt))
-    kv_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, R], _nvmma([BLOCK_N, R], dt))
-    pe_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], _nvmma([BLOCK_N, DR], dt))
-    p_smem = gl.allocate_shared_memory(dt, [BLOCK_H, BLOCK_N], _nvmma([BLOCK_H, BLOCK_N], dt))
+    q_smem = gl.allocate_shared_memory(dt, [1, BLOCK_H, R], nvmma([BLOCK_H, R], dt))  # (indexed by _opaque_zero)
+    qpe_smem = gl.allocate_shared_memory(dt, [1, BLOCK_H, DR], nvmma([BLOCK_H, DR], dt))
+    kv_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, R], nvmma([BLOCK_N, R], dt))
+    pe_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], nvmma([BLOCK_N, DR], dt))
+    p_smem = gl.allocate_shared_memory(dt, [BLOCK_H, BLOCK_N], nvmma([BLOCK_H, BLOCK_N], dt))
     vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     stat_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec)  # the last scored tile's max, rescale
     l_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec)  # the two groups' row sums

@@ -78,7 +78,7 @@ try:  # the sm_90 kernel (Gluon); a triton without Gluon, or with another Gluon 
 except (ImportError, AttributeError):
     _gluon = None
 
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 # Planes with fewer elements than this are addressed with int32 row offsets (half the address arithmetic);
 # larger ones with int64.
 INT32_OFFSETS_BELOW = 2**31
@@ -120,7 +120,7 @@ def _gather(ptrs, W: tl.constexpr, BLOCK_W: tl.constexpr):
 
 
 @triton.jit
-def _rows_at(ptr, offs, ok, W: tl.constexpr, BLOCK_W: tl.constexpr):
+def rows_at(ptr, offs, ok, W: tl.constexpr, BLOCK_W: tl.constexpr):
     """Rows [len(offs), BLOCK_W] at element offsets ``offs``: 0 where ``ok`` is False (padded heads, rows
     past the end) and in columns past W. The query block of the decode loop; the prefill kernel's q, k, v."""
     cols = tl.arange(0, BLOCK_W)
@@ -128,7 +128,7 @@ def _rows_at(ptr, offs, ok, W: tl.constexpr, BLOCK_W: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i):
+def softmax_step(s, m_i, l_i):
     """One online-softmax update on log2-scaled scores s [BLOCK_H, BLOCK_N] (-inf = invalid column).
 
     While a head has seen no valid key its max is -inf; the reference point m_safe = 0 then keeps every
@@ -150,8 +150,8 @@ def _attend_selected(q_ptr, qpe_ptr, kv_ptr, pe_ptr, zero_ptr, rows_ptr, hoff, h
     dot_dtype = kv_ptr.dtype.element_ty  # bf16 planes -> bf16 tensor-core dots; fp32 -> ieee fp32
     # The query block is loaded once (padded heads: q = 0, never stored); on Hopper the compiler keeps it
     # in shared memory, where the score wgmma reads it.
-    q = _rows_at(q_ptr, hoff * s_qh, head_ok, R, BLOCK_R).to(dot_dtype)
-    qpe = _rows_at(qpe_ptr, hoff * s_ph, head_ok, DR, BLOCK_DR).to(dot_dtype)
+    q = rows_at(q_ptr, hoff * s_qh, head_ok, R, BLOCK_R).to(dot_dtype)
+    qpe = rows_at(qpe_ptr, hoff * s_ph, head_ok, DR, BLOCK_DR).to(dot_dtype)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of log2-scaled scores
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of 2^(s - m_i)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
@@ -164,7 +164,7 @@ def _attend_selected(q_ptr, qpe_ptr, kv_ptr, pe_ptr, zero_ptr, rows_ptr, hoff, h
         s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
         s = tl.dot(qpe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # qk_scale = scale * log2(e)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
         acc = tl.dot(p.to(dot_dtype), kv, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
@@ -308,7 +308,7 @@ def _latent_attention(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, 
     keys_per_split = triton.cdiv(triton.cdiv(K, splits), tile_n) * tile_n  # whole tiles per split
     grid = (B * T, triton.cdiv(H, tile_h), splits)
     common = (q_latent, q_pe, kv_plane, pe_plane, zero.view(kv_plane.dtype), rows)
-    sizes = (T, H, K, keys_per_split, float(scale) * _LOG2E,
+    sizes = (T, H, K, keys_per_split, float(scale) * LOG2E,
              q_latent.stride(0), q_latent.stride(1), q_latent.stride(2), q_pe.stride(0), q_pe.stride(1),
              q_pe.stride(2), s_kv, s_pe)
     precision = "ieee" if kv_plane.dtype == torch.float32 else "tf32"  # "tf32" is ignored for bf16

@@ -44,7 +44,7 @@ import os
 import triton
 import triton.language as tl
 
-from .latent_triton import _LOG2E, INT32_OFFSETS_BELOW, _rows_at, _softmax_step
+from .latent_triton import INT32_OFFSETS_BELOW, LOG2E, rows_at, softmax_step
 
 try:  # the sm_90 union kernel (Gluon); a triton without Gluon, or with another Gluon API, keeps this file's kernel
     from . import prefill_gluon as _gluon
@@ -72,8 +72,8 @@ def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, co
     if OFF64:  # tensors of 2^31 elements or more: row offsets in int64 (else int32, half the arithmetic)
         rows = rows.to(tl.int64)
     q_row = q_ptr + b * s_qb + h * s_qh
-    q_nope = _rows_at(q_row, rows * s_qt, row_ok, DN, BLOCK_DN).to(dot_dtype)
-    q_pe = _rows_at(q_row + DN, rows * s_qt, row_ok, DR, BLOCK_DR).to(dot_dtype)
+    q_nope = rows_at(q_row, rows * s_qt, row_ok, DN, BLOCK_DN).to(dot_dtype)
+    q_pe = rows_at(q_row + DN, rows * s_qt, row_ok, DR, BLOCK_DR).to(dot_dtype)
     k_row, v_row, pe_row = kv_ptr + b * s_kb + h * s_kh, kv_ptr + b * s_kb + h * s_kh + DN, pe_ptr + b * s_pb
     union, count = union_ptr + (b * n_tiles + tile) * L, tl.load(count_ptr + b * n_tiles + tile)
     # The tile's mask [chunks of 32 slots, BLOCK_M] (_mask_row): a chunk's words are contiguous.
@@ -91,9 +91,9 @@ def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, co
         pos_next = tl.load(union + n + BLOCK_N, mask=n + BLOCK_N < count, other=0)
         if OFF64:
             pos = pos.to(tl.int64)
-        k = _rows_at(k_row, pos * s_ks, n_ok, DN, BLOCK_DN)  # [BLOCK_N, BLOCK_DN]
-        pe = _rows_at(pe_row, pos * s_ps, n_ok, DR, BLOCK_DR)
-        v = _rows_at(v_row, pos * s_ks, n_ok, DV, BLOCK_DV)
+        k = rows_at(k_row, pos * s_ks, n_ok, DN, BLOCK_DN)  # [BLOCK_N, BLOCK_DN]
+        pe = rows_at(pe_row, pos * s_ps, n_ok, DR, BLOCK_DR)
+        v = rows_at(v_row, pos * s_ks, n_ok, DV, BLOCK_DV)
         s = tl.dot(q_nope, tl.trans(k), input_precision=DOT_PRECISION)
         s = tl.dot(q_pe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION)
         word = tl.load(mask_rows + (n0 // 32) * BLOCK_M)
@@ -101,7 +101,7 @@ def _union_attn_fwd(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_ptr, co
             word = word >> (n0 % 32)
         chosen = ((word[:, None] >> bit) & 1) != 0
         s = tl.where(chosen, s * qk_scale, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)  # the decode kernel's online-softmax step
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)  # the decode kernel's online-softmax step
         acc = tl.dot(p.to(dot_dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
     cols = tl.arange(0, BLOCK_DV)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a query with nothing selected: acc = 0, stays 0
@@ -125,7 +125,7 @@ def tile_config(on_gpu: bool, elt: int) -> tuple[int, int, int, int]:
 def gluon_attends(q, kv, k_pe, dn: int, scale: float, BLOCK_M: int) -> bool:
     """Whether ``attend`` runs the sm_90 Gluon kernel (prefill_gluon.py), which reads 128-query tiles."""
     return (USE_GLUON and _gluon is not None and BLOCK_M == int(_gluon.BLOCK_M)
-            and _gluon.gluon_fits(q, kv, k_pe, dn, scale * _LOG2E))
+            and _gluon.gluon_fits(q, kv, k_pe, dn, scale * LOG2E))
 
 
 def attend(q, kv, k_pe, union, count, mask, mask_off, out, dn: int, scale: float, BLOCK_M: int, BLOCK_N: int,
@@ -133,12 +133,12 @@ def attend(q, kv, k_pe, union, count, mask, mask_off, out, dn: int, scale: float
     """Launch _union_attn_fwd (or, with ``gluon`` = gluon_attends(...), the Gluon kernel): q [B, T, H, dn+dr],
     kv [B, S, H, dn+dv], k_pe [B, S, dr] -> out [B, T, H, dv]."""
     if gluon:
-        _gluon.attend(q, kv, k_pe, union, count, mask, mask_off, out, dn, scale * _LOG2E)
+        _gluon.attend(q, kv, k_pe, union, count, mask, mask_off, out, dn, scale * LOG2E)
         return
     B, T, H, dq = q.shape
     dr, dv, n_tiles = dq - dn, out.shape[-1], union.shape[1]
     _union_attn_fwd[(H, n_tiles, B)](
-        q, kv, k_pe, mask, mask_off, union, count, out, T, union.shape[-1], n_tiles, scale * _LOG2E,
+        q, kv, k_pe, mask, mask_off, union, count, out, T, union.shape[-1], n_tiles, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), k_pe.stride(0),
         k_pe.stride(1), out.stride(0), out.stride(1), out.stride(2),
         DN=dn, DR=dr, DV=dv, BLOCK_DN=max(16, triton.next_power_of_2(dn)),

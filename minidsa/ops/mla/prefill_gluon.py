@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .latent_gluon import SMEM_LIMIT, _is_sm90, _nvmma
+from .latent_gluon import SMEM_LIMIT, is_sm90, nvmma
 
 BLOCK_M = gl.constexpr(128)  # queries per program: the Triton kernel's tile, whose unions and masks this reads
 HALF_M = gl.constexpr(64)  # queries per compute group: one wgmma M
@@ -75,7 +75,7 @@ def gluon_fits(q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, dn: int, q
     """Whether this kernel handles the call (else the Triton kernel does): sm_90, bf16/fp16, the widths its
     copy layouts, wgmma shapes and registers take, a positive scale, int32 offsets (the output [B, T, H, dv]
     has fewer elements than q [B, T, H, dn + dr] when dv = dn)."""
-    if kv.device.type != "cuda" or not _is_sm90(kv.device.index):
+    if kv.device.type != "cuda" or not is_sm90(kv.device.index):
         return False
     if kv.dtype not in (torch.bfloat16, torch.float16) or k_pe.dtype != kv.dtype:
         return False
@@ -245,9 +245,9 @@ def _union_attn_fwd_sm90(q_ptr, kv_ptr, pe_ptr, mask_ptr, mask_off_ptr, union_pt
     words = (count + 31) // 32  # mask words per query: one per 32 union slots
     mask_rows0 = mask_ptr + gl.load(mask_off_ptr + bi)
     q_base, o_base = q_ptr + b * s_qb + h * s_qh, o_ptr + b * s_ob + h * s_oh
-    k_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DN], _nvmma([BLOCK_N, DN], dt))
-    v_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DV], _nvmma([BLOCK_N, DV], dt))
-    pe_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], _nvmma([BLOCK_N, DR], dt))
+    k_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DN], nvmma([BLOCK_N, DN], dt))
+    v_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DV], nvmma([BLOCK_N, DV], dt))
+    pe_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], nvmma([BLOCK_N, DR], dt))
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # stage landed
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # stage read by both
     for i in gl.static_range(STAGES):

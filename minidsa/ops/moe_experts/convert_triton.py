@@ -53,7 +53,7 @@ def _convert_kernel(packed_ptr, scales_ptr, experts_ptr, out_ptr, out_scales_ptr
     tl.store(out_scales_ptr + slot * sos_e + g, s, mask=g_ok)
 
 
-def _require_rows_contiguous(name: str, t: torch.Tensor) -> None:
+def require_rows_contiguous(name: str, t: torch.Tensor) -> None:
     """Each expert's [M, n] block must be contiguous (the kernels address it flat); the expert dim may stride."""
     if t.shape[-1] > 1 and t.stride(-1) != 1 or t.shape[-2] > 1 and t.stride(-2) != t.shape[-1]:
         raise ValueError(f"{name} must be contiguous within each expert (strides {t.stride()}); "
@@ -71,7 +71,7 @@ def mxfp4_to_fp8(packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tens
     n, M, P = check_conversion(packed, scales, experts, out_elements, out_scales)
     for name, t in (("packed", packed), ("scales", scales), ("out_elements", out_elements),
                     ("out_scales", out_scales)):
-        _require_rows_contiguous(name, t)
+        require_rows_contiguous(name, t)
     if n == 0 or P == 0:
         return
     # P is a multiple of 16 (checked), so a matrix is whole uint16 words of codes and int32 words of output

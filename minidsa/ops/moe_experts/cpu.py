@@ -18,8 +18,8 @@ import functools
 
 import torch
 
-from ...formats.mxfp4 import GROUP, _byte_pair_to_fp8_quad, _lookup, e2m1_table, e8m0_to_float
-from ...formats.mxfp4 import _fp8_values as _e4m3_values
+from ...formats.mxfp4 import GROUP, byte_pair_to_fp8_quad, e2m1_table, e8m0_to_float, table_lookup
+from ...formats.mxfp4 import fp8_values as _e4m3_values
 from .._checks import acc_dtype, cast, on_host
 from ..activation.reference import situ_glu_values
 from .checks import check_conversion, check_fp8_mlp, check_mxfp4_mlp
@@ -64,13 +64,13 @@ def _mxfp4_values(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return pairs.view(dtype).view(codes.shape[:-1] + (2 * codes.shape[-1],))
 
 
-def _fp8_values(elements: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def fp8_values(elements: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn elements [..., K] -> their values [..., K] in table's dtype (table [256]: value per byte).
     fp32 looks up two elements at a time (half the gathers; the same values)."""
     if table.dtype == torch.float32 and elements.shape[-1] % 2 == 0:
         pairs = _fp32_pairs().index_select(0, elements.contiguous().view(torch.uint16).reshape(-1).int())
         return pairs.view(torch.float32).view(elements.shape)
-    return _lookup(table, elements.view(torch.uint8))
+    return table_lookup(table, elements.view(torch.uint8))
 
 
 def _apply_scales(values: torch.Tensor, group_scales: torch.Tensor) -> None:
@@ -86,7 +86,7 @@ def mxfp4_to_fp8(packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tens
     n = check_conversion(packed, scales, experts, out_elements, out_scales)[0]
     experts = experts.long()
     codes = packed.index_select(0, experts)  # [n, M, P], P a multiple of 16
-    quads, dest = _byte_pair_to_fp8_quad(packed.device), out_elements[:n]
+    quads, dest = byte_pair_to_fp8_quad(packed.device), out_elements[:n]
     index = codes.view(torch.uint16).view(-1).int()
     if dest.is_contiguous() and dest.storage_offset() % 4 == 0:
         torch.index_select(quads, 0, index, out=dest.view(torch.int32).view(-1))
@@ -131,8 +131,8 @@ def expert_mlp_fp8(z: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor
     m = check_fp8_mlp(z, elements, scales, routing)[3]
     acc = acc_dtype(z, routing)
     fp8, e8m0 = _tables(z.device, acc)
-    values = _fp8_values(elements[:m], fp8)  # exact: every e4m3 value is a float
-    _apply_scales(values, _lookup(e8m0, scales[:m]))
+    values = fp8_values(elements[:m], fp8)  # exact: every e4m3 value is a float
+    _apply_scales(values, table_lookup(e8m0, scales[:m]))
     return _expert_mlp(cast(z, acc), values, cast(routing, acc), beta_gate, beta_up)
 
 
@@ -144,5 +144,5 @@ def expert_mlp_mxfp4(z: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     e8m0 = _tables(z.device, acc)[1]
     experts = experts.long()
     values = _mxfp4_values(packed.index_select(0, experts), acc)  # [m, 3, I*L], exact
-    _apply_scales(values, _lookup(e8m0, scales.index_select(0, experts)))
+    _apply_scales(values, table_lookup(e8m0, scales.index_select(0, experts)))
     return _expert_mlp(cast(z, acc), values, cast(routing, acc), beta_gate, beta_up)

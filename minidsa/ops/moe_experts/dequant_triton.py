@@ -14,7 +14,7 @@ A tensor-core tile is used as two *planes*, its even and its odd elements along 
 element of each (low nibble = even), so the two planes decode from the bytes in place, where putting the
 elements back in order would cost a shuffle of every register (the product W @ x then sums the planes'
 products: W[:, 0::2] @ x[0::2] + W[:, 1::2] @ x[1::2]). FP8 tiles need no planes (their bytes are their
-elements): ``_weight_tile`` gives them whole.
+elements): ``weight_tile`` gives them whole.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ mov.b32 {h5, h7}, p3;
 """
 _cvt = "".join
 # Element order ($0..$7 = codes 0..7), for an int32 word: the matrix-vector path.
-_E2M1_PTX = tl.constexpr("{" + _E2M1_BODY + _cvt(f"cvt.f32.f16 ${j}, h{j};\n" for j in range(8)) + "}")
+E2M1_PTX = tl.constexpr("{" + _E2M1_BODY + _cvt(f"cvt.f32.f16 ${j}, h{j};\n" for j in range(8)) + "}")
 # E2M1 -> scaled bf16 planes in PTX, for four packed bytes (inline asm with pack=4 over uint8: the four bytes
 # arrive as one register $4, byte i = elements 2i (low nibble) and 2i+1) and their four bf16 group scales
 # ($5, $6: two pairs). Out: the even elements' bf16 pairs ($0: bytes 0, 1; $1: bytes 2, 3), then the odd
@@ -97,7 +97,7 @@ fma.rn.bf16x2 $3, t, $6, m;
 
 
 @triton.jit
-def _e8m0(s, SHIFT: tl.constexpr):
+def e8m0(s, SHIFT: tl.constexpr):
     """uint8 E8M0 codes -> fp32 2^(s - 127 + SHIFT), built as exponent bits (exact, no exp2 call)."""
     s = s.to(tl.int32)
     e = s + SHIFT
@@ -117,14 +117,14 @@ def _e8m0_bf16(s):
 
 
 @triton.jit
-def _e2m1_fp16(c):
+def e2m1_fp16(c):
     """int32 E2M1 codes (low 4 bits) -> fp32 value * 2^-14 (the fp16 of the module docstring)."""
     bits = ((c & 7) << 9) | ((c & 8) << 12)
     return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _group_scales(s_ptr, rows, row_ok, KG, k0, ROWS: tl.constexpr, BK: tl.constexpr):
+def group_scales(s_ptr, rows, row_ok, KG, k0, ROWS: tl.constexpr, BK: tl.constexpr):
     """uint8 E8M0 codes [ROWS, BK // 32] of a tile's groups (groups of 32 along K, rows x KG scales);
     127 (a factor of 1) past K, so a tile loaded a step ahead of the last one reads nothing."""
     g = k0 // 32 + tl.arange(0, BK // 32)
@@ -135,14 +135,14 @@ def _group_scales(s_ptr, rows, row_ok, KG, k0, ROWS: tl.constexpr, BK: tl.conste
 def _scaled(v, s, SHIFT: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
     """One plane v [ROWS, BK // 2] of an MXFP4 tile times its group scales s (codes [ROWS, BK // 32]): 16 plane
     elements per group."""
-    return tl.reshape(tl.reshape(v, (ROWS, BK // 32, 16)) * _e8m0(s, SHIFT)[:, :, None], (ROWS, BK // 2))
+    return tl.reshape(tl.reshape(v, (ROWS, BK // 32, 16)) * e8m0(s, SHIFT)[:, :, None], (ROWS, BK // 2))
 
 
 @triton.jit
-def _weight_planes(w_ptr, s, rows, row_ok, K, k0, PTX: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
+def weight_planes(w_ptr, s, rows, row_ok, K, k0, PTX: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
     """The (even, odd) planes, [ROWS, BK // 2] each (fp32; bf16 from the PTX), of the MXFP4 tile at rows ``rows``,
     columns k0..k0+BK of one row-major [*, K] expert matrix (K a multiple of 32), with its group scales s already
-    loaded (``_group_scales``): a loop loads the next tile's a step ahead, because the compiler's pipelining does
+    loaded (``group_scales``): a loop loads the next tile's a step ahead, because the compiler's pipelining does
     not prefetch these few-byte uint8 loads. PTX: decode with _E2M1_PLANES_PTX (the GPU; its bf16 values are the
     fp32 ones exactly, which the tensor-core products take as bf16 anyway)."""
     c = k0 // 2 + tl.arange(0, BK // 2)
@@ -157,16 +157,16 @@ def _weight_planes(w_ptr, s, rows, row_ok, K, k0, PTX: tl.constexpr, ROWS: tl.co
         even, odd = tl.reshape(even, (ROWS, BK // 2)), tl.reshape(odd, (ROWS, BK // 2))
     else:
         b = b.to(tl.int32)
-        even, odd = _scaled(_e2m1_fp16(b), s, 14, ROWS, BK), _scaled(_e2m1_fp16(b >> 4), s, 14, ROWS, BK)
+        even, odd = _scaled(e2m1_fp16(b), s, 14, ROWS, BK), _scaled(e2m1_fp16(b >> 4), s, 14, ROWS, BK)
     return even, odd
 
 
 @triton.jit
-def _weight_tile(w_ptr, s, rows, row_ok, K, k0, ROWS: tl.constexpr, BK: tl.constexpr):
+def weight_tile(w_ptr, s, rows, row_ok, K, k0, ROWS: tl.constexpr, BK: tl.constexpr):
     """fp32 [ROWS, BK] tile (rows ``rows``, columns k0..k0+BK) of one row-major [*, K] FP8 expert matrix, in
-    element order, times its group scales s (``_group_scales``). An FP8 tile needs no planes: its bytes are its
+    element order, times its group scales s (``group_scales``). An FP8 tile needs no planes: its bytes are its
     elements, so a tensor-core pass takes it in one K-wide product."""
     k = k0 + tl.arange(0, BK)
     ok = row_ok[:, None] & (k < K)[None, :]
     v = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=ok, other=0.0).to(tl.float32)
-    return tl.reshape(tl.reshape(v, (ROWS, BK // 32, 32)) * _e8m0(s, 0)[:, :, None], (ROWS, BK))
+    return tl.reshape(tl.reshape(v, (ROWS, BK // 32, 32)) * e8m0(s, 0)[:, :, None], (ROWS, BK))

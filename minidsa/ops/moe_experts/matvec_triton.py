@@ -4,7 +4,7 @@ MXFP4: every decode size). Unlike a tensor-core pass this pads no token lane to 
 activation into bf16 halves: every product is exact in fp32, so the result equals the reference's
 (``reference.py``) to fp32 rounding (the order of the sums, tanh built from exp).
 
-FP8, one token (``_gemv_rows``): a program streams BLOCK_R weight rows in BLOCK_K steps and accumulates
+FP8, one token (``gemv_rows``): a program streams BLOCK_R weight rows in BLOCK_K steps and accumulates
 weight x activation products elementwise in fp32 ([BLOCK_R, BLOCK_K] in registers, reduced along K at the
 end). Bound by weight bytes: ~60 % of the H200's 4.3 TB/s at K3 shapes.
 
@@ -14,7 +14,7 @@ tokens; per token it computes its rows, RB at a time, each over the whole K.
   their activations once per (program, token) as 8 planes x[j::8] (h is stored that way, z gathered),
   and keeps them in registers; per row it then issues one 16-byte load per group of codes. No activation
   is reloaded per row, and every weight byte is read once, as part of a vector load.
-- A word's 8 codes are decoded by ``dequant_triton._E2M1_PTX`` (11 integer instructions per 8 codes, then one
+- A word's 8 codes are decoded by ``dequant_triton.E2M1_PTX`` (11 integer instructions per 8 codes, then one
   fp16 -> fp32 widening per code) into one fp32 FMA chain; each group's sum is scaled once, not each
   product, and one reduction across the threads ends the row.
 - The row loop is software-pipelined by the compiler (``num_stages``: asynchronous copies of the next
@@ -36,8 +36,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..activation.situ_glu_triton import _situ_glu
-from .dequant_triton import _E2M1_PTX, _e2m1_fp16, _e8m0, _group_scales, _weight_tile
+from ..activation.situ_glu_triton import situ_glu_tl
+from .dequant_triton import E2M1_PTX, e2m1_fp16, e8m0, group_scales, weight_tile
 
 # Decode tiles of the matrix-vector path: FP8 (one token): rows per program, K per step, warps; MXFP4
 # (every decode size): a program computes BLOCK_R rows, RB at a time, each over the whole K (see
@@ -50,21 +50,21 @@ GEMV_TILES = {"cuda": dict(BLOCK_R=8, BLOCK_K=256, num_warps=4), "cuda_mxfp4": d
 
 
 @triton.jit
-def _gemv_rows(w_ptr, s_ptr, rows, row_ok, K, x_ptr, ROWS: tl.constexpr, BK: tl.constexpr):
+def gemv_rows(w_ptr, s_ptr, rows, row_ok, K, x_ptr, ROWS: tl.constexpr, BK: tl.constexpr):
     """W[rows, :] @ x for one row-major [*, K] FP8 expert matrix and one activation row x [K] -> [ROWS] fp32:
     weight x activation products accumulated elementwise on the FMA units, reduced along K at the end."""
     acc = tl.zeros((ROWS, BK), tl.float32)
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
-        s = _group_scales(s_ptr, rows, row_ok, K // 32, k0, ROWS, BK)
-        acc += _weight_tile(w_ptr, s, rows, row_ok, K, k0, ROWS, BK) * _f32(x_ptr + k, k < K)[None, :]
+        s = group_scales(s_ptr, rows, row_ok, K // 32, k0, ROWS, BK)
+        acc += weight_tile(w_ptr, s, rows, row_ok, K, k0, ROWS, BK) * _f32(x_ptr + k, k < K)[None, :]
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
 def _e2m1_code(w, J: tl.constexpr):
     """Code J of int32 words of eight E2M1 codes -> fp32 value * 2^-14 (the fp16 of dequant_triton)."""
-    return _e2m1_fp16(w >> (4 * J))
+    return e2m1_fp16(w >> (4 * J))
 
 
 @triton.jit
@@ -148,7 +148,7 @@ def _part_dot(w_ptr, s, rows, row_ok, K, G0, x, UNITS: tl.constexpr, WPU: tl.con
         mask = mask & (wo < K // 8)
     w = tl.load(words + rows[:, None, None] * (K // 32 * 4) + wo, mask=mask, other=0)
     if PTX:
-        c = tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 8,
+        c = tl.inline_asm_elementwise(E2M1_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 8,
                                       is_pure=True, pack=1)
     else:
         c = (_e2m1_code(w, 0), _e2m1_code(w, 1), _e2m1_code(w, 2), _e2m1_code(w, 3),
@@ -161,7 +161,7 @@ def _part_dot(w_ptr, s, rows, row_ok, K, G0, x, UNITS: tl.constexpr, WPU: tl.con
     p += c[5] * x[5]
     p += c[6] * x[6]
     p += c[7] * x[7]
-    return tl.sum(p, axis=2) * _e8m0(s, 14)
+    return tl.sum(p, axis=2) * e8m0(s, 14)
 
 
 @triton.jit
@@ -220,7 +220,7 @@ def _up_token(z_ptr, w1, s1, sw_m, ss_m, h_ptr, pair, t, gate, L, I, beta_gate, 
         u_rows = tl.where(here, _mxfp4_rows(w1 + sw_m, su, rb, ok, L, x, GA, GB, HC, PTX)[None, :], u_rows)
         sg, su = sg_next, su_next
     rows = row0 + tl.arange(0, BLOCK_R)
-    h = _situ_glu(tl.reshape(g_rows, [BLOCK_R]), tl.reshape(u_rows, [BLOCK_R]), beta_gate, beta_up) * gate
+    h = situ_glu_tl(tl.reshape(g_rows, [BLOCK_R]), tl.reshape(u_rows, [BLOCK_R]), beta_gate, beta_up) * gate
     tl.store(h_ptr + pair * I + (rows % 8) * (I // 8) + rows // 8, h, mask=rows < I)  # 8 planes h[j::8]
 
 
@@ -243,7 +243,7 @@ def _down_token(h_ptr, w2, s2, part_ptr, pair, L, I, BLOCK_R: tl.constexpr, RB: 
 
 
 @triton.jit
-def _up_decode(z_ptr, w1, s1, sw_m, ss_m, routing_ptr, h_ptr, slot, N, L, I, beta_gate, beta_up,
+def up_decode(z_ptr, w1, s1, sw_m, ss_m, routing_ptr, h_ptr, slot, N, L, I, beta_gate, beta_up,
                BLOCK_R: tl.constexpr, RB: tl.constexpr, GA: tl.constexpr, GB: tl.constexpr, HC: tl.constexpr,
                PTX: tl.constexpr):
     """The up pass at decode (MXFP4): each of the slot's routed tokens on its own (a second token's read
@@ -256,9 +256,9 @@ def _up_decode(z_ptr, w1, s1, sw_m, ss_m, routing_ptr, h_ptr, slot, N, L, I, bet
 
 
 @triton.jit
-def _down_decode(h_ptr, w2, s2, routing_ptr, part_ptr, slot, N, L, I, BLOCK_R: tl.constexpr, RB: tl.constexpr,
+def down_decode(h_ptr, w2, s2, routing_ptr, part_ptr, slot, N, L, I, BLOCK_R: tl.constexpr, RB: tl.constexpr,
                  GA: tl.constexpr, GB: tl.constexpr, HC: tl.constexpr, PTX: tl.constexpr):
-    """The down pass at decode (MXFP4), over the slot's routed tokens like _up_decode."""
+    """The down pass at decode (MXFP4), over the slot's routed tokens like up_decode."""
     for t in range(N):
         if tl.load(routing_ptr + slot * N + t).to(tl.float32) != 0.0:
             _down_token(h_ptr, w2, s2, part_ptr, slot.to(tl.int64) * N + t, L, I, BLOCK_R, RB, GA, GB, HC, PTX)
@@ -282,7 +282,7 @@ def _k_parts(K: int) -> dict:
 GEMV_MIN_PROGRAMS = 1024
 
 
-def _gemv_meta(meta: dict, on_gpu: bool, L: int, I: int, m: int = 1) -> tuple[dict, dict, dict]:
+def gemv_meta(meta: dict, on_gpu: bool, L: int, I: int, m: int = 1) -> tuple[dict, dict, dict]:
     """The launch constexprs with the matrix-vector tiles, and the up and down passes' K parts (MXFP4
     decode only; GA = 1 elsewhere, so each model shape compiles one variant). ``m``: slots in the grid."""
     gemv, mxfp4 = meta["GEMV"], meta["MXFP4"]

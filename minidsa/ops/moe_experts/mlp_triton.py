@@ -64,12 +64,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..activation.situ_glu_triton import _situ_glu
+from ..activation.situ_glu_triton import situ_glu_tl
 from .checks import check_fp8_mlp, check_mxfp4_mlp
-from .convert_triton import _require_rows_contiguous
-from .dequant_triton import _group_scales, _weight_planes, _weight_tile
+from .convert_triton import require_rows_contiguous
+from .dequant_triton import group_scales, weight_planes, weight_tile
 from .lists_triton import compact_lists
-from .matvec_triton import _down_decode, _gemv_meta, _gemv_rows, _up_decode
+from .matvec_triton import down_decode, gemv_meta, gemv_rows, up_decode
 from .reference import expert_mlp_fp8_ref, expert_mlp_mxfp4_ref
 
 # Calls of up to DENSE_MAX_TOKENS tokens (decode batches) use the dense pair layout, which needs no host
@@ -179,12 +179,12 @@ def _up_step(w1, w3, sg, su, z_ptr, token, live, L, k0, acc_g, acc_u, rows, row_
     tiles' group scales sg, su already loaded. MXFP4 tiles as the planes their packed bytes decode into; FP8 whole."""
     if MXFP4:
         z_t = _x_planes(z_ptr, token, live, L, k0, BK)
-        acc_g = _dot_planes(_weight_planes(w1, sg, rows, row_ok, L, k0, PTX, ROWS, BK), z_t, acc_g, DOTS)
-        acc_u = _dot_planes(_weight_planes(w3, su, rows, row_ok, L, k0, PTX, ROWS, BK), z_t, acc_u, DOTS)
+        acc_g = _dot_planes(weight_planes(w1, sg, rows, row_ok, L, k0, PTX, ROWS, BK), z_t, acc_g, DOTS)
+        acc_u = _dot_planes(weight_planes(w3, su, rows, row_ok, L, k0, PTX, ROWS, BK), z_t, acc_u, DOTS)
     else:
         z_t = _x_tile(z_ptr, token, live, L, k0, BK)
-        acc_g = _dot(_weight_tile(w1, sg, rows, row_ok, L, k0, ROWS, BK), z_t, acc_g, DOTS)
-        acc_u = _dot(_weight_tile(w3, su, rows, row_ok, L, k0, ROWS, BK), z_t, acc_u, DOTS)
+        acc_g = _dot(weight_tile(w1, sg, rows, row_ok, L, k0, ROWS, BK), z_t, acc_g, DOTS)
+        acc_u = _dot(weight_tile(w3, su, rows, row_ok, L, k0, ROWS, BK), z_t, acc_u, DOTS)
     return acc_g, acc_u
 
 
@@ -201,7 +201,7 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, routing_ptr, count_ptr, offset_
     slot = tl.program_id(2)
     if GEMV and MXFP4:  # decode, MXFP4: matrix-vector products over the slot's routed tokens
         w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
-        _up_decode(z_ptr, w1, s1, sw_m, ss_m, routing_ptr, h_ptr, slot, N, L, I, beta_gate, beta_up, BLOCK_R, RB, GA, GB,
+        up_decode(z_ptr, w1, s1, sw_m, ss_m, routing_ptr, h_ptr, slot, N, L, I, beta_gate, beta_up, BLOCK_R, RB, GA, GB,
                    HC, PTX)
         return
     if GEMV:  # one token, FP8: the slot's pair is row ``slot``
@@ -210,9 +210,9 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, routing_ptr, count_ptr, offset_
             rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
             row_ok = rows < I
             w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
-            g = _gemv_rows(w1, s1, rows, row_ok, L, z_ptr, BLOCK_R, BLOCK_K)
-            u = _gemv_rows(w1 + sw_m, s1 + ss_m, rows, row_ok, L, z_ptr, BLOCK_R, BLOCK_K)
-            h = _situ_glu(g, u, beta_gate, beta_up) * gate
+            g = gemv_rows(w1, s1, rows, row_ok, L, z_ptr, BLOCK_R, BLOCK_K)
+            u = gemv_rows(w1 + sw_m, s1 + ss_m, rows, row_ok, L, z_ptr, BLOCK_R, BLOCK_K)
+            h = situ_glu_tl(g, u, beta_gate, beta_up) * gate
             tl.store(h_ptr + slot.to(tl.int64) * I + rows, h, mask=row_ok)
         return
     slot, tile, has = _program_tile(tile_end_ptr, m, DENSE, BLOCK_M)
@@ -224,16 +224,16 @@ def _up_kernel(z_ptr, w_ptr, s_ptr, experts_ptr, routing_ptr, count_ptr, offset_
         w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
         acc_g = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
         acc_u = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
-        sg = _group_scales(s1, rows, row_ok, L // 32, 0, BLOCK_R, BLOCK_K)
-        su = _group_scales(s1 + ss_m, rows, row_ok, L // 32, 0, BLOCK_R, BLOCK_K)
+        sg = group_scales(s1, rows, row_ok, L // 32, 0, BLOCK_R, BLOCK_K)
+        su = group_scales(s1 + ss_m, rows, row_ok, L // 32, 0, BLOCK_R, BLOCK_K)
         for k0 in range(0, L, BLOCK_K):
             # the next step's group scales now (the compiler does not prefetch these uint8 loads)
-            sg_next = _group_scales(s1, rows, row_ok, L // 32, k0 + BLOCK_K, BLOCK_R, BLOCK_K)
-            su_next = _group_scales(s1 + ss_m, rows, row_ok, L // 32, k0 + BLOCK_K, BLOCK_R, BLOCK_K)
+            sg_next = group_scales(s1, rows, row_ok, L // 32, k0 + BLOCK_K, BLOCK_R, BLOCK_K)
+            su_next = group_scales(s1 + ss_m, rows, row_ok, L // 32, k0 + BLOCK_K, BLOCK_R, BLOCK_K)
             acc_g, acc_u = _up_step(w1, w1 + sw_m, sg, su, z_ptr, token, live, L, k0, acc_g, acc_u, rows, row_ok,
                                     MXFP4, PTX, DOTS, BLOCK_R, BLOCK_K)
             sg, su = sg_next, su_next
-        h = _situ_glu(acc_g, acc_u, beta_gate, beta_up) * gate[None, :]
+        h = situ_glu_tl(acc_g, acc_u, beta_gate, beta_up) * gate[None, :]
         tl.store(h_ptr + pair[None, :] * I + rows[:, None], h, mask=row_ok[:, None] & live[None, :])
 
 
@@ -249,7 +249,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, routing_ptr, count_ptr, offse
     slot = tl.program_id(2)
     if GEMV and MXFP4:
         w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
-        _down_decode(h_ptr, w1 + 2 * sw_m, s1 + 2 * ss_m, routing_ptr, part_ptr, slot, N, L, I, BLOCK_R, RB, GA, GB, HC,
+        down_decode(h_ptr, w1 + 2 * sw_m, s1 + 2 * ss_m, routing_ptr, part_ptr, slot, N, L, I, BLOCK_R, RB, GA, GB, HC,
                      PTX)
         return
     if GEMV:
@@ -257,7 +257,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, routing_ptr, count_ptr, offse
             rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
             row_ok = rows < L
             w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
-            part = _gemv_rows(w1 + 2 * sw_m, s1 + 2 * ss_m, rows, row_ok, I, h_ptr + slot.to(tl.int64) * I, BLOCK_R,
+            part = gemv_rows(w1 + 2 * sw_m, s1 + 2 * ss_m, rows, row_ok, I, h_ptr + slot.to(tl.int64) * I, BLOCK_R,
                               BLOCK_K)
             tl.store(part_ptr + slot.to(tl.int64) * L + rows, part, mask=row_ok)
         return
@@ -270,15 +270,15 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, experts_ptr, routing_ptr, count_ptr, offse
         w1, s1 = _expert_ptrs(w_ptr, s_ptr, experts_ptr, slot, sw_e, ss_e, HAS_MAP)
         acc = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
         s2 = s1 + 2 * ss_m
-        sc = _group_scales(s2, rows, row_ok, I // 32, 0, BLOCK_R, BLOCK_K)
+        sc = group_scales(s2, rows, row_ok, I // 32, 0, BLOCK_R, BLOCK_K)
         for k0 in range(0, I, BLOCK_K):
-            sc_next = _group_scales(s2, rows, row_ok, I // 32, k0 + BLOCK_K, BLOCK_R, BLOCK_K)
+            sc_next = group_scales(s2, rows, row_ok, I // 32, k0 + BLOCK_K, BLOCK_R, BLOCK_K)
             if MXFP4:
                 h_t = _x_planes(h_ptr, pair, live, I, k0, BLOCK_K)
-                w2 = _weight_planes(w1 + 2 * sw_m, sc, rows, row_ok, I, k0, PTX, BLOCK_R, BLOCK_K)
+                w2 = weight_planes(w1 + 2 * sw_m, sc, rows, row_ok, I, k0, PTX, BLOCK_R, BLOCK_K)
                 acc = _dot_planes(w2, h_t, acc, DOTS)
             else:
-                acc = _dot(_weight_tile(w1 + 2 * sw_m, sc, rows, row_ok, I, k0, BLOCK_R, BLOCK_K),
+                acc = _dot(weight_tile(w1 + 2 * sw_m, sc, rows, row_ok, I, k0, BLOCK_R, BLOCK_K),
                            _x_tile(h_ptr, pair, live, I, k0, BLOCK_K), acc, DOTS)
             sc = sc_next
         tl.store(part_ptr + pair[None, :] * L + rows[:, None], acc, mask=row_ok[:, None] & live[None, :])
@@ -364,7 +364,7 @@ def _launch_mlp(z, w, s, experts, routing, beta_gate, beta_up, L, I, dense: bool
     # slots; compact: the tile list's bound on one axis
     tiles = 1 if meta["GEMV"] and meta["MXFP4"] else tiles
     slots = m if dense else 1
-    meta, parts_up, parts_down = _gemv_meta(meta, on_gpu, L, I, m)
+    meta, parts_up, parts_down = gemv_meta(meta, on_gpu, L, I, m)
     up_meta = dict(meta, DOTS=(1 if z_bf16 else 2) if on_gpu else 0)
     _up_kernel[(tiles, triton.cdiv(I, meta["BLOCK_R"]), slots)](z, *shared, h, *strides, float(beta_gate),
                                                                 float(beta_up), **up_meta, **parts_up)
@@ -381,8 +381,8 @@ def expert_mlp_fp8(z: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor
     N, L, I, m = check_fp8_mlp(z, elements, scales, routing)
     if torch.float64 in (z.dtype, routing.dtype):
         return expert_mlp_fp8_ref(z, elements, scales, routing, beta_gate, beta_up)
-    _require_rows_contiguous("elements", elements)
-    _require_rows_contiguous("scales", scales)
+    require_rows_contiguous("elements", elements)
+    require_rows_contiguous("scales", scales)
     return _launch_mlp(z, elements, scales, None, routing, beta_gate, beta_up, L, I, max_pairs=max_pairs)
 
 
@@ -393,6 +393,6 @@ def expert_mlp_mxfp4(z: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     N, L, I, m = check_mxfp4_mlp(z, packed, scales, experts, routing)
     if torch.float64 in (z.dtype, routing.dtype):
         return expert_mlp_mxfp4_ref(z, packed, scales, experts, routing, beta_gate, beta_up)
-    _require_rows_contiguous("packed", packed)
-    _require_rows_contiguous("scales", scales)
+    require_rows_contiguous("packed", packed)
+    require_rows_contiguous("scales", scales)
     return _launch_mlp(z, packed, scales, experts, routing, beta_gate, beta_up, L, I)

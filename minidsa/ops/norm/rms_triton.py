@@ -23,7 +23,7 @@ _TILE = 4096  # elements a program normalises (ROWS x BLOCK_D), for widths up to
 
 
 @triton.jit
-def _bf16_rne(x):
+def bf16_rne(x):
     """fp32 -> the nearest bf16 value (ties to even), held in fp32. By the bits, not by ``.to``: Triton's
     interpreter truncates that conversion, the GPU rounds it; this agrees with torch on both. NaN stays NaN."""
     bits = x.to(tl.uint32, bitcast=True)
@@ -40,7 +40,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, D, stride_x, eps, BLOCK_D: tl.
     ok = (rows < n_rows)[:, None] & (cols < D)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     if ROUND:  # fp32 x rounded to bf16 first, as Tensor.to(torch.bfloat16) would
-        x = _bf16_rne(x)
+        x = bf16_rne(x)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     y = x * inv[:, None] * w[None, :]
