@@ -20,11 +20,18 @@ PKG_DIR = ROOT / PKG
 DESIGN = ROOT / "docs" / "design.md"
 README = ROOT / "README.md"
 
-# The package's units from the bottom up: its folders and its few top-level modules. A module may import
-# modules of its own unit and of units below it, never above (docs/design.md §13). Nothing lists modules:
-# a new file joins its folder's unit by where it lives.
-UNITS = ("config", "tokenizer", "formats", "ops", "cache", "model", "checkpoint", "serving", "server", "training",
-         "viz", "acceptance", "distributed", "cli", "__init__", "__main__")
+
+
+def design_units() -> tuple[str, ...]:
+    """The package's units from the bottom up, as docs/design.md §13 lists them (the order's one written form):
+    its folders and its few top-level modules. Nothing lists modules: a new file joins its folder's unit by
+    where it lives."""
+    section = DESIGN.read_text().split("## 13.")[1].split("\n## ")[0]
+    return tuple(re.findall(r"^\d+\. `([\w]+)(?:/|\.py)`", section, flags=re.M))
+
+
+# A module may import modules of its own unit and of units below it, never above.
+UNITS = design_units()
 
 MAX_FUNCTION_LINES = 50
 MAX_FILE_LINES = 450  # every .py file of the package
