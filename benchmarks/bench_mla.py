@@ -132,6 +132,7 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
 
 
 def bench_decode(dev: str, dry: bool, results: dict) -> bool:
+    from minidsa.ops import _pdl as hw
     from minidsa.ops.mla import latent_triton as mt
     from minidsa.ops.mla.reference import sparse_mla_decode_ref
     B, S, K, H, r, dr, bs = (32, 65536, 2048, 96, 512, 64, 64) if not dry else (2, 96, 40, 3, 60, 12, 16)
@@ -154,11 +155,11 @@ def bench_decode(dev: str, dry: bool, results: dict) -> bool:
     gluon = mt._gluon_kernel(kv_plane, pe_plane, H) is not None
     t_portable = None
     if gluon:  # the same call on the portable Triton kernel, for the ratio (latent_gluon.py)
-        mt.USE_GLUON = False
+        hw.USE_GLUON = False
         t_portable = graph_time(bench, lambda: mt.sparse_mla_decode(q_lat, q_pe, kv_plane, pe_plane, table, idx,
                                                                     scale), dev)
         out_portable = mt.sparse_mla_decode(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale)
-        mt.USE_GLUON = True
+        hw.USE_GLUON = True
     ref = sparse_mla_decode_ref(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale)
     t_ref = bench(lambda: sparse_mla_decode_ref(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale))
     peer = torch_sparse_decode(q_lat[:, 0], q_pe[:, 0], kv_plane, pe_plane, table, idx[:, 0], scale)
@@ -293,19 +294,20 @@ def form_flops(idx, table, shape: dict, bs: int) -> dict:
 def time_forms(bench, args, idx, w, scale) -> dict:
     """The op (form chosen per call) and each form forced: seconds, and each form's output. On a GPU with the
     Gluon union kernel (sm_90), also the union form on the portable Triton kernel ("union_triton")."""
+    from minidsa.ops import _pdl as hw
     from minidsa.ops.mla import prefill_attn_triton as pa
     from minidsa.ops.mla import prefill_form as pf
     from minidsa.ops.mla import prefill_triton as mp
     q, kv_plane, pe_plane, table = args
-    res, use_gluon = {}, pa.USE_GLUON
+    res, use_gluon = {}, hw.USE_GLUON
     runs = [("auto", "auto", use_gluon), ("union", "union", use_gluon), ("absorbed", "absorbed", use_gluon)]
     if q.is_cuda and pa._gluon is not None and use_gluon:
         runs.append(("union_triton", "union", False))
     for name, form, gluon in runs:
-        pf.FORM, pa.USE_GLUON = form, gluon
+        pf.FORM, hw.USE_GLUON = form, gluon
         res[name] = (bench(lambda: mp.sparse_mla_prefill(q, kv_plane, pe_plane, table, idx, w, scale), rep_ms=300),
                      mp.sparse_mla_prefill(q, kv_plane, pe_plane, table, idx, w, scale))
-    pf.FORM, pa.USE_GLUON = "auto", use_gluon
+    pf.FORM, hw.USE_GLUON = "auto", use_gluon
     return res
 
 

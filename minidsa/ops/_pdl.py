@@ -1,4 +1,6 @@
-"""Programmatic dependent launch (PDL, sm_90 and later): a kernel launched as a programmatic dependent of
+"""What the GPU can do and the two switches for it: programmatic dependent launch and the sm_90 Gluon kernels.
+
+Programmatic dependent launch (PDL, sm_90 and later): a kernel launched as a programmatic dependent of
 the kernel before it may start while that one finishes, and must execute ``griddepcontrol.wait`` (Triton's
 ``gdc_wait``) before it reads anything an earlier kernel wrote or writes anything an earlier kernel reads;
 the wait returns once the earlier grid has completed and its writes are visible.
@@ -10,6 +12,9 @@ before it runs its last blocks. ``gdc_launch_dependents`` early in such a kernel
 as soon as every block of this one has started, instead of when the last block exits.
 
 ``MINIDSA_PDL=0`` launches every such kernel as an ordinary one (the kernels then skip their wait).
+
+Gluon kernels (``ops/mla/*_gluon.py``) are written for sm_90's warp groups; where one fits a call, the MLA ops
+run it instead of their Triton kernel. ``MINIDSA_MLA_GLUON=0`` keeps every call on the Triton kernels.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ import os
 import torch
 
 USE_PDL = os.environ.get("MINIDSA_PDL", "1") != "0"
+USE_GLUON = os.environ.get("MINIDSA_MLA_GLUON", "1") != "0"
 
 
-def pdl(device: torch.device) -> bool:
+def use_pdl(device: torch.device) -> bool:
     """Whether kernels on ``device`` are launched as programmatic dependents (USE_PDL, sm_90 or later)."""
     return USE_PDL and device.type == "cuda" and capability(device.index) >= (9, 0)
 
@@ -32,6 +38,11 @@ def launch_options(on: bool) -> dict:
     return {"launch_pdl": True} if on else {}
 
 
-@functools.lru_cache(maxsize=None)
+def use_gluon(device: torch.device) -> bool:
+    """Whether the sm_90 Gluon kernels may run on ``device`` (USE_GLUON, capability exactly 9.0)."""
+    return USE_GLUON and device.type == "cuda" and capability(device.index) == (9, 0)
+
+
+@functools.lru_cache(maxsize=None)  # cached: a query costs microseconds of host time, and every launch asks
 def capability(device_index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)

@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 
 from test_triton_mla import paged_case  # noqa: E402
 
+from minidsa.ops import _pdl as hw  # noqa: E402
 from minidsa.ops.mla import latent_triton as mt  # noqa: E402
 from minidsa.ops.mla.reference import sparse_mla_decode_ref, sparse_mla_prefill_ref  # noqa: E402
 
@@ -71,7 +72,7 @@ def test_decode_matches_reference_and_triton_kernel(H, T, K, splits, q_dtype, dt
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
     assert torch.equal(out[0, -1], torch.zeros_like(out[0, -1]))  # nothing selected: zeros
     assert torch.equal(out, run())  # fixed splits, no atomics: bitwise run to run
-    monkeypatch.setattr(mt, "USE_GLUON", False)
+    monkeypatch.setattr(hw, "USE_GLUON", False)
     # The same bf16 roundings of q and p; only the summation order differs (fp32 accumulators), and a
     # score that rounds p the other way moves an output by at most 2^-8 of a row value.
     torch.testing.assert_close(out, run(), atol=1e-2, rtol=1e-2)

@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 from test_mla_gluon import SM90, sm90  # noqa: E402  (the decode kernel's tests: the same sm_90 gate)
 from test_triton_mla import paged_case  # noqa: E402
 
+from minidsa.ops import _pdl as hw  # noqa: E402
 from minidsa.ops.mla import prefill_attn_triton as pa  # noqa: E402
 from minidsa.ops.mla import prefill_form as pf  # noqa: E402
 from minidsa.ops.mla import prefill_triton as mp  # noqa: E402
@@ -77,7 +78,7 @@ def test_matches_reference_and_triton_kernel(T, K, shared, dtype, dn, dr, monkey
     ref = sparse_mla_prefill_ref(q, kv, pe, table, idx, w, scale)
     torch.testing.assert_close(out, ref, atol=3e-2 * float(ref.abs().max()), rtol=3e-2)
     assert torch.equal(out, mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale))  # run to run
-    monkeypatch.setattr(pa, "USE_GLUON", False)
+    monkeypatch.setattr(hw, "USE_GLUON", False)
     triton_out = mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
     assert len(calls) == 2
     torch.testing.assert_close(out, triton_out, atol=1e-2 * float(ref.abs().max()), rtol=1e-2)

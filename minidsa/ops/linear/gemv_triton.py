@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .._pdl import launch_options, pdl
+from .._pdl import launch_options, use_pdl
 from .reference import check_linear, check_linear_sum
 
 # A decode batch of 2 to TILE_MAX_ROWS rows runs the tile kernel (tensor cores, 16-bit inputs); more rows are a
@@ -169,7 +169,7 @@ def _tile_launch(x1, w1, x2, w2, M, N, K1, K2) -> torch.Tensor:
     out = torch.empty((*x1.shape[:-1], N), dtype=x1.dtype, device=x1.device)
     on_gpu = x1.is_cuda
     block_m, block_n, block_k, warps, stages = _tile_config(M, on_gpu)
-    on = pdl(x1.device)
+    on = use_pdl(x1.device)
     two = x2 is not None
     x1 = x1.reshape(M, K1).contiguous()
     if two:
@@ -199,7 +199,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
     out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     block_n, block_k, warps = _tiles(N, K)
-    on = pdl(x.device)
+    on = use_pdl(x.device)
     _gemv_kernel[(triton.cdiv(N, block_n), M)](x.contiguous(), weight, out, N, K, weight.stride(0), weight.stride(1),
                                             BLOCK_N=block_n, BLOCK_K=block_k, PDL=on, num_warps=warps,
                                             **launch_options(on))
@@ -217,7 +217,7 @@ def linear_sum(x1: torch.Tensor, w1: torch.Tensor, x2: torch.Tensor, w2: torch.T
         return F.linear(x1, w1) + F.linear(x2, w2)
     out = torch.empty((*x1.shape[:-1], N), dtype=x1.dtype, device=x1.device)
     block_n, block_k, warps = _tiles(N, max(K1, K2))
-    on = pdl(x1.device)
+    on = use_pdl(x1.device)
     _gemv_sum_kernel[(triton.cdiv(N, block_n),)](x1.contiguous(), w1, x2.contiguous(), w2, out, N, K1, K2,
                                                 w1.stride(0), w1.stride(1), w2.stride(0), w2.stride(1),
                                                 BLOCK_N=block_n, BLOCK_K=block_k, PDL=on, num_warps=warps,

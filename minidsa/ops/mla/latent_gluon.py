@@ -45,8 +45,6 @@ reference and the Triton kernel, and bitwise run to run.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -59,6 +57,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .._pdl import capability, launch_options
+
 # Compile-time constants of the kernels (the host reads them through int()).
 BLOCK_H = gl.constexpr(64)  # one wgmma M: each compute group holds all 64 heads' rows
 BLOCK_N = gl.constexpr(64)  # positions per tile
@@ -69,15 +69,10 @@ COMPUTE_REGS = gl.constexpr(232)  # compute group 1's (group 0, the default part
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one program may use on sm_90
 
 
-@functools.lru_cache(maxsize=None)
-def is_sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)  # cached: microseconds of host time per query
-
-
 def gluon_fits(kv_plane: torch.Tensor, pe_plane: torch.Tensor, H: int) -> bool:
     """Whether this kernel handles the call (else the Triton kernel does)."""
     R, DR = kv_plane.shape[-1], pe_plane.shape[-1]
-    if kv_plane.device.type != "cuda" or not is_sm90(kv_plane.device.index):
+    if kv_plane.device.type != "cuda" or capability(kv_plane.device.index) != (9, 0):
         return False
     if kv_plane.dtype not in (torch.bfloat16, torch.float16) or pe_plane.dtype != kv_plane.dtype:
         return False
@@ -350,4 +345,4 @@ def launch(grid, q_latent, q_pe, kv_plane, pe_plane, zero, rows, out, m, lse, si
     programmatic dependent of the row-number pass. 4 warps: the default partition is compute group 0."""
     _latent_attn_fwd_sm90[grid](q_latent, q_pe, kv_plane, pe_plane, zero, rows, out, m, lse, *sizes, *out_strides,
                                 *ml_strides, R=R, DR=DR, NUM_SPLITS=splits, PDL=pdl, num_warps=4,
-                                **({"launch_pdl": True} if pdl else {}))
+                                **launch_options(pdl))

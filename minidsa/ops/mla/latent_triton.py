@@ -62,14 +62,12 @@ gathers and two compute groups split the work explicitly.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from .._pdl import launch_options, use_gluon, use_pdl
 from .latent_rows_triton import row_plane, rows_and_zero_row
 from .reference import check_decode_args, check_prefill_args, sparse_mla_decode_ref, sparse_mla_prefill_ref
 
@@ -83,12 +81,9 @@ LOG2E = 1.4426950408889634
 # larger ones with int64.
 INT32_OFFSETS_BELOW = 2**31
 # On sm_90, calls the Gluon kernel handles go to it (latent_gluon.py: the same math with the warp groups' roles
-# explicit); False keeps them on this file's kernel.
-USE_GLUON = os.environ.get("MINIDSA_MLA_GLUON", "1") != "0"
-# On sm_90 and later, the Gluon kernel and the split combine are launched as programmatic dependents of the
-# kernel before them (PDL): each starts while that one finishes, and waits (griddepcontrol.wait) before it
-# reads what that kernel wrote. False launches them one after the other like any kernel.
-USE_PDL = os.environ.get("MINIDSA_MLA_PDL", "1") != "0"
+# explicit; ops/_pdl.py's gluon switch). On sm_90 and later, the Gluon kernel and the split combine are launched
+# as programmatic dependents of the kernel before them (ops/_pdl.py): each starts while that one finishes, and
+# waits (griddepcontrol.wait) before it reads what that kernel wrote.
 
 
 @triton.jit
@@ -262,28 +257,17 @@ def _config(H: int, R: int, K: int, queries: int, device: torch.device, num_spli
 
 
 def _gluon_kernel(kv_plane: torch.Tensor, pe_plane: torch.Tensor, H: int):
-    """The sm_90 Gluon module (latent_gluon.py) when it handles this call, else None; USE_GLUON = False keeps
-    every call on this file's kernel."""
-    if not USE_GLUON or _gluon is None:
+    """The sm_90 Gluon module (latent_gluon.py) when it handles this call, else None (MINIDSA_MLA_GLUON=0: None)."""
+    if _gluon is None or not use_gluon(kv_plane.device):
         return None
     return _gluon if _gluon.gluon_fits(kv_plane, pe_plane, H) else None
-
-
-def _pdl(device: torch.device) -> bool:
-    """Whether kernels on ``device`` are launched as programmatic dependents (USE_PDL, sm_90 or later)."""
-    return USE_PDL and device.type == "cuda" and _capability(device.index) >= (9, 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device_index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
 
 
 def _combine(part, m, lse, out, H: int, R: int, st: int, sh: int, BLOCK_R: int, splits: int, pdl: bool) -> None:
     """Launch _combine_splits: partials [B*T, splits, H, R] -> out (b, t dims merged: stride st per query)."""
     _combine_splits[(part.shape[0], H)](
         part, m, lse, out, H, R, part.stride(0), part.stride(1), part.stride(2), m.stride(0), m.stride(1), st, sh,
-        BLOCK_R=BLOCK_R, NUM_SPLITS=splits, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
+        BLOCK_R=BLOCK_R, NUM_SPLITS=splits, PDL=pdl, num_warps=4, **launch_options(pdl))
 
 
 def _latent_attention(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices, scale, out,
@@ -316,7 +300,7 @@ def _latent_attention(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, 
                 DOT_PRECISION=precision, OFF64=max(kv_plane.numel(), pe_plane.numel()) >= INT32_OFFSETS_BELOW,
                 num_warps=num_warps, num_stages=num_stages)
 
-    pdl = _pdl(dev)
+    pdl = use_pdl(dev)
 
     def attend(o, m, lse, o_strides, ml_strides):
         if gluon:

@@ -39,11 +39,10 @@ dn = dv, 128-query tiles): the same math with a producer warp group for the gath
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
+from .._pdl import use_gluon
 from .latent_triton import INT32_OFFSETS_BELOW, LOG2E, rows_at, softmax_step
 
 try:  # the sm_90 union kernel (Gluon); a triton without Gluon, or with another Gluon API, keeps this file's kernel
@@ -51,9 +50,8 @@ try:  # the sm_90 union kernel (Gluon); a triton without Gluon, or with another 
 except (ImportError, AttributeError):
     _gluon = None
 
-# On sm_90, the union form's attention goes to the Gluon kernel where it fits (prefill_gluon.py); False keeps it
-# on this file's kernel. The same environment switch as the latent kernels' (latent_triton.USE_GLUON).
-USE_GLUON = os.environ.get("MINIDSA_MLA_GLUON", "1") != "0"
+# On sm_90, the union form's attention goes to the Gluon kernel where it fits (prefill_gluon.py; ops/_pdl.py's
+# gluon switch).
 
 
 @triton.jit(do_not_specialize=["T", "L", "n_tiles"])
@@ -124,7 +122,7 @@ def tile_config(on_gpu: bool, elt: int) -> tuple[int, int, int, int]:
 
 def gluon_attends(q, kv, k_pe, dn: int, scale: float, BLOCK_M: int) -> bool:
     """Whether ``attend`` runs the sm_90 Gluon kernel (prefill_gluon.py), which reads 128-query tiles."""
-    return (USE_GLUON and _gluon is not None and BLOCK_M == int(_gluon.BLOCK_M)
+    return (_gluon is not None and use_gluon(q.device) and BLOCK_M == int(_gluon.BLOCK_M)
             and _gluon.gluon_fits(q, kv, k_pe, dn, scale * LOG2E))
 
 

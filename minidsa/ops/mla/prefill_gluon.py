@@ -39,7 +39,7 @@ kernel: about half), not memory traffic. Outputs are within 5e-4 of the output s
 (sums in another order, chunks of 64 against 32) and bitwise equal run to run.
 
 Used by ``prefill_attn_triton.attend`` when ``gluon_fits`` says so (sm_90, bf16/fp16, dn = dv in {64, 128},
-dr in {32, 64}, qk_scale > 0, int32 offsets) and USE_GLUON there is on; everything else, and every CPU run,
+dr in {32, 64}, qk_scale > 0, int32 offsets) and the Gluon switch (ops/_pdl.py) is on; everything else, and every CPU run,
 takes the Triton kernel. Gluon has no interpreter: this kernel is tested on the GPU only
 (tests/ops/test_mla_prefill_gluon.py, through the device tool), against the reference and the Triton kernel.
 """
@@ -57,7 +57,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .latent_gluon import SMEM_LIMIT, is_sm90, nvmma
+from .._pdl import capability
+from .latent_gluon import SMEM_LIMIT, nvmma
 
 BLOCK_M = gl.constexpr(128)  # queries per program: the Triton kernel's tile, whose unions and masks this reads
 HALF_M = gl.constexpr(64)  # queries per compute group: one wgmma M
@@ -75,7 +76,7 @@ def gluon_fits(q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, dn: int, q
     """Whether this kernel handles the call (else the Triton kernel does): sm_90, bf16/fp16, the widths its
     copy layouts, wgmma shapes and registers take, a positive scale, int32 offsets (the output [B, T, H, dv]
     has fewer elements than q [B, T, H, dn + dr] when dv = dn)."""
-    if kv.device.type != "cuda" or not is_sm90(kv.device.index):
+    if kv.device.type != "cuda" or capability(kv.device.index) != (9, 0):
         return False
     if kv.dtype not in (torch.bfloat16, torch.float16) or k_pe.dtype != kv.dtype:
         return False
