@@ -104,6 +104,9 @@ class RowStack:
         weights = [m.weight for m in self.modules]
         if self._stack is not None and (torch.compiler.is_compiling() or self._key(weights) == self._seen):
             return self._stack
+        return self._restack(weights)
+
+    def _restack(self, weights: list[torch.Tensor]) -> torch.Tensor:
         if weights[0].device.type == "meta":  # nothing to move yet: to_empty gives the real storage later
             return self._cat(weights)
         with torch.no_grad(), torch.inference_mode(False):  # a normal tensor, kept across forwards
@@ -140,8 +143,11 @@ class FusedLinears:
     def _stacks(self) -> list[tuple[RowStack, list[int], list[int]]]:
         """One RowStack per weight dtype and device, regrouped when the layers' dtypes change."""
         dtypes = [(p[0].weight.dtype, p[0].weight.device) for p in self.parts]
-        if self._groups is not None and (torch.compiler.is_compiling() or dtypes == self._dtypes):
-            return self._groups
+        if self._groups is None or not (torch.compiler.is_compiling() or dtypes == self._dtypes):
+            self._regroup(dtypes)
+        return self._groups
+
+    def _regroup(self, dtypes: list) -> None:
         if any(len({(l.weight.dtype, l.weight.device) for l in p}) > 1 for p in self.parts):
             raise ValueError("the layers of a tuple part must share one dtype and device (their outputs are one slice)")
         by_dtype: dict[tuple, list[int]] = {}
@@ -156,7 +162,6 @@ class FusedLinears:
             groups.append((RowStack(*[l for i in ids for l in self.parts[i]], k_major=k_major), ids, widths))
         self._groups = groups
         self._dtypes = dtypes
-        return self._groups
 
     def fuse(self) -> None:
         """Stack the rows now, in any grad mode (``fuse_all``); calls do it when needed."""
