@@ -28,6 +28,8 @@ import time
 
 import torch.distributed as dist
 
+from .messages import all_gather_json
+
 # How long a survivor looks for the process that closed its connection before naming none: a peer's
 # sockets close a moment before the kernel reports the process gone, and a cascade of survivors exiting
 # takes a moment to reach every rank.
@@ -55,9 +57,8 @@ class PeerLostError(RankError, ConnectionError):
 def note_peers(rank: int, world: int) -> None:
     """Collective, once per job after the process group is up: learn every rank's host and process id, so
     that ``lost`` can tell which peer's process is gone."""
-    procs = [None] * world
     with naming_lost_peers("exchanging process ids at start"):
-        dist.all_gather_object(procs, (socket.gethostname(), os.getpid()))
+        procs = [tuple(p) for p in all_gather_json([socket.gethostname(), os.getpid()], world)]
     _job.update(rank=rank, procs=procs)
 
 
@@ -136,10 +137,9 @@ def agree_on_load(rank: int, world: int, label: str, failure: BaseException | No
     mine = None if failure is None else _reason(failure)
     reasons = {rank: mine}  # without a process group (one process loading one rank's part): its own only
     if world > 1 and dist.is_initialized():
-        gathered = [None] * world
         try:
             with naming_lost_peers("waiting for the other ranks to finish loading"):
-                dist.all_gather_object(gathered, mine, group=group)
+                gathered = all_gather_json(mine, world, group=group)
             reasons = dict(enumerate(gathered))
         except PeerLostError:
             if failure is None:
