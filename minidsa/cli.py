@@ -422,7 +422,7 @@ def _doctor(args) -> int:
 
 
 def _serve(args) -> int:
-    """Serve until Ctrl-C; one line says where, once listening."""
+    """Serve until Ctrl-C or SIGTERM; one line says where, once listening."""
     model = load(args.checkpoint, progress=False, device=args.device).set_backend(args.backend)
     engine_kw = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
     # vLLM's rule: the model is served under what the user passed, so a client can name it the same way
@@ -432,10 +432,7 @@ def _serve(args) -> int:
               "a minute or two; ~/.triton/cache keeps them for the next start)", file=sys.stderr, flush=True)
     with start_server(model, args.host, args.port, name, **engine_kw) as server:
         print(f"serving {server.model_name} at {server.url}/v1 (also /health, /metrics; Ctrl-C stops)", flush=True)
-        try:
-            server.wait()
-        except KeyboardInterrupt:
-            pass
+        server.wait_for_stop()
     return 0
 
 

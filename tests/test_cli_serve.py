@@ -18,9 +18,9 @@ TIMEOUT = 30
 
 
 @contextlib.contextmanager
-def serving(*args, cwd=ROOT):
+def serving(*args, cwd=ROOT, stop=signal.SIGINT):
     """(the name the start line announces, an openai client) of a fresh ``serve`` process on a free port;
-    Ctrl-C ends it, which must exit 0."""
+    Ctrl-C (or ``stop``) ends it, which must exit 0."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     # A run started in the background (`cmd &`) ignores SIGINT, and so would a child it starts: Python then gives
     # it no KeyboardInterrupt and Ctrl-C would never reach serve. A user's Ctrl-C comes from a terminal.
@@ -34,7 +34,7 @@ def serving(*args, cwd=ROOT):
         name, url = " ".join(words[1:words.index("at")]), words[words.index("at") + 1]
         yield name, openai.OpenAI(base_url=url, api_key="unused", timeout=TIMEOUT, max_retries=0)
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         _, err = proc.communicate(timeout=TIMEOUT)
     assert proc.returncode == 0, err
 
@@ -71,3 +71,9 @@ def test_served_model_name_replaces_the_checkpoint_value():
         assert announced == "my-model"
         assert [m.id for m in client.models.list().data] == ["my-model"]
         assert answers_to(client, "my-model") and not answers_to(client, "default")
+
+
+def test_sigterm_stops_serve_as_ctrl_c_does():
+    """A service manager (systemd, Kubernetes) or ``kill`` sends SIGTERM: serve closes and exits 0, as on Ctrl-C."""
+    with serving(stop=signal.SIGTERM) as (name, client):
+        assert answers_to(client, name)

@@ -121,7 +121,7 @@ class GatedMLA(nn.Module):
     def _forward_uncached(self, proj: dict, trace: ForwardTrace | None) -> tuple[torch.Tensor, torch.Tensor]:
         B, T = proj["q"].shape[:2]
         q_pos = torch.arange(T, device=proj["q"].device).expand(B, T)
-        idx = self._select([(None, T)] * B, trace, lambda: self.indexer.select(
+        idx = self._select(lambda: [(None, T)] * B, trace, lambda: self.indexer.select(
             proj["q_idx"], proj["w_idx"], self.indexer.dequant_keys(proj), q_pos))
         k, v = self.decompress(proj["kv_latent"], proj["k_pe"])
         return idx, ops.sparse_attention(proj["q"], k, v, idx, self.softmax_scale)
@@ -138,13 +138,13 @@ class GatedMLA(nn.Module):
         if n:
             ctx = step.decode_part()
             rows = {k: v[0, :n].unsqueeze(1) for k, v in proj.items()}  # [n, 1, ...]: one row per sequence
-            idx = self._select(step.pieces_on_axis(True), trace,
+            idx = self._select(lambda: step.pieces_on_axis(True), trace,
                                lambda: self.indexer.select_paged(rows["q_idx"], rows["w_idx"], planes, ctx))
             parts.append((idx.view(1, n, -1), self._attend_decode(ctx, rows, idx).flatten(0, 1).unsqueeze(0)))
         if step.prefill_rows:  # every prefill piece in one [P', T_max] rectangle, padded where lengths differ
             ctx = step.prefill_part()
             rect = {k: step.pad(proj[k]) for k in ("q", "q_idx", "w_idx")}
-            idx = self._select(step.pieces_on_axis(False), trace,  # -1 on padding rows
+            idx = self._select(lambda: step.pieces_on_axis(False), trace,  # -1 on padding rows
                                lambda: self.indexer.select_paged(rect["q_idx"], rect["w_idx"], planes, ctx),
                                lambda i: step.unpad(i)[0], lambda f: step.pad(f.unsqueeze(0), fill=-1))
             parts.append((step.unpad(idx), step.unpad(self._attend_prefill(ctx, rect, idx))))
@@ -155,13 +155,14 @@ class GatedMLA(nn.Module):
         """Store the new tokens' rows, then select over every cached key (new ones included): int32 [B, T, topk]."""
         planes = self._store(ctx.cache, ctx.kv_slots, proj)
         T = proj["q"].shape[1]
-        return self._select([(sid, T) for sid in ctx.seq_ids], trace,
+        return self._select(lambda: [(sid, T) for sid in ctx.seq_ids], trace,
                             lambda: self.indexer.select_paged(proj["q_idx"], proj["w_idx"], planes, ctx))
 
     def _select(self, pieces, trace: ForwardTrace | None, select, flat=None, unflat=None) -> torch.Tensor:
-        """select() -> int32 [R, T, topk], or the selection a trace holds for ``pieces`` (model/trace.py)."""
+        """select() -> int32 [R, T, topk], or the selection a trace holds for the pieces ``pieces()`` names
+        (model/trace.py)."""
         return held_choice(trace, self.indexer, pieces, select, flat or (lambda i: i.flatten(0, 1)),
-                           unflat or (lambda f: f.view(len(pieces), -1, f.shape[-1])))
+                           unflat or (lambda f: f.view(len(pieces()), -1, f.shape[-1])))
 
     def _store(self, cache, kv_slots: torch.Tensor, proj: dict) -> dict[str, torch.Tensor]:
         """Write every new token's row of each plane at its slot (kv_slots [n], -1 = skip); -> this layer's planes."""

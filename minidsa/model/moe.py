@@ -68,8 +68,8 @@ class LatentMoE(nn.Module):
         A ``trace`` may hold the route (model/trace.py): x's N tokens are then ``rows`` pieces unless it says."""
         logits, z, gate, up = self.input_proj(x)
         logits = cast(logits, acc_dtype(x))
-        pieces = [(None, x.shape[0] // rows)] * rows if trace is None or trace.pieces is None else trace.pieces
-        ids, weights = held_choice(trace, self, pieces, lambda: self.choose(logits), lambda out: out[0],
+        ids, weights = held_choice(trace, self, lambda: trace.pieces or [(None, x.shape[0] // rows)] * rows,
+                                   lambda: self.choose(logits), lambda out: out[0],
                                    lambda ids: (ids, self.route_weights(torch.sigmoid(logits), ids)))
         return ids, weights, z, gate, up
 

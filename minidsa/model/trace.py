@@ -45,13 +45,14 @@ def token_pieces(ctx, rows: int, tokens: int) -> list[tuple[int | None, int]]:
     return [(sid, tokens) for sid in ctx.seq_ids]
 
 
-def held_choice(trace: ForwardTrace | None, module, pieces: list[tuple[int | None, int]], compute: Callable,
+def held_choice(trace: ForwardTrace | None, module, pieces: Callable[[], list], compute: Callable,
                 flat: Callable = lambda c: c, unflat: Callable = lambda f: f):
     """A layer's discrete choice under ``trace``: compute() (the choice, or a tuple led by it), unless the trace
     holds choices (``acceptance.HeldChoices.take``): ``flat`` lays a computed choice out as [N, ...] over
-    ``pieces`` (sequence id, tokens) in order and ``unflat`` turns such rows back into what compute() returns."""
+    ``pieces()`` (sequence id, tokens) in order and ``unflat`` turns such rows back into what compute() returns.
+    Without held choices nothing else runs (a compiled step traces compute() alone)."""
     held = None if trace is None else trace.held
-    return compute() if held is None else held.take(module, pieces, compute, flat, unflat)
+    return compute() if held is None else held.take(module, pieces(), compute, flat, unflat)
 
 
 @dataclass

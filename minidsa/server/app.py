@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -100,6 +101,19 @@ class Server:
         while not self._closed.wait(0.5):
             pass
 
+    def wait_for_stop(self) -> None:
+        """Block until Ctrl-C, SIGTERM (what ``kill`` and service managers send) or ``close()``; the caller's
+        ``with`` block then closes the server. Signals reach the main thread only: elsewhere only ``close()``."""
+        main = threading.current_thread() is threading.main_thread()
+        before = signal.signal(signal.SIGTERM, _interrupt) if main else None
+        try:
+            self.wait()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, before)
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop accepting, abort live requests, stop the engine thread, close connections; idempotent."""
         with self._close_lock:
@@ -129,12 +143,13 @@ def start_server(model: MiniDSA, host: str = "127.0.0.1", port: int = 0, model_n
 
 def serve(model: MiniDSA, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           **engine_kw) -> None:
-    """Serve until ``KeyboardInterrupt`` (then close cleanly and return)."""
+    """Serve until Ctrl-C or SIGTERM (then close cleanly and return)."""
     with start_server(model, host, port, model_name, **engine_kw) as server:
-        try:
-            server.wait()
-        except KeyboardInterrupt:
-            pass
+        server.wait_for_stop()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM ends serving as Ctrl-C does
 
 
 class _HTTPServer(ThreadingHTTPServer):
