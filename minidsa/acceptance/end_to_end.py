@@ -102,7 +102,7 @@ def _failed(outputs) -> str | None:
 def check_batch(model: MiniDSA, tol: float, hold: bool) -> tuple[bool, list[str]]:
     """(ok, a line per row): each row of a batch against the same prompt alone. With ``hold``, the alone runs
     record their choices and the batch replays them (eager steps: a graph replay runs no Python)."""
-    held = HeldChoices(model) if hold else None
+    held = HeldChoices() if hold else None
     engine = Engine(model, max_num_seqs=4, enable_prefix_caching=False, cuda_graphs="off" if hold else "auto",
                     held_choices=held)
     if hold:  # each sequence's record is its prompt's, however the engine numbers the sequences
@@ -126,7 +126,7 @@ def check_batch(model: MiniDSA, tol: float, hold: bool) -> tuple[bool, list[str]
 def check_media(model: MiniDSA, tol: float, hold: bool) -> tuple[bool, list[str]]:
     """(ok, a line per request): an image and a two-frame video, greedy through the engine, each token
     against the full forward over the same embeddings (with ``hold``, on the engine run's choices)."""
-    held = HeldChoices(model) if hold else None
+    held = HeldChoices() if hold else None
     engine = Engine(model, max_num_seqs=2, enable_prefix_caching=False, cuda_graphs="off" if hold else "auto",
                     held_choices=held)
     params = SamplingParams(temperature=0, max_tokens=MEDIA_TOKENS)

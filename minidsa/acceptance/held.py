@@ -23,7 +23,6 @@ from typing import Callable, Hashable, Iterator
 
 import torch
 
-from ..model.minidsa import MiniDSA
 from ..model.trace import ForwardTrace
 
 
@@ -31,7 +30,7 @@ class HeldChoices:
     """``with held.recording(): full(..., trace=held.trace())`` then ``with held.replaying(): cached(...,
     trace=held.trace())`` on one model. Outside both, a forward given the trace chooses as it always does."""
 
-    def __init__(self, model: MiniDSA | None = None) -> None:
+    def __init__(self) -> None:
         self.log: dict[tuple, list[torch.Tensor]] = {}
         self.cursor: dict[tuple, int] = {}
         self.mode: str | None = None  # "record", "replay" or None

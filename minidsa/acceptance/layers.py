@@ -94,7 +94,7 @@ def check_layers(model: MiniDSA, prompt_len: int, steps: int, hold: bool) -> tup
     inputs = _layer_inputs(model, modules, ids)
     worst, lines, bad = 0.0, [], []
     for kind, module in modules.items():
-        held = HeldChoices(model)
+        held = HeldChoices()
         attention = kind in ("mla", "kda")
         with torch.inference_mode(), ops.use_backend(model.backend):
             # a dense MLP chooses nothing: it takes no trace
@@ -155,7 +155,7 @@ def check_request(model: MiniDSA, prompt_len: int, steps: int, hold: bool) -> di
     with torch.inference_mode():
         cached, tokens, prefill_s, decode_s = _cached_request(model, prompt, steps, None)
         whole = torch.cat([prompt, torch.tensor([tokens[:-1]], device=model.device, dtype=prompt.dtype)], dim=1)
-        held = HeldChoices(model)
+        held = HeldChoices()
         with held.recording() if hold else contextlib.nullcontext():
             full = model(whole, trace=held.trace() if hold else None)[0, prompt_len - 1:]
         if hold:  # the same tokens again, now on the full forward's choices

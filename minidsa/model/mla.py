@@ -31,7 +31,7 @@ from ..ops import acc_dtype, cast
 from .fused import FusedLinears
 from .indexer import LightningIndexer
 from .norm import RMSNorm
-from .trace import ForwardTrace, held_choice
+from .trace import ForwardTrace, held_choice, token_pieces
 
 # The released modeling code builds the two latent norms without an eps, so they run at the RMSNorm class
 # default, 1e-6, not the model's rms_norm_eps (1e-5), as DeepSeek-V3.2 does (docs/design.md §2).
@@ -121,7 +121,7 @@ class GatedMLA(nn.Module):
     def _forward_uncached(self, proj: dict, trace: ForwardTrace | None) -> tuple[torch.Tensor, torch.Tensor]:
         B, T = proj["q"].shape[:2]
         q_pos = torch.arange(T, device=proj["q"].device).expand(B, T)
-        idx = self._select(lambda: [(None, T)] * B, trace, lambda: self.indexer.select(
+        idx = self._select(lambda: token_pieces(None, B, T), trace, lambda: self.indexer.select(
             proj["q_idx"], proj["w_idx"], self.indexer.dequant_keys(proj), q_pos))
         k, v = self.decompress(proj["kv_latent"], proj["k_pe"])
         return idx, ops.sparse_attention(proj["q"], k, v, idx, self.softmax_scale)
@@ -154,8 +154,8 @@ class GatedMLA(nn.Module):
     def _store_and_select(self, ctx: CacheContext, proj: dict, trace: ForwardTrace | None) -> torch.Tensor:
         """Store the new tokens' rows, then select over every cached key (new ones included): int32 [B, T, topk]."""
         planes = self._store(ctx.cache, ctx.kv_slots, proj)
-        T = proj["q"].shape[1]
-        return self._select(lambda: [(sid, T) for sid in ctx.seq_ids], trace,
+        B, T = proj["q"].shape[:2]
+        return self._select(lambda: token_pieces(ctx, B, T), trace,
                             lambda: self.indexer.select_paged(proj["q_idx"], proj["w_idx"], planes, ctx))
 
     def _select(self, pieces, trace: ForwardTrace | None, select, flat=None, unflat=None) -> torch.Tensor:

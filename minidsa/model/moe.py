@@ -24,7 +24,7 @@ from .experts import ExpertWorkspace, RoutedExperts
 from .ffn import SituGluMLP, situ_glu
 from .fused import FusedLinears
 from .norm import RMSNorm
-from .trace import ForwardTrace, held_choice
+from .trace import ForwardTrace, held_choice, token_pieces
 
 
 class LatentMoE(nn.Module):
@@ -68,7 +68,7 @@ class LatentMoE(nn.Module):
         A ``trace`` may hold the route (model/trace.py): x's N tokens are then ``rows`` pieces unless it says."""
         logits, z, gate, up = self.input_proj(x)
         logits = cast(logits, acc_dtype(x))
-        ids, weights = held_choice(trace, self, lambda: trace.pieces or [(None, x.shape[0] // rows)] * rows,
+        ids, weights = held_choice(trace, self, lambda: trace.pieces or token_pieces(None, rows, x.shape[0] // rows),
                                    lambda: self.choose(logits), lambda out: out[0],
                                    lambda ids: (ids, self.route_weights(torch.sigmoid(logits), ids)))
         return ids, weights, z, gate, up

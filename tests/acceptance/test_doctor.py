@@ -142,7 +142,7 @@ def test_held_choices_replay_the_recorded_rows():
     from minidsa.acceptance.held import HeldChoices
     model = minidsa.load("default")
     ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(0))
-    held = HeldChoices(model)
+    held = HeldChoices()
     with torch.inference_mode():
         with held.recording():
             full = model(ids, trace=held.trace())
@@ -164,7 +164,7 @@ def test_held_choices_are_taken_by_packed_engine_steps():
     whose sequences are numbered and packed differently; a replayed choice is what the layers then use."""
     from minidsa.acceptance.held import HeldChoices
     model = minidsa.load("default")
-    held = HeldChoices(model)
+    held = HeldChoices()
     engine = Engine(model, max_num_seqs=4, enable_prefix_caching=False, held_choices=held)
     held.key_of = lambda sid: next(r.prompt for r in engine.requests.values() if r.sid == sid)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
