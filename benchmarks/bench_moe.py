@@ -281,7 +281,9 @@ def bench_prefill(s: Setup, kern, N: int, results: dict) -> bool:
     want = reference_by_chunks(z[:n_chk], s.packed, s.scales, experts, routing[:, :n_chk])
     tol = 1e-3 if s.dev == "cuda" else 1e-4
     ok = check(f"fused vs reference ({n_chk} tokens)", fused[:n_chk], want, tol)
-    ok &= check("online workspace vs fused", ws, fused, 1e-6) & check("offline vs online", offline, ws, 1e-5)
+    # The FP8 workspace kernel reduces each K tile in one product, the fused kernel per scale group: fp32 sums
+    # of ~3,500 products in two orders part by ~sqrt(K) * 2^-24 of the scale, a few 1e-6 (a wrong weight: O(1)).
+    ok &= check("online workspace vs fused", ws, fused, 2e-5) & check("offline vs online", offline, ws, 1e-5)
     ok &= check("bf16 peer vs fused", peer, fused, 3e-2)
     results[f"prefill_N{N}"] = dict(res, online_over_offline=ratio, pairs=pairs, flops=flops, agree=ok)
     return ok
