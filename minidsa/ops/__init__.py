@@ -44,17 +44,14 @@ from .indexer.reference import (
     topk_indices,
     topk_indices_ref,
 )
-from .kda.reference import (
+from .kda.reference import kda_chunk, kda_chunk_ref, kda_recurrent, kda_recurrent_ref
+from .kda_step.reference import (
     causal_conv,
     conv_states_at,
-    kda_chunk,
-    kda_chunk_ref,
     kda_decode,
     kda_decode_ref,
     kda_inputs,
     kda_inputs_ref,
-    kda_recurrent,
-    kda_recurrent_ref,
     short_conv,
     short_conv_ref,
 )
@@ -100,7 +97,7 @@ def kda_step_inputs(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, A_log: 
                     lower_bound: float, *, backend: str | None = None):
     """KDA's per-token inputs from the short convs' SiLU outputs: qkv [..., 3, H, K], z [..., H*K] (W_fb W_fa x),
     b [..., H] -> (q, k (L2-normalised per head), v [..., H, K], g [..., H, K] (log-decay), beta [..., H]) in
-    the accumulation dtype; v is qkv's view. The op is ``kda_inputs`` (ops/kda/reference.py)."""
+    the accumulation dtype; v is qkv's view. The op is ``kda_inputs`` (ops/kda_step/reference.py)."""
     q, k, g, beta = kda_inputs(qkv, z, b, A_log, dt_bias, lower_bound, backend=backend)
     return q, k, qkv[..., 2, :, :], g, beta
 

@@ -35,7 +35,7 @@ FLAGS = {"lengths, kept states": dict(HAS_LEN=True, KEEP=True, HAS_S0=True),
 OTHER_KERNELS = {
     "minidsa.ops.attn_res.mix_triton": {"_mix_kernel": [
         ({"BLOCK_R": 4, "BLOCK_D": 1024, "N_PAD": 4, **one}, {}) for one in ({}, {"R": 1}, {"N": 1, "N_PAD": 1})]},
-    "minidsa.ops.kda.conv_triton": {"_short_conv_kernel": [
+    "minidsa.ops.kda_step.conv_triton": {"_short_conv_kernel": [
         (dict(W=4, WP=4, BT=32, BC=128, HAS_LEN=has_len, **one), {"x_ptr": "*bf16", "len_ptr": "*i64"})
         for has_len in (True, False) for one in ({}, {"T": 1})]},
     "minidsa.ops.norm.rms_triton": {"_rms_norm_kernel": [
@@ -49,7 +49,7 @@ OTHER_KERNELS = {
          {"ids_ptr": "*i64", "experts_ptr": "*i64", "count_ptr": "*i64", "slot_ptr": "*i32"})]},
     "minidsa.ops.gate.gate_triton": {"_gate_kernel": [
         (dict(NORM=norm, RNE=True, ROWS=64, BLOCK_K=64), {"g_ptr": "*bf16", "y_ptr": "*bf16"}) for norm in (True, False)]},
-    "minidsa.ops.kda.inputs_triton": {"_inputs_kernel": [
+    "minidsa.ops.kda_step.inputs_triton": {"_inputs_kernel": [
         (dict(ROWS=64, BLOCK_K=64), {"z_ptr": "*bf16", "b_ptr": "*bf16"})]},
 }
 FLOATS = ("eps", "lower_bound", "beta_gate", "beta_up")  # the scalar arguments passed as Python floats

@@ -1,4 +1,4 @@
-"""KDA's short conv kernel (minidsa/ops/kda/conv_triton.py) against its reference, on odd shapes, under
+"""KDA's short conv kernel (minidsa/ops/kda_step/conv_triton.py) against its reference, on odd shapes, under
 TRITON_INTERPRET=1 on the CPU (or compiled on a GPU)."""
 
 import os
@@ -10,8 +10,8 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from minidsa.ops.kda import conv_triton as kern  # noqa: E402
-from minidsa.ops.kda.reference import causal_conv, short_conv_ref  # noqa: E402
+from minidsa.ops.kda_step import conv_triton as kern  # noqa: E402
+from minidsa.ops.kda_step.reference import causal_conv, short_conv_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

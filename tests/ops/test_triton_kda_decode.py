@@ -5,10 +5,10 @@ import torch
 from conftest import kernel_device
 
 from minidsa import ops
-from minidsa.ops.kda.reference import kda_decode_ref
+from minidsa.ops.kda_step.reference import kda_decode_ref
 
 pytest.importorskip("triton")
-from minidsa.ops.kda.decode_triton import kda_decode  # noqa: E402
+from minidsa.ops.kda_step.decode_triton import kda_decode  # noqa: E402
 
 
 def _inputs(B=3, H=2, K=12, R=20, W=4, S=5, seed=0, dtype=torch.float32, weight_dtype=None):

@@ -1,4 +1,4 @@
-"""KDA's per-token inputs kernel (minidsa/ops/kda/inputs_triton.py) against its reference, on odd shapes, under
+"""KDA's per-token inputs kernel (minidsa/ops/kda_step/inputs_triton.py) against its reference, on odd shapes, under
 TRITON_INTERPRET=1 on the CPU (or compiled on a GPU)."""
 
 import pytest
@@ -6,10 +6,10 @@ import torch
 from conftest import kernel_device
 
 from minidsa import ops
-from minidsa.ops.kda.reference import kda_inputs_ref, kda_step_inputs
+from minidsa.ops.kda_step.reference import kda_inputs_ref, kda_step_inputs
 
 pytest.importorskip("triton")
-from minidsa.ops.kda.inputs_triton import kda_inputs  # noqa: E402
+from minidsa.ops.kda_step.inputs_triton import kda_inputs  # noqa: E402
 
 
 def inputs(lead, H, K, seed=0):

@@ -1,4 +1,4 @@
-"""Triton kernel of ``kda_inputs``: the contract of ``kda_inputs_ref`` in ``minidsa/ops/kda/reference.py``.
+"""Triton kernel of ``kda_inputs``: the contract of ``kda_inputs_ref`` in ``minidsa/ops/kda_step/reference.py``.
 
 Between the short convs and the chunked recurrence a prefill computes, per token and head, the L2-normalised
 q and k, the log-decay g = lower_bound * sigmoid(exp(A_log[h]) * (z + dt_bias)) and beta = sigmoid(b): about
@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from ..activation.situ_glu_triton import as_rows, sigmoid
-from .reference import L2_EPS, check_inputs, kda_inputs_ref
+from .checks import check_inputs
+from .reference import L2_EPS, kda_inputs_ref
 
 _TILE = 4096  # elements per program and tensor (ROWS x BLOCK_K)
 

@@ -1,6 +1,6 @@
-"""Triton kernel of ``kda_decode``: the contract of ``kda_decode_ref`` in ``minidsa/ops/kda/reference.py``.
+"""Triton kernel of ``kda_decode``: the contract of ``kda_decode_ref`` in ``minidsa/ops/kda_step/reference.py``.
 
-The recurrent kernel's decode step (``recurrent_triton.py``) with everything between the layer's two input
+The recurrent kernel's decode step (``ops/kda/recurrent_triton.py``) with everything between the layer's two input
 products and the recurrence built in registers. A program (batch row, head, BLOCK_V state columns):
 - runs the short convs of its head's q and k channels and of its v columns, from the sequence's slot of the
   conv-state pool and this step's projected row, and applies SiLU; the program of the head's first V block
@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import L2_EPS, check_decode, kda_decode_ref
+from .checks import check_decode
+from .reference import L2_EPS, kda_decode_ref
 
 
 @triton.jit

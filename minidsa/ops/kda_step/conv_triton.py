@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import check_short_conv, short_conv_ref
+from .checks import check_short_conv
+from .reference import short_conv_ref
 
 TILE = {"cuda": (32, 128), "cpu": (16, 32)}  # (BT tokens, BC channels) per program
 
