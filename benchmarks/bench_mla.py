@@ -131,8 +131,16 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
     return ok
 
 
+def sm90_modules(op: str, dev: str) -> tuple:
+    """(latent_gluon, prefill_gluon) where the op's sm_90 form runs on this machine, else (None, None)."""
+    from minidsa.ops import _dispatch
+    if dev != "cuda" or not _dispatch.gluon_runs(op, torch.cuda.current_device()):
+        return None, None
+    from minidsa.ops.mla import latent_gluon, prefill_gluon
+    return latent_gluon, prefill_gluon
+
+
 def bench_decode(dev: str, dry: bool, results: dict) -> bool:
-    from minidsa.ops import _pdl as hw
     from minidsa.ops.mla import latent_triton as mt
     from minidsa.ops.mla.reference import sparse_mla_decode_ref
     B, S, K, H, r, dr, bs = (32, 65536, 2048, 96, 512, 64, 64) if not dry else (2, 96, 40, 3, 60, 12, 16)
@@ -148,18 +156,19 @@ def bench_decode(dev: str, dry: bool, results: dict) -> bool:
     bench = timer(dev)
     print(f"decode: B={B} context={S} top-k={K} H={H} r={r} dr={dr} {str(dt)[6:]} block_size={bs}")
 
-    out = mt.sparse_mla_decode(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale)
-    t_eager = bench(lambda: mt.sparse_mla_decode(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale))
-    t_graph = graph_time(bench, lambda: mt.sparse_mla_decode(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale), dev)
+    latent_gluon = sm90_modules("sparse_mla_decode", dev)[0]
+    gluon = latent_gluon if latent_gluon is not None and latent_gluon.gluon_fits(kv_plane, pe_plane, H) else None
+
+    def run(g=gluon):  # the op as "auto" runs it here: its sm_90 form on sm_90 (sm90_gluon.py), else Triton
+        return mt.latent_decode(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale, gluon=g)
+    out = run()
+    t_eager = bench(run)
+    t_graph = graph_time(bench, run, dev)
     t_kernel = t_graph or t_eager  # the GPU time where it can be measured: the eager call is host bound
-    gluon = mt._gluon_kernel(kv_plane, pe_plane, H) is not None
     t_portable = None
-    if gluon:  # the same call on the portable Triton kernel, for the ratio (latent_gluon.py)
-        hw.USE_GLUON = False
-        t_portable = graph_time(bench, lambda: mt.sparse_mla_decode(q_lat, q_pe, kv_plane, pe_plane, table, idx,
-                                                                    scale), dev)
-        out_portable = mt.sparse_mla_decode(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale)
-        hw.USE_GLUON = True
+    if gluon:  # the same call on the portable Triton kernel (backend "triton"), for the ratio
+        t_portable = graph_time(bench, lambda: run(None), dev)
+        out_portable = run(None)
     ref = sparse_mla_decode_ref(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale)
     t_ref = bench(lambda: sparse_mla_decode_ref(q_lat, q_pe, kv_plane, pe_plane, table, idx, scale))
     peer = torch_sparse_decode(q_lat[:, 0], q_pe[:, 0], kv_plane, pe_plane, table, idx[:, 0], scale)
@@ -292,22 +301,22 @@ def form_flops(idx, table, shape: dict, bs: int) -> dict:
 
 
 def time_forms(bench, args, idx, w, scale) -> dict:
-    """The op (form chosen per call) and each form forced: seconds, and each form's output. On a GPU with the
-    Gluon union kernel (sm_90), also the union form on the portable Triton kernel ("union_triton")."""
-    from minidsa.ops import _pdl as hw
-    from minidsa.ops.mla import prefill_attn_triton as pa
+    """The op (form chosen per call) and each form forced: seconds, and each form's output, as backend "auto" runs
+    them. On a GPU where the op's sm_90 form runs, also the union form on the portable Triton kernel
+    ("union_triton", backend "triton")."""
     from minidsa.ops.mla import prefill_form as pf
     from minidsa.ops.mla import prefill_triton as mp
     q, kv_plane, pe_plane, table = args
-    res, use_gluon = {}, hw.USE_GLUON
-    runs = [("auto", "auto", use_gluon), ("union", "union", use_gluon), ("absorbed", "absorbed", use_gluon)]
-    if q.is_cuda and pa._gluon is not None and use_gluon:
-        runs.append(("union_triton", "union", False))
+    latent_gluon, prefill_gluon = sm90_modules("sparse_mla_prefill", "cuda" if q.is_cuda else "cpu")
+    sm90 = dict(union_gluon=prefill_gluon, latent_gluon=latent_gluon)
+    res, runs = {}, [("auto", "auto", sm90), ("union", "union", sm90), ("absorbed", "absorbed", sm90)]
+    if prefill_gluon is not None:
+        runs.append(("union_triton", "union", {}))
     for name, form, gluon in runs:
-        pf.FORM, hw.USE_GLUON = form, gluon
-        res[name] = (bench(lambda: mp.sparse_mla_prefill(q, kv_plane, pe_plane, table, idx, w, scale), rep_ms=300),
-                     mp.sparse_mla_prefill(q, kv_plane, pe_plane, table, idx, w, scale))
-    pf.FORM, hw.USE_GLUON = "auto", use_gluon
+        pf.FORM = form
+        res[name] = (bench(lambda: mp.prefill(q, kv_plane, pe_plane, table, idx, w, scale, **gluon), rep_ms=300),
+                     mp.prefill(q, kv_plane, pe_plane, table, idx, w, scale, **gluon))
+    pf.FORM = "auto"
     return res
 
 

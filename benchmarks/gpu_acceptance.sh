@@ -4,10 +4,12 @@
 #   bash benchmarks/gpu_acceptance.sh          # from the repository root; logs go to $OUT (else a temp folder)
 #
 # One PASS/FAIL line per check, then a summary line; exit 1 if any check failed. The checks:
-# - `serve` of default and small on cuda/triton, driven by the openai client (benchmarks/serve_check.py):
+# - `serve` of default and small on cuda with the default backend ("auto": on sm_90 the Gluon kernels where they
+#   fit, the Triton kernels elsewhere), driven by the openai client (benchmarks/serve_check.py):
 #   a greedy completion, a streamed chat and an image chat against the eager engine's text;
 # - the nano-vllm workload through benchmarks/bench_serving.py: all 256 requests must finish at their length;
-# - `doctor` on default and small (cuda, triton), whose service rung starts `serve` fresh too;
+# - `doctor` on default (backend "triton": the portable kernels alone) and small ("auto"), whose service rung
+#   starts `serve` fresh too;
 # - `generate` from the command line on the GPU: the shipped model's pass-key answer;
 # - the GPU test set (tests/ops, model, cache, serving, server) with the kernels compiled.
 # They run in three lanes side by side (tests; the small model; the shipped model, then the doctors), so
@@ -53,17 +55,17 @@ PASS_KEY=$'the river runs past old town where people walk slowly The pass key of
 # Two lanes side by side (each step still a fresh process): the small model's service and workload, and
 # the shipped model's paths then the doctors. Their lines are printed lane by lane once both are done.
 (
-step serve_small 200 python benchmarks/serve_check.py --checkpoint small --device cuda --backend triton
-step bench_serving_256 300 bash -c 'python benchmarks/bench_serving.py --config small --device cuda --backend triton \
+step serve_small 200 python benchmarks/serve_check.py --checkpoint small --device cuda --backend auto
+step bench_serving_256 300 bash -c 'python benchmarks/bench_serving.py --config small --device cuda --backend auto \
     --num-requests 256 --input-len 100 1024 --output-len 100 512 --max-num-seqs 64 --sequential-requests 2 \
     && grep -q "Successful requests: *256" "$0"' "$out/bench_serving_256.log"
 ) >"$out/lane_small.txt" 2>&1 &
 lane=$!
-step serve_default 120 python benchmarks/serve_check.py --checkpoint default --device cuda --backend triton
-step generate_cli 90 bash -c 'python -m minidsa generate "$1" --temperature 0 --device cuda --backend triton \
+step serve_default 120 python benchmarks/serve_check.py --checkpoint default --device cuda --backend auto
+step generate_cli 90 bash -c 'python -m minidsa generate "$1" --temperature 0 --device cuda \
     --no-progress | tee /dev/stderr | grep -q 40271' _ "$PASS_KEY"
 step doctor_default 150 python -m minidsa doctor --checkpoint default --device cuda --backend triton
-step doctor_small 240 python -m minidsa doctor --checkpoint small --device cuda --backend triton
+step doctor_small 240 python -m minidsa doctor --checkpoint small --device cuda
 wait "$lane"
 cat "$out/lane_small.txt"
 wait "$tests_pid"; rc=$?

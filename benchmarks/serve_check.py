@@ -58,7 +58,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", default="default", help="what `serve --checkpoint` gets (default: default)")
     ap.add_argument("--device", default="cuda", help="torch device of both processes (default: cuda)")
-    ap.add_argument("--backend", default="triton", choices=("torch", "triton", "auto"), help="(default: triton)")
+    ap.add_argument("--backend", default="triton", choices=("torch", "triton", "gluon", "auto"), help="(default: triton)")
     args = ap.parse_args()
     import openai  # the client users call the service with (the test extra)
 

@@ -27,6 +27,7 @@ from .checkpoint.manifest import DEFAULT_MODEL, count_parameters
 from .checkpoint.validator import check_checkpoint
 from .distributed import rank_bytes
 from .distributed.launch import init_from_env, load_rank
+from .ops import BACKENDS
 from .server import start_server
 from .serving import bench
 from .serving.generation import stream as open_stream
@@ -110,8 +111,9 @@ def _generate_parser(sub, common) -> None:
                         "(default: off, stop at eos)")
     g.add_argument("--device", default="cpu", help="torch device of the model, e.g. cuda (default: %(default)s; with "
                                                    "--tp/--ep each rank's model is on the CPU)")
-    g.add_argument("--backend", default="auto", choices=("torch", "triton", "auto"),
-                   help="the ops' backend; 'auto' takes the Triton kernels on a GPU (default: %(default)s)")
+    g.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="the ops' backend; 'auto' takes the kernels on a GPU (on sm_90 the Gluon ones where they fit), "
+                        "'triton' the Triton kernels alone (default: %(default)s)")
     g.add_argument("--tp", type=_positive_int, default=None, help="tensor-parallel degree, under torchrun (default: "
                                                                    "none: one process holds the whole model; 1 when "
                                                                    "only --ep is given)")
@@ -179,7 +181,7 @@ def _doctor_parser(sub, common) -> None:
                                                         "first failing gate")
     d.add_argument("--checkpoint", default=DEFAULT_MODEL, help=f"checkpoint directory, 'default' (the shipped model) "
                                                                 f"or a preset name (default: {DEFAULT_MODEL})")
-    d.add_argument("--backend", default="auto", choices=("torch", "triton", "auto"),
+    d.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="the ops' backend; 'triton' on the CPU runs the kernels in Triton's interpreter (slow) "
                         "(default: %(default)s)")
     d.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="torch device (default: %(default)s)")
@@ -200,8 +202,7 @@ def _serve_parser(sub, common) -> None:
                                                       "authentication, so widen it only on a trusted network)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0 picks a free one)")
     s.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    s.add_argument("--backend", default="auto", choices=("torch", "triton", "auto"), help="the ops' backend "
-                                                                                        "(default: auto)")
+    s.add_argument("--backend", default="auto", choices=BACKENDS, help="the ops' backend (default: auto)")
     s.add_argument("--max-num-seqs", type=_positive_int, default=None, help="requests decoded together "
                                                                             "(default: the config's max_sequences)")
     s.add_argument("--served-model-name", default=None, help="the name /v1/models lists and clients pass as "

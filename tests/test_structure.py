@@ -398,14 +398,16 @@ def test_public_ops_take_keyword_only_backend():
 
 
 def test_kernels_sit_beside_their_reference():
-    """Each registered kernel lives in its op's folder, in a file named for its backend (``*_triton.py``)."""
+    """Each registered kernel lives in its op's folder, in a file named for its backend (``*_triton.py``,
+    ``*_gluon.py``)."""
     from minidsa import ops
 
     bad = []
-    for op, (module, _) in sorted(ops.TRITON_KERNELS.items()):
-        folder = ops.REFERENCES[op].__module__.rpartition(".")[0]
-        if module.rpartition(".")[0] != folder or not module.endswith("_triton"):
-            bad.append(f"{op}: kernel module {module} is not a *_triton module in {folder}")
+    for kind, table in (("_triton", ops.TRITON_KERNELS), ("_gluon", ops.GLUON_KERNELS)):
+        for op, (module, _) in sorted(table.items()):
+            folder = ops.REFERENCES[op].__module__.rpartition(".")[0]
+            if module.rpartition(".")[0] != folder or not module.endswith(kind):
+                bad.append(f"{op}: kernel module {module} is not a *{kind} module in {folder}")
     assert not bad, "\n".join(bad)
 
 

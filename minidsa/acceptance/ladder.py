@@ -55,7 +55,7 @@ def _check_interpreter(backend: str, device: str) -> None:
 def doctor(checkpoint_or_preset="default", *, backend: str = "auto", device: str = "cpu",
            hold_choices: bool | None = None) -> DoctorReport:
     """The ladder for ``checkpoint_or_preset`` (a directory, "default" or a preset name) on ``device`` with
-    ``backend`` ("torch", "triton" or "auto"); returns the report up to the first failing gate.
+    ``backend`` ("torch", "triton", "gluon" or "auto"); returns the report up to the first failing gate.
     ``hold_choices``: hold DSA keys and routed experts fixed in the comparisons (None: below fp32 only)."""
     check_backend(backend)
     if device not in ("cpu", "cuda"):

@@ -76,7 +76,7 @@ class MiniDSA(nn.Module):
         return self.language_model.lm_head.weight.device
 
     def set_backend(self, backend: str | None) -> "MiniDSA":
-        """Op backend of every forward: "torch", "triton", "auto", or None (whatever ops.use_backend says)."""
+        """Op backend of every forward: "torch", "triton", "gluon", "auto", or None (whatever ops.use_backend says)."""
         self.backend = None if backend is None else ops._dispatch.check_backend(backend)
         return self
 

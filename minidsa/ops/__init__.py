@@ -1,8 +1,8 @@
 """Public ops: each is its reference (``<op>/reference.py``), registered there by one ``@op(...)`` that names
-its Triton kernel, its CPU form and its fake (ops/_dispatch.py); ``<op>.reference`` (and ``<op>_ref``) is the
-formula undispatched.
+its Triton kernel, its CPU form, its sm_90 (Gluon) form and its fake (ops/_dispatch.py); ``<op>.reference`` (and
+``<op>_ref``) is the formula undispatched.
 
-Every op takes ``backend=`` ("torch", "triton", "auto", or None for the backend in force: see
+Every op takes ``backend=`` ("torch", "triton", "gluon", "auto", or None for the backend in force: see
 ``use_backend`` / ``set_backend``). The references compute in fp32 (fp64 when given fp64). The
 paged ops read the KV cache the way a kernel does (planes [num_blocks, block_size, width], int32
 block tables, int32 indices with -1 = padding, never read); the dense ops are what they are tested
@@ -17,6 +17,7 @@ from ._checks import acc_dtype, cast
 from ._dispatch import (
     BACKENDS,
     CPU_FORMS,
+    GLUON_KERNELS,
     OPS,
     REFERENCES,
     TRITON_KERNELS,
@@ -77,8 +78,8 @@ from .moe_router.reference import moe_plan, moe_plan_ref, moe_route, moe_route_r
 from .norm.reference import rms_norm, rms_norm_ref
 from .paging import gather_positions, paged_kv_slots
 
-__all__ = ["BACKENDS", "TRITON_KERNELS", "CPU_FORMS", "OPS", "REFERENCES", "acc_dtype", "cast", "current_backend",
-           "set_backend", "register_custom_ops", "pick",
+__all__ = ["BACKENDS", "TRITON_KERNELS", "CPU_FORMS", "GLUON_KERNELS", "OPS", "REFERENCES", "acc_dtype", "cast",
+           "current_backend", "set_backend", "register_custom_ops", "pick",
            "use_backend", "index_scores", "paged_index_scores", "topk_indices", "sparse_attention",
            "masked_dense_attention", "indices_to_mask", "gather_rows", "store_kv", "sparse_mla_decode",
            "sparse_mla_prefill", "decompress_kv", "paged_kv_slots", "gather_positions", "PREFILL_TILE",

@@ -3,15 +3,19 @@
 Each op has a PyTorch reference in ``minidsa/ops/<op>/reference.py`` (always available, fp32 math)
 and, where it is a hot path, a Triton kernel beside it in ``minidsa/ops/<op>/<name>_triton.py`` with
 the same signature. ``op`` registers the reference as the public op where it is written, naming its kernel,
-its CPU form (a faster plain-PyTorch form for CPU tensors, ``<op>/<name>_cpu.py``, which "auto" runs there) and
-its fake; that registration is the only place that says which kernel backs which op. Kernel modules are
+its CPU form (a faster plain-PyTorch form for CPU tensors, ``<op>/<name>_cpu.py``, which "auto" runs there), its
+sm_90 form (``<op>/<name>_gluon.py``: Gluon kernels written for Hopper's warp groups, for the calls they fit, and
+the Triton kernel for the rest) and its fake; that registration is the only place that says which kernel backs
+which op. Kernel modules are
 imported the first time they are picked, so importing minidsa never imports triton.
 
 The backend in force comes from ``use_backend(...)`` (a context manager; ``model.set_backend``
 enters it around every forward) or ``set_backend(...)`` (process-wide default), unless an op call
-passes ``backend=`` itself. ``backend="triton"`` passed to one op is strict (an op without a kernel
-raises); "triton" in force for a whole model runs every registered kernel and the references of the
-ops that have none yet. See docs/design.md §12.
+passes ``backend=`` itself. The backends: "torch" the references; "triton" the Triton kernels; "gluon" the sm_90
+forms (on a capability-9.0 GPU); "auto" the sm_90 form where there is one and the GPU runs it, else the Triton
+kernel, on a GPU, and the CPU form, else the reference, on a CPU. A backend passed to one op is strict (an op
+without that kernel raises); "triton" or "gluon" in force for a whole model runs every kernel of that kind there
+is, then (for "gluon") the Triton kernels, then the references. See docs/design.md §12.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from typing import Callable, Iterator
 import torch
 
 from ._library import custom_op
+from ._pdl import capability
 
-BACKENDS = ("torch", "triton", "auto")
+BACKENDS = ("torch", "triton", "gluon", "auto")
 
 # Filled by ``op`` as the reference modules are imported: op name -> its registration, and the three views the
 # dispatch reads (the kernel and the CPU form of an op are functions of the op's name in the named module).
@@ -37,6 +42,7 @@ OPS: dict[str, "OpSpec"] = {}
 REFERENCES: dict[str, Callable] = {}  # op -> its plain PyTorch reference
 TRITON_KERNELS: dict[str, tuple[str, str]] = {}  # op -> (module, function) of its Triton kernel
 CPU_FORMS: dict[str, tuple[str, str]] = {}  # op -> (module, function) of its faster CPU form, which "auto" runs
+GLUON_KERNELS: dict[str, tuple[str, str]] = {}  # op -> (module, function) of its sm_90 form
 
 
 _default = "auto"
@@ -83,32 +89,59 @@ def triton_available() -> bool:
     return _TRITON
 
 
-# op -> its kernel as the custom op torch.ops.minidsa.<op> (ops/_library.py): what a torch.compile trace calls
-_CUSTOM_OPS: dict[str, Callable] = {}
+# (op, device index) -> gluon_runs(op, device index). A plain dict, not functools.lru_cache: Dynamo would trace
+# through an lru_cache wrapper, and gluon_runs is a property of the machine that a compiled step bakes in.
+_GLUON_RUNS: dict[tuple[str, int | None], bool] = {}
 
 
-def load_kernel(op: str) -> Callable:
-    """Import the Triton kernel registered for ``op`` (raises KeyError when none is). While ``torch.compile``
-    traces, the kernel as the custom op ``torch.ops.minidsa.<op>`` instead (ops/_library.py); eager calls
-    register it, ``register_custom_ops`` registers all."""
+@torch.compiler.assume_constant_result
+def gluon_runs(op: str, device_index: int | None) -> bool:
+    """Whether the sm_90 form of ``op`` runs on CUDA device ``device_index``: capability exactly 9.0 (its Gluon
+    kernels use Hopper's warp-group instructions) and a triton with the Gluon API they are written against."""
+    key = (op, device_index)
+    if key not in _GLUON_RUNS:
+        runs = _TRITON and capability(device_index) == (9, 0)
+        if runs:
+            try:
+                importlib.import_module(GLUON_KERNELS[op][0])
+            except (ImportError, AttributeError):  # a triton without Gluon, or with another Gluon API
+                runs = False
+        _GLUON_RUNS[key] = runs
+    return _GLUON_RUNS[key]
+
+
+# (op, "triton" or "gluon") -> that kernel as the custom op torch.ops.minidsa.<op>[_gluon] (ops/_library.py): what a
+# torch.compile trace calls
+_CUSTOM_OPS: dict[tuple[str, str], Callable] = {}
+
+
+def load_kernel(op: str, kind: str = "triton") -> Callable:
+    """Import the kernel of ``kind`` ("triton", "gluon") registered for ``op`` (raises KeyError when none is).
+    While ``torch.compile`` traces, the kernel as the custom op ``torch.ops.minidsa.<op>`` (``<op>_gluon``)
+    instead (ops/_library.py); eager calls register it, ``register_custom_ops`` registers all."""
     if torch.compiler.is_compiling():
-        if op not in _CUSTOM_OPS:
-            raise RuntimeError(f"the Triton kernel of {op} is not registered as a custom op yet; call "
+        if (op, kind) not in _CUSTOM_OPS:
+            raise RuntimeError(f"the {kind} kernel of {op} is not registered as a custom op yet; call "
                                f"minidsa.ops.register_custom_ops() before torch.compile")
-        return _CUSTOM_OPS[op]
-    module, name = TRITON_KERNELS[op]
+        return _CUSTOM_OPS[op, kind]
+    module, name = (TRITON_KERNELS if kind == "triton" else GLUON_KERNELS)[op]
     kernel = getattr(importlib.import_module(module), name)
-    if op not in _CUSTOM_OPS:
+    if (op, kind) not in _CUSTOM_OPS:
         spec = OPS[op]
-        _CUSTOM_OPS[op] = custom_op(op, kernel, spec.schema, spec.mutates, spec.fake)
+        _CUSTOM_OPS[op, kind] = custom_op(op if kind == "triton" else f"{op}_{kind}", kernel, spec.schema,
+                                          spec.mutates, spec.fake)
     return kernel
 
 
 def register_custom_ops() -> None:
-    """Register every Triton kernel as a ``torch.library`` custom op with its fake implementation, so that
-    ``torch.compile(fullgraph=True)`` traces through any op (needs triton)."""
+    """Register every Triton kernel (and, where a GPU runs them, every sm_90 form) as a ``torch.library`` custom
+    op with its fake implementation, so that ``torch.compile(fullgraph=True)`` traces through any op (needs
+    triton)."""
     for op in TRITON_KERNELS:
         load_kernel(op)
+    for op in GLUON_KERNELS:
+        if torch.cuda.is_available() and gluon_runs(op, torch.cuda.current_device()):
+            load_kernel(op, "gluon")
 
 
 @dataclasses.dataclass
@@ -123,16 +156,16 @@ class OpSpec:
     call: Callable | None  # how the public op calls its implementation, where that is more than a call
 
 
-def op(*, kernel: str | None = None, cpu: str | None = None, fake: Callable | None = None, mutates=(),
-       call: Callable | None = None, returns: str | None = None) -> Callable:
+def op(*, kernel: str | None = None, cpu: str | None = None, gluon: str | None = None, fake: Callable | None = None,
+       mutates=(), call: Callable | None = None, returns: str | None = None) -> Callable:
     """Register the decorated reference as the public op of its name: ``ops.<name>(..., backend=None)``.
 
-    ``kernel`` / ``cpu``: the module (relative to the reference's package) holding the Triton kernel / the fast CPU
-    form, a function of the op's name with the reference's signature. ``fake``: the kernel's output shapes for
-    ``torch.compile``. ``mutates``: arguments the op writes. ``call(impl, *args, **kwargs)``: where the public op
-    does more than call the implementation it picked (a thread setting around it, a result cut to what was asked).
-    ``returns``: the schema's result where the reference's annotation cannot say it. The undecorated reference
-    stays callable as ``<op>.reference``; the schema comes from its annotations."""
+    ``kernel`` / ``cpu`` / ``gluon``: the module (relative to the reference's package) holding the Triton kernel /
+    the fast CPU form / the sm_90 form, a function of the op's name with the reference's signature. ``fake``: the
+    kernel's output shapes for ``torch.compile``. ``mutates``: arguments the op writes. ``call(impl, *args,
+    **kwargs)``: where the public op does more than call the implementation it picked (a thread setting around
+    it, a result cut to what was asked). ``returns``: the schema's result where the reference's annotation cannot
+    say it. The undecorated reference stays callable as ``<op>.reference``; the schema comes from its annotations."""
     def register(reference: Callable) -> Callable:
         name, package = reference.__name__, reference.__module__.rsplit(".", 1)[0]
         spec = OpSpec(name, reference, schema_of(reference, mutates, returns), tuple(mutates), fake, call)
@@ -141,6 +174,8 @@ def op(*, kernel: str | None = None, cpu: str | None = None, fake: Callable | No
             TRITON_KERNELS[name] = (f"{package}.{kernel}", name)
         if cpu:
             CPU_FORMS[name] = (f"{package}.{cpu}", name)
+        if gluon:
+            GLUON_KERNELS[name] = (f"{package}.{gluon}", name)
 
         @functools.wraps(reference)
         def public(*args, backend: str | None = None, **kwargs):
@@ -186,10 +221,18 @@ def pick(op: str, backend: str | None, reference: Callable, *tensors) -> Callabl
     backend = check_backend(current_backend() if backend is None else backend, f"backend for {op}")
     if backend == "torch":
         return reference
-    registered = op in TRITON_KERNELS
     # The kernels are forward-only: under autograd a kernel would return a result with no gradient path,
     # silently freezing everything upstream of it. Recorded calls therefore run the reference.
     recording = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
+    device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)  # an op's tensors share one
+    on_gpu = device is not None and device.type == "cuda"
+    if backend in ("gluon", "auto") and op in GLUON_KERNELS and on_gpu and not recording and gluon_runs(op, device.index):
+        return load_kernel(op, "gluon")
+    if backend == "gluon":
+        if explicit:
+            raise ValueError(gluon_refusal(op, device, recording))
+        backend = "triton"  # a model-wide "gluon": the Triton kernels where no sm_90 form runs
+    registered = op in TRITON_KERNELS
     if backend == "triton":
         if not registered or recording:
             if not explicit:  # a model-wide "triton": every kernel there is, references for the rest
@@ -202,10 +245,20 @@ def pick(op: str, backend: str | None, reference: Callable, *tensors) -> Callabl
             raise ValueError(f"backend='triton' for {op} but triton is not installed; "
                              f"pip install 'minidsa[triton]' (Linux) or use backend='torch'")
         return load_kernel(op)
-    on_gpu = next((t.is_cuda for t in tensors if isinstance(t, torch.Tensor)), False)  # an op's tensors share a device
     if registered and on_gpu and not recording and triton_available():
         return load_kernel(op)
     if op in CPU_FORMS and not on_gpu:  # plain PyTorch, differentiable like the reference
         module, name = CPU_FORMS[op]
         return getattr(importlib.import_module(module), name)
     return reference
+
+
+def gluon_refusal(op: str, device: torch.device | None, recording: bool) -> str:
+    """Why ``backend="gluon"`` cannot run this call of ``op``, and what to use instead."""
+    if op not in GLUON_KERNELS:
+        return f"{op} has no sm_90 (Gluon) form; use backend='triton' or 'auto'"
+    if recording:
+        return (f"the Gluon kernels of {op} have no backward, but its inputs require grad; use backend='torch' or "
+                f"'auto' to train through them, or run under torch.no_grad()")
+    return (f"backend='gluon' for {op} needs a capability-9.0 GPU (H100, H200) and a triton with Gluon; its "
+            f"tensors are on {device}; use backend='triton' or 'auto'")

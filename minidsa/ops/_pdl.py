@@ -1,4 +1,4 @@
-"""What the GPU can do and the two switches for it: programmatic dependent launch and the sm_90 Gluon kernels.
+"""What the GPU can do: its capability, and the switch for programmatic dependent launch.
 
 Programmatic dependent launch (PDL, sm_90 and later): a kernel launched as a programmatic dependent of
 the kernel before it may start while that one finishes, and must execute ``griddepcontrol.wait`` (Triton's
@@ -13,8 +13,9 @@ as soon as every block of this one has started, instead of when the last block e
 
 ``MINIDSA_PDL=0`` launches every such kernel as an ordinary one (the kernels then skip their wait).
 
-Gluon kernels (``ops/mla/*_gluon.py``) are written for sm_90's warp groups; where one fits a call, the MLA ops
-run it instead of their Triton kernel. ``MINIDSA_MLA_GLUON=0`` keeps every call on the Triton kernels.
+The Gluon kernels (``ops/mla/*_gluon.py``), written for sm_90's warp groups, are a backend of their own
+(``backend="gluon"``, and "auto" on a capability-9.0 GPU: ops/_dispatch.py); ``backend="triton"`` keeps every
+call on the Triton kernels.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import os
 import torch
 
 USE_PDL = os.environ.get("MINIDSA_PDL", "1") != "0"
-USE_GLUON = os.environ.get("MINIDSA_MLA_GLUON", "1") != "0"
 
 
 def use_pdl(device: torch.device) -> bool:
@@ -36,11 +36,6 @@ def use_pdl(device: torch.device) -> bool:
 def launch_options(on: bool) -> dict:
     """The extra launch keyword of a Triton kernel launched with PDL ``on``."""
     return {"launch_pdl": True} if on else {}
-
-
-def use_gluon(device: torch.device) -> bool:
-    """Whether the sm_90 Gluon kernels may run on ``device`` (USE_GLUON, capability exactly 9.0)."""
-    return USE_GLUON and device.type == "cuda" and capability(device.index) == (9, 0)
 
 
 @functools.lru_cache(maxsize=None)  # cached: a query costs microseconds of host time, and every launch asks

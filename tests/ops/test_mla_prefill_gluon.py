@@ -14,24 +14,26 @@ pytest.importorskip("triton")
 from test_mla_gluon import SM90, sm90  # noqa: E402  (the decode kernel's tests: the same sm_90 gate)
 from test_triton_mla import paged_case  # noqa: E402
 
-from minidsa.ops import _pdl as hw  # noqa: E402
 from minidsa.ops.mla import prefill_attn_triton as pa  # noqa: E402
 from minidsa.ops.mla import prefill_form as pf  # noqa: E402
+from minidsa.ops.mla import prefill_gluon as pg  # noqa: E402
 from minidsa.ops.mla import prefill_triton as mp  # noqa: E402
+from minidsa.ops.mla import sm90_gluon  # noqa: E402
 from minidsa.ops.mla.reference import sparse_mla_prefill_ref  # noqa: E402
 
 
 def test_calls_off_sm90_take_the_triton_kernel():
     q = torch.zeros(1, 5, 16, 192, dtype=torch.bfloat16)
     kv, pe = torch.zeros(1, 8, 16, 256, dtype=torch.bfloat16), torch.zeros(1, 8, 64)
-    assert not pa.gluon_attends(q, kv, pe.bfloat16(), 128, 0.1, 128)  # CPU tensors
-    if pa._gluon is not None and torch.cuda.is_available():
+    assert pa.gluon_attends(pg, q, kv, pe.bfloat16(), 128, 0.1, 128) is None  # CPU tensors
+    assert pa.gluon_attends(None, q, kv, pe.bfloat16(), 128, 0.1, 128) is None  # the Triton form
+    if torch.cuda.is_available():
         q, kv, pe = q.cuda(), kv.cuda(), pe.cuda()
-        assert pa.gluon_attends(q, kv, pe.bfloat16(), 128, 0.1, 128) is SM90
-        assert not pa.gluon_attends(q, kv, pe, 128, 0.1, 128)  # fp32 k_pe
-        assert not pa.gluon_attends(q, kv, pe.bfloat16(), 128, 0.1, 64)  # 64-query tiles
-        assert not pa.gluon_attends(q, kv, pe.bfloat16(), 128, -0.1, 128)  # max on raw scores needs scale > 0
-        assert not pa.gluon_attends(q[..., :128], kv[..., :224], pe.bfloat16()[..., :32], 96, 0.1, 128)  # dv 128
+        assert (pa.gluon_attends(pg, q, kv, pe.bfloat16(), 128, 0.1, 128) is pg) is SM90
+        assert not pa.gluon_attends(pg, q, kv, pe, 128, 0.1, 128)  # fp32 k_pe
+        assert not pa.gluon_attends(pg, q, kv, pe.bfloat16(), 128, 0.1, 64)  # 64-query tiles
+        assert not pa.gluon_attends(pg, q, kv, pe.bfloat16(), 128, -0.1, 128)  # max on raw scores needs scale > 0
+        assert not pa.gluon_attends(pg, q[..., :128], kv[..., :224], pe.bfloat16()[..., :32], 96, 0.1, 128)  # dv 128
 
 
 def test_the_gluon_kernel_moves_the_break_even_up():
@@ -72,13 +74,12 @@ def test_matches_reference_and_triton_kernel(T, K, shared, dtype, dn, dr, monkey
     monkeypatch.setattr(pf, "FORM", "union")
     q, kv, pe, table, idx, w, scale = case(2, T, K, shared, dtype, seed=T + K, dn=dn, dr=dr)
     calls = []
-    monkeypatch.setattr(pa._gluon, "attend", lambda *a, f=pa._gluon.attend: calls.append(1) or f(*a))
-    out = mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
+    monkeypatch.setattr(pg, "attend", lambda *a, f=pg.attend: calls.append(1) or f(*a))
+    out = sm90_gluon.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
     assert calls, "the Gluon kernel did not run"
     ref = sparse_mla_prefill_ref(q, kv, pe, table, idx, w, scale)
     torch.testing.assert_close(out, ref, atol=3e-2 * float(ref.abs().max()), rtol=3e-2)
-    assert torch.equal(out, mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale))  # run to run
-    monkeypatch.setattr(hw, "USE_GLUON", False)
+    assert torch.equal(out, sm90_gluon.sparse_mla_prefill(q, kv, pe, table, idx, w, scale))  # run to run
     triton_out = mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
     assert len(calls) == 2
     torch.testing.assert_close(out, triton_out, atol=1e-2 * float(ref.abs().max()), rtol=1e-2)

@@ -68,7 +68,7 @@ def test_a_table_within_top_k_takes_the_union_form_reading_nothing_back(monkeypa
     assert table.shape[1] * kv.shape[1] <= idx.shape[-1]
     calls, attend, absorbed = [], pa.attend, mp.sparse_mla_prefill_absorbed
     monkeypatch.setattr(pa, "attend", lambda *a: calls.append("union") or attend(*a))
-    monkeypatch.setattr(mp, "sparse_mla_prefill_absorbed", lambda *a: calls.append("absorbed") or absorbed(*a))
+    monkeypatch.setattr(mp, "sparse_mla_prefill_absorbed", lambda *a, **k: calls.append("absorbed") or absorbed(*a, **k))
     monkeypatch.setattr(torch.Tensor, "tolist", lambda *a: pytest.fail("a count was read back"))
     with pf.sync_free():
         got = mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
@@ -166,7 +166,7 @@ def test_auto_form_follows_the_union_size(monkeypatch):
     shared[0, :] = torch.tensor([3, 7], dtype=torch.int32, device=idx.device)
     calls = []
     monkeypatch.setattr(pa, "attend", lambda *a: calls.append("union"))
-    monkeypatch.setattr(mp, "sparse_mla_prefill_absorbed", lambda *a: calls.append("absorbed"))
+    monkeypatch.setattr(mp, "sparse_mla_prefill_absorbed", lambda *a, **k: calls.append("absorbed"))
     mp.sparse_mla_prefill(q, kv, pe, table, idx, w, scale)
     mp.sparse_mla_prefill(q, kv, pe, table, shared, w, scale)
     assert calls == ["absorbed", "union"]

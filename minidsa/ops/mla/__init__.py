@@ -8,5 +8,6 @@ prefill_triton.py: the prefill op (sparse_mla_prefill), running the union form o
 prefill_form.py: which form a prefill call runs (union or absorbed), from their costs;
 prefill_union_triton.py: per query tile, the sorted union of selected positions and each query's bits over it;
 prefill_attn_triton.py: FlashAttention in decompressed (MHA) form over each tile's union, masked per query;
-prefill_gluon.py: that union attention on Hopper (sm_90) in Gluon.
+prefill_gluon.py: that union attention on Hopper (sm_90) in Gluon;
+sm90_gluon.py: both ops' sm_90 forms (the backend "gluon"): the Gluon kernels where they fit, else the Triton ones.
 """

@@ -36,9 +36,10 @@ What binds it: the chain gather -> score wgmma -> softmax -> value wgmma per til
 96 heads two 64-head blocks gather the same rows and the second is half padding: the tensor-core work is
 128/96 of the useful work.
 
-Used by ``latent_triton._latent_attention`` when ``gluon_fits`` says so (sm_90, bf16/fp16 planes,
-r 256 or 512, dr a power of two in 16..256 with r + dr <= 576, more than 16 heads, planes under 2^31
-elements); everything else, and every CPU run, takes the Triton kernel. Gluon has no interpreter: this
+Used by the ops' sm_90 forms (sm90_gluon.py, the backends "gluon" and "auto") through
+``latent_triton._latent_attention`` when ``gluon_fits`` says so (sm_90, bf16/fp16 planes, r 256 or 512, dr a
+power of two in 16..256 with r + dr <= 576, more than 16 heads, planes under 2^31 elements); everything else,
+and every CPU run, takes the Triton kernel. Gluon has no interpreter: this
 kernel is tested on the GPU only (tests/ops/test_mla_gluon.py, through the device tool), against the same
 reference and the Triton kernel, and bitwise run to run.
 """

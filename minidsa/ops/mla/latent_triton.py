@@ -56,8 +56,8 @@ p = 32k), so a union of blocks is nearly the whole prefix.
 What binds it: not memory. Decode is bound by latency at one program per SM (the [BLOCK_H, r] fp32
 accumulator fills the registers) and by the score dots, which the compiler gives both warp groups (a dot
 that feeds another dot gets all its warps along M); the absorbed prefill by gathering K rows per query.
-On sm_90, ``_latent_attention`` hands the calls it fits to latent_gluon.py, where a producer warp group
-gathers and two compute groups split the work explicitly.
+On sm_90 the op's Gluon form (sm90_gluon.py) hands ``_latent_attention`` latent_gluon.py, which takes the calls
+it fits: a producer warp group gathers and two compute groups split the work explicitly.
 """
 
 from __future__ import annotations
@@ -67,23 +67,17 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from .._pdl import launch_options, use_gluon, use_pdl
+from .._pdl import launch_options, use_pdl
 from .latent_rows_triton import row_plane, rows_and_zero_row
 from .reference import check_decode_args, check_prefill_args, sparse_mla_decode_ref, sparse_mla_prefill_ref
-
-try:  # the sm_90 kernel (Gluon); a triton without Gluon, or with another Gluon API, keeps this file's kernel
-    from . import latent_gluon as _gluon
-except (ImportError, AttributeError):
-    _gluon = None
 
 LOG2E = 1.4426950408889634
 # Planes with fewer elements than this are addressed with int32 row offsets (half the address arithmetic);
 # larger ones with int64.
 INT32_OFFSETS_BELOW = 2**31
-# On sm_90, calls the Gluon kernel handles go to it (latent_gluon.py: the same math with the warp groups' roles
-# explicit; ops/_pdl.py's gluon switch). On sm_90 and later, the Gluon kernel and the split combine are launched
-# as programmatic dependents of the kernel before them (ops/_pdl.py): each starts while that one finishes, and
-# waits (griddepcontrol.wait) before it reads what that kernel wrote.
+# On sm_90 and later, the Gluon kernel and the split combine are launched as programmatic dependents of the kernel
+# before them (ops/_pdl.py): each starts while that one finishes, and waits (griddepcontrol.wait) before it reads
+# what that kernel wrote.
 
 
 @triton.jit
@@ -256,13 +250,6 @@ def _config(H: int, R: int, K: int, queries: int, device: torch.device, num_spli
     return BLOCK_H, BLOCK_N, num_splits, num_warps, 2
 
 
-def _gluon_kernel(kv_plane: torch.Tensor, pe_plane: torch.Tensor, H: int):
-    """The sm_90 Gluon module (latent_gluon.py) when it handles this call, else None (MINIDSA_MLA_GLUON=0: None)."""
-    if _gluon is None or not use_gluon(kv_plane.device):
-        return None
-    return _gluon if _gluon.gluon_fits(kv_plane, pe_plane, H) else None
-
-
 def _combine(part, m, lse, out, H: int, R: int, st: int, sh: int, BLOCK_R: int, splits: int, pdl: bool) -> None:
     """Launch _combine_splits: partials [B*T, splits, H, R] -> out (b, t dims merged: stride st per query)."""
     _combine_splits[(part.shape[0], H)](
@@ -271,9 +258,10 @@ def _combine(part, m, lse, out, H: int, R: int, st: int, sh: int, BLOCK_R: int, 
 
 
 def _latent_attention(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices, scale, out,
-                      out_strides, num_splits=None):
+                      out_strides, num_splits=None, gluon=None):
     """Launch the kernels. q_latent [B,T,H,r], q_pe [B,T,H,dr] (any strides, last dim contiguous),
-    ``out`` written through ``out_strides`` = (b, t, h) element strides -> out holds o_latent."""
+    ``out`` written through ``out_strides`` = (b, t, h) element strides -> out holds o_latent. ``gluon``: the
+    sm_90 module (latent_gluon.py), which takes the attention where it fits the call; None: this file's kernel."""
     B, T, H, R = q_latent.shape
     DR = q_pe.shape[-1]
     K = indices.shape[-1]
@@ -285,7 +273,7 @@ def _latent_attention(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, 
     dev = q_latent.device
     elt = kv_plane.element_size()
     BLOCK_H, BLOCK_N, splits, num_warps, num_stages = _config(H, R, K, B * T, dev, num_splits, elt)
-    gluon = _gluon_kernel(kv_plane, pe_plane, H)
+    gluon = gluon if gluon is not None and gluon.gluon_fits(kv_plane, pe_plane, H) else None
     BLOCK_R, BLOCK_DR = max(16, triton.next_power_of_2(R)), max(16, triton.next_power_of_2(DR))
     rows, zero = rows_and_zero_row(block_table, indices, B, T, K, bs, max(BLOCK_R, BLOCK_DR) * elt, dev.type == "cuda")
     tile_h, tile_n = (int(gluon.BLOCK_H), int(gluon.BLOCK_N)) if gluon else (BLOCK_H, BLOCK_N)
@@ -331,6 +319,11 @@ def sparse_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_plan
     """Absorbed sparse MLA attention over exactly the selected latent rows: the contract, shapes and
     dtypes of ``sparse_mla_decode_ref``; the row-number pass, one attention launch, and a combine when the
     K positions are split."""
+    return latent_decode(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices, scale)
+
+
+def latent_decode(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices, scale, gluon=None):
+    """``sparse_mla_decode``, its attention on the sm_90 module ``gluon`` (latent_gluon.py) where that fits."""
     B, T, H, r, _, _ = check_decode_args(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices)
     if torch.float64 in (q_latent.dtype, q_pe.dtype, kv_latent_plane.dtype, k_pe_plane.dtype):
         # fp64 exists for exactness tests; tensor cores do not do it, the reference does.
@@ -341,16 +334,17 @@ def sparse_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_plan
         return out.zero_()  # no query, or nothing selected: zeros like the reference
     _latent_attention(_last_dim_contiguous(q_latent), _last_dim_contiguous(q_pe), kv_latent_plane, k_pe_plane,
                       block_table.to(torch.int32), _last_dim_contiguous(indices.to(torch.int32)),
-                      scale, out, (out.stride(0), out.stride(1), out.stride(2)))
+                      scale, out, (out.stride(0), out.stride(1), out.stride(2)), gluon=gluon)
     return out
 
 
 def sparse_mla_prefill_absorbed(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plane: torch.Tensor,
                                 block_table: torch.Tensor, indices: torch.Tensor, kv_b_weight: torch.Tensor,
-                                scale: float) -> torch.Tensor:
+                                scale: float, *, gluon=None) -> torch.Tensor:
     """Sparse MLA prefill: the contract, shapes and dtypes of ``sparse_mla_prefill_ref``, computed in the
     absorbed form (see the module docstring): W_UK folded into q, the latent kernel, W_UV after. The op
-    (prefill_triton.sparse_mla_prefill) runs this form when the query tiles' unions are large."""
+    (prefill_triton.sparse_mla_prefill) runs this form when the query tiles' unions are large. ``gluon``: as
+    for ``latent_decode``."""
     B, T, H, dn, dv = check_prefill_args(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight)
     r = kv_latent_plane.shape[-1]
     if torch.float64 in (q.dtype, kv_latent_plane.dtype, k_pe_plane.dtype, kv_b_weight.dtype):
@@ -373,6 +367,6 @@ def sparse_mla_prefill_absorbed(q: torch.Tensor, kv_latent_plane: torch.Tensor, 
     _latent_attention(q_lat_view, _last_dim_contiguous(q_pe), kv_latent_plane, k_pe_plane,
                       block_table.to(torch.int32),
                       _last_dim_contiguous(indices.to(torch.int32)), scale, o_latent,
-                      (T * o_latent.stride(1), o_latent.stride(1), o_latent.stride(0)), num_splits=1)
+                      (T * o_latent.stride(1), o_latent.stride(1), o_latent.stride(0)), num_splits=1, gluon=gluon)
     o = torch.bmm(o_latent, w_uv.transpose(1, 2))  # [H, BT, dv]
     return o.transpose(0, 1).reshape(B, T, H, dv).float()

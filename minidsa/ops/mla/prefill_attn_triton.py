@@ -33,8 +33,9 @@ Precision: fp32 accumulation and softmax; bf16/fp16 kv gives tensor-core dots on
 fp32 kv runs input_precision="ieee" (no TF32). Row offsets are int32 below 2^31 elements, else int64.
 
 What binds it: the dots and the softmax at two programs per SM (about half of the bf16 tensor-core peak), not
-memory traffic. On sm_90, ``attend`` runs prefill_gluon.py instead where it fits (``gluon_attends``: bf16/fp16,
-dn = dv, 128-query tiles): the same math with a producer warp group for the gathers and the query in registers.
+memory traffic. The op's sm_90 form (sm90_gluon.py) has ``attend`` run prefill_gluon.py instead where it fits
+(``gluon_attends``: bf16/fp16, dn = dv, 128-query tiles): the same math with a producer warp group for the
+gathers and the query in registers.
 """
 
 from __future__ import annotations
@@ -42,16 +43,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._pdl import use_gluon
 from .latent_triton import INT32_OFFSETS_BELOW, LOG2E, rows_at, softmax_step
-
-try:  # the sm_90 union kernel (Gluon); a triton without Gluon, or with another Gluon API, keeps this file's kernel
-    from . import prefill_gluon as _gluon
-except (ImportError, AttributeError):
-    _gluon = None
-
-# On sm_90, the union form's attention goes to the Gluon kernel where it fits (prefill_gluon.py; ops/_pdl.py's
-# gluon switch).
 
 
 @triton.jit(do_not_specialize=["T", "L", "n_tiles"])
@@ -120,18 +112,19 @@ def tile_config(on_gpu: bool, elt: int) -> tuple[int, int, int, int]:
     return 128, 32, 8, 3
 
 
-def gluon_attends(q, kv, k_pe, dn: int, scale: float, BLOCK_M: int) -> bool:
-    """Whether ``attend`` runs the sm_90 Gluon kernel (prefill_gluon.py), which reads 128-query tiles."""
-    return (_gluon is not None and use_gluon(q.device) and BLOCK_M == int(_gluon.BLOCK_M)
-            and _gluon.gluon_fits(q, kv, k_pe, dn, scale * LOG2E))
+def gluon_attends(gluon, q, kv, k_pe, dn: int, scale: float, BLOCK_M: int):
+    """``gluon`` (the sm_90 module prefill_gluon.py, or None) if ``attend`` may hand it this call (it reads
+    128-query tiles), else None."""
+    fits = gluon is not None and BLOCK_M == int(gluon.BLOCK_M) and gluon.gluon_fits(q, kv, k_pe, dn, scale * LOG2E)
+    return gluon if fits else None
 
 
 def attend(q, kv, k_pe, union, count, mask, mask_off, out, dn: int, scale: float, BLOCK_M: int, BLOCK_N: int,
-           num_warps: int, num_stages: int, gluon: bool) -> None:
+           num_warps: int, num_stages: int, gluon=None) -> None:
     """Launch _union_attn_fwd (or, with ``gluon`` = gluon_attends(...), the Gluon kernel): q [B, T, H, dn+dr],
     kv [B, S, H, dn+dv], k_pe [B, S, dr] -> out [B, T, H, dv]."""
-    if gluon:
-        _gluon.attend(q, kv, k_pe, union, count, mask, mask_off, out, dn, scale * LOG2E)
+    if gluon is not None:
+        gluon.attend(q, kv, k_pe, union, count, mask, mask_off, out, dn, scale * LOG2E)
         return
     B, T, H, dq = q.shape
     dr, dv, n_tiles = dq - dn, out.shape[-1], union.shape[1]

@@ -38,10 +38,11 @@ What binds it: the dots and the softmax of each chunk, at about 60 % of the bf16
 kernel: about half), not memory traffic. Outputs are within 5e-4 of the output scale of the Triton kernel's
 (sums in another order, chunks of 64 against 32) and bitwise equal run to run.
 
-Used by ``prefill_attn_triton.attend`` when ``gluon_fits`` says so (sm_90, bf16/fp16, dn = dv in {64, 128},
-dr in {32, 64}, qk_scale > 0, int32 offsets) and the Gluon switch (ops/_pdl.py) is on; everything else, and every CPU run,
-takes the Triton kernel. Gluon has no interpreter: this kernel is tested on the GPU only
-(tests/ops/test_mla_prefill_gluon.py, through the device tool), against the reference and the Triton kernel.
+Used by the prefill op's sm_90 form (sm90_gluon.py, the backends "gluon" and "auto") through
+``prefill_attn_triton.attend`` when ``gluon_fits`` says so (sm_90, bf16/fp16, dn = dv in {64, 128}, dr in
+{32, 64}, qk_scale > 0, int32 offsets); everything else, and every CPU run, takes the Triton kernel. Gluon has
+no interpreter: this kernel is tested on the GPU only (tests/ops/test_mla_prefill_gluon.py, through the device
+tool), against the reference and the Triton kernel.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ four stages:
 3. Per tile of BLOCK_M queries, the sorted union of its queries' positions, and each query's selection as bits
    over that union, a chunk's words for the tile's queries contiguous (prefill_union_triton.py).
 4. FlashAttention over each tile's union, one head per program, masked by those bits (prefill_attn_triton.py;
-   prefill_gluon.py on sm_90 where it fits).
+   prefill_gluon.py where it fits, in the op's sm_90 form, sm90_gluon.py).
 
 Why positions and not blocks: a tile costs BLOCK_M x (union size) x 2 (dn + dr + dv) FLOPs per head, and a union
 of positions is never larger than the union of the blocks holding them. When neighbouring queries keep most of
@@ -35,6 +35,8 @@ only for the queries that selected it. fp64 inputs go to the reference.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -79,10 +81,18 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     """Sparse MLA prefill: the contract, shapes and dtypes of ``sparse_mla_prefill_ref``. Masked attention
     over each query tile's union of selected positions, or the absorbed per-query form when the unions are
     too large for that to pay (prefill_form.py)."""
+    return prefill(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
+
+
+def prefill(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale, union_gluon=None,
+            latent_gluon=None):
+    """``sparse_mla_prefill``, each attention on its sm_90 module where that fits the call: ``union_gluon``
+    (prefill_gluon.py) the union form's, ``latent_gluon`` (latent_gluon.py) the absorbed form's; None: Triton."""
     B, T, H, dn, dv = check_prefill_args(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight)
     args = (q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale)
     if torch.float64 in (q.dtype, kv_latent_plane.dtype, k_pe_plane.dtype, kv_b_weight.dtype):
         return sparse_mla_prefill_ref(*args)
+    absorbed = functools.partial(sparse_mla_prefill_absorbed, *args, gluon=latent_gluon)
     bs, on_gpu = kv_latent_plane.shape[1], q.device.type == "cuda"
     reach = block_table.shape[1] * bs
     # A table that reaches no further than top-k (prompts shorter than top-k): a tile's union holds at most
@@ -91,7 +101,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     whole = 0 < reach <= indices.shape[-1] and prefill_form.FORM != "absorbed"
     if B * T == 0 or indices.shape[-1] == 0 or prefill_form.FORM == "absorbed" or (
             prefill_form.must_not_sync() and not whole):
-        return sparse_mla_prefill_absorbed(*args)
+        return absorbed()
     BLOCK_M, BLOCK_N, num_warps, num_stages = prefill_attn_triton.tile_config(on_gpu, kv_b_weight.element_size())
     idx, table = indices.to(torch.int32), block_table.to(torch.int32)
     # S bounds every position the op marks, ORs and decompresses. A table that reaches at most twice the
@@ -101,7 +111,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     # table (the sync costs time: the GPU drains while the host waits).
     S = reach if reach <= 2 * T or whole else min(int(idx.max()) + 1, reach)
     if S <= 0:  # no block, or nothing selected anywhere: the absorbed form returns zeros
-        return sparse_mla_prefill_absorbed(*args)
+        return absorbed()
     bits, n_valid = bitmaps(idx, table, bs, B, T, S, on_gpu)
     union, count, mask_off, stats = tile_unions(bits, n_valid, B, T, S, BLOCK_M, on_gpu)
     work = None if whole else _fetch_later(stats)
@@ -109,13 +119,13 @@ def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plan
     # the masks (wasted when the absorbed form wins).
     kv, k_pe = _decompress(kv_latent_plane, k_pe_plane, table[:, :triton.cdiv(S, bs)], kv_b_weight, B, H)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    gluon = prefill_attn_triton.gluon_attends(q, kv, k_pe, dn, scale, BLOCK_M)  # the union kernel sets its cost
+    gluon = prefill_attn_triton.gluon_attends(union_gluon, q, kv, k_pe, dn, scale, BLOCK_M)  # it sets the cost
     if whole:  # the masks' words: at most ceil(S / 32) per query of every tile
         total = B * triton.cdiv(T, BLOCK_M) * BLOCK_M * triton.cdiv(S, 32)
     else:
         pairs, selected, total = work()  # waits for the counts' copy alone
-        if not prefill_form.use_union_form(pairs, selected, H, gluon):
-            return sparse_mla_prefill_absorbed(*args)
+        if not prefill_form.use_union_form(pairs, selected, H, gluon is not None):
+            return absorbed()
     mask = tile_masks(bits, union, count, mask_off, total, T, BLOCK_M, on_gpu)
     del bits  # 4 bytes per query and 32 positions, no longer needed: free them before attention runs
     out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)

@@ -66,7 +66,7 @@ def check_prefill_args(q, kv_latent_plane, k_pe_plane, block_table, indices, kv_
     return B, T, H, dn, kv_b_weight.shape[0] // H - dn
 
 
-@op(kernel="latent_triton",
+@op(kernel="latent_triton", gluon="sm90_gluon",
     fake=lambda q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, indices, scale: result_like(q_latent, q_latent.shape))
 def sparse_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_plane: torch.Tensor,
                           k_pe_plane: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor,
@@ -93,7 +93,7 @@ def sparse_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_latent_plan
     return attend(q, torch.cat([c_kv, k_pe], dim=-1), c_kv, (kv_slots >= 0).view(B, T, K), scale)
 
 
-@op(kernel="prefill_triton",
+@op(kernel="prefill_triton", gluon="sm90_gluon",
     fake=lambda q, kv_latent_plane, k_pe_plane, block_table, indices, kv_b_weight, scale: result_like(
         q, (*q.shape[:3], kv_b_weight.shape[0] // q.shape[2] - (q.shape[3] - k_pe_plane.shape[-1]))))
 def sparse_mla_prefill(q: torch.Tensor, kv_latent_plane: torch.Tensor, k_pe_plane: torch.Tensor,
