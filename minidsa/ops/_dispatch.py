@@ -6,8 +6,7 @@ the same signature. ``op`` registers the reference as the public op where it is 
 its CPU form (a faster plain-PyTorch form for CPU tensors, ``<op>/<name>_cpu.py``, which "auto" runs there), its
 sm_90 form (``<op>/<name>_gluon.py``: Gluon kernels written for Hopper's warp groups, for the calls they fit, and
 the Triton kernel for the rest) and its fake; that registration is the only place that says which kernel backs
-which op. Kernel modules are
-imported the first time they are picked, so importing minidsa never imports triton.
+which op. Kernel modules are imported the first time they are picked, so importing minidsa never imports triton.
 
 The backend in force comes from ``use_backend(...)`` (a context manager; ``model.set_backend``
 enters it around every forward) or ``set_backend(...)`` (process-wide default), unless an op call
@@ -36,8 +35,8 @@ from ._pdl import capability
 
 BACKENDS = ("torch", "triton", "gluon", "auto")
 
-# Filled by ``op`` as the reference modules are imported: op name -> its registration, and the three views the
-# dispatch reads (the kernel and the CPU form of an op are functions of the op's name in the named module).
+# Filled by ``op`` as the reference modules are imported: op name -> its registration, and the four views the
+# dispatch reads (an op's kernel, CPU form and sm_90 form are functions of the op's name in the named module).
 OPS: dict[str, "OpSpec"] = {}
 REFERENCES: dict[str, Callable] = {}  # op -> its plain PyTorch reference
 TRITON_KERNELS: dict[str, tuple[str, str]] = {}  # op -> (module, function) of its Triton kernel
