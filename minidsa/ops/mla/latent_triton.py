@@ -276,7 +276,7 @@ def _latent_attention(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, 
     gluon = gluon if gluon is not None and gluon.gluon_fits(kv_plane, pe_plane, H) else None
     BLOCK_R, BLOCK_DR = max(16, triton.next_power_of_2(R)), max(16, triton.next_power_of_2(DR))
     rows, zero = rows_and_zero_row(block_table, indices, B, T, K, bs, max(BLOCK_R, BLOCK_DR) * elt, dev.type == "cuda")
-    tile_h, tile_n = (int(gluon.BLOCK_H), int(gluon.BLOCK_N)) if gluon else (BLOCK_H, BLOCK_N)
+    tile_h, tile_n = (int(gluon.BLOCK_H), int(gluon.BLOCK_N)) if gluon is not None else (BLOCK_H, BLOCK_N)
     keys_per_split = triton.cdiv(triton.cdiv(K, splits), tile_n) * tile_n  # whole tiles per split
     grid = (B * T, triton.cdiv(H, tile_h), splits)
     common = (q_latent, q_pe, kv_plane, pe_plane, zero.view(kv_plane.dtype), rows)
@@ -291,7 +291,7 @@ def _latent_attention(q_latent, q_pe, kv_latent_plane, k_pe_plane, block_table, 
     pdl = use_pdl(dev)
 
     def attend(o, m, lse, o_strides, ml_strides):
-        if gluon:
+        if gluon is not None:
             gluon.launch(grid, *common, o, m, lse, sizes, o_strides, ml_strides, R, DR, splits, pdl)
         else:
             _latent_attn_fwd[grid](*common, o, m, lse, *sizes, *o_strides, *ml_strides, **meta)
