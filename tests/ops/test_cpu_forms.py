@@ -212,3 +212,21 @@ def test_grouped_products_equal_a_product_per_slot(dtype):
     w = torch.randn(8, 36, 60, generator=g, dtype=dtype)
     want = torch.cat([part @ w[j].mT for j, part in enumerate(x.split(counts.tolist())) if part.shape[0]])
     assert torch.equal(cpu.grouped_products(x, w, counts), want)
+
+
+def test_grouped_products_fall_back_once_where_grouped_mm_has_no_cpu_kernel(monkeypatch):
+    """A torch whose grouped_mm raises on CPU tensors: the per-slot products give the values, and grouped_mm is
+    not asked again."""
+    from minidsa.ops.moe_experts import cpu
+    calls = []
+
+    def missing(*args, **kwargs):
+        calls.append(1)
+        raise NotImplementedError("grouped_mm: no CPU kernel")
+    monkeypatch.setattr(cpu, "GROUPED_MM", missing)
+    counts = torch.tensor([2, 0, 3])
+    x, w = torch.randn(5, 8), torch.randn(3, 4, 8)
+    want = torch.cat([x[:2] @ w[0].mT, x[2:] @ w[2].mT])
+    assert torch.equal(cpu.grouped_products(x, w, counts), want)
+    assert torch.equal(cpu.grouped_products(x, w, counts), want)
+    assert calls == [1] and cpu.GROUPED_MM is None
